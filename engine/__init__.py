@@ -1,0 +1,1 @@
+"""The LLM engine: paged KV blocks, a radix-tree prefix cache and continuous batching."""

@@ -1,0 +1,1 @@
+"""Paged attention backends: torch (any device) and Triton (CUDA)."""

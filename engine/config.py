@@ -1,0 +1,157 @@
+"""Typed configuration: the model's shapes (from its HF config) and the engine's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidRequestError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a Llama-family decoder, read from a transformers config.
+
+    All sizes are element counts; ``max_model_len`` is in tokens.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """Read a ``transformers.PretrainedConfig`` of a Llama-family model.
+
+        Raises:
+            ModelLoadError: the architecture is not one this engine implements.
+        """
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                       "mistral": "MistralForCausalLM"}.get(hf_config.model_type, "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {arch or hf_config.model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        eos = hf_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rope_scaling = getattr(hf_config, "rope_scaling", None)
+        rope_theta = getattr(hf_config, "rope_theta", None)
+        rope_params = getattr(hf_config, "rope_parameters", None)  # transformers >= 5
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)) or arch == "Qwen2ForCausalLM",
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance, validated on construction.
+
+    Attributes:
+        model: a local Hugging Face folder, a ``.gguf`` file, or None for the bundled
+            SmolLM2-135M-Instruct.
+        dtype: "float32", "bfloat16" or "float16" (weights, activations and KV).
+        device: "cpu", "cuda" or "cuda:N"; "auto" picks cuda when torch sees one.
+        block_size: tokens per KV block (>= 1).
+        num_blocks: KV blocks in the pool; None sizes it from ``kv_cache_bytes`` (CPU)
+            or ``gpu_memory_fraction`` of free device memory (GPU).
+        kv_cache_bytes: CPU KV budget in bytes when ``num_blocks`` is None.
+        gpu_memory_fraction: fraction of free GPU memory for KV when on CUDA.
+        max_model_len: context limit in tokens; None takes the model's.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_seqs: most requests running at once.
+        enable_prefix_cache: reuse KV of matching prefixes through the radix tree.
+        schedule_policy: "fcfs" or "lpm" (longest prefix match first).
+        attention_backend: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton".
+        cache_dir: where converted default-model weights are kept.
+        threads: torch intra-op threads on CPU (None leaves torch's default).
+        seed: seed of the engine's generator for unseeded sampled requests.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    gpu_memory_fraction: float = 0.85
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_cache: bool = True
+    schedule_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    cache_dir: str | None = None
+    threads: int | None = None
+    seed: int = 0
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise InvalidRequestError("block_size must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError("num_blocks must be >= 1")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise InvalidRequestError("schedule_policy must be 'fcfs' or 'lpm'")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise InvalidRequestError("attention_backend must be 'auto', 'torch' or 'triton'")
+        if not (0 < self.gpu_memory_fraction <= 1):
+            raise InvalidRequestError("gpu_memory_fraction must be in (0, 1]")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by ``dtype``."""
+        return DTYPES[self.dtype]
+
+    def resolved_device(self) -> torch.device:
+        """``device`` with "auto" resolved (cuda when available, else cpu)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

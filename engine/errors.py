@@ -1,0 +1,38 @@
+"""Errors the engine raises to its callers.
+
+Each carries a stable machine-readable ``code`` that travels unchanged over the
+internal protocol (``docs/protocol.md``) and up to the browser and the OpenAI API.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class. ``code`` is a short snake_case string; ``message`` is for people."""
+
+    code = "engine_error"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequestError(EngineError):
+    """The request is malformed or a parameter is out of range (HTTP 400)."""
+
+    code = "invalid_request"
+
+
+class ContextLengthError(InvalidRequestError):
+    """prompt tokens + max_tokens exceed the model's context, or the prompt can never
+    fit the KV pool. Never silently truncated (ACCEPTANCE C10)."""
+
+    code = "context_length_exceeded"
+
+
+class ModelLoadError(EngineError):
+    """Unknown model path, unreadable weights, or an unsupported architecture."""
+
+    code = "model_load_error"

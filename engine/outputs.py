@@ -1,0 +1,101 @@
+"""What a caller sends the engine and what it gets back (the engine's public types)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request.
+
+    Exactly one of ``prompt_token_ids`` or ``messages`` is given.
+
+    Attributes:
+        request_id: unique among live requests of the engine.
+        prompt_token_ids: the prompt as token ids (used as is: no BOS is added).
+        messages: chat messages ``[{"role": "system"|"user"|"assistant", "content": str}]``;
+            the engine applies the model's chat template with the generation prompt.
+        prefix_token_ids: optional exact ids the model saw and produced for a leading
+            part of ``messages`` (the chat so far, ending with an assistant reply's
+            sampled ids). When the template's rendering of ``messages`` starts with the
+            text of these ids, the prompt is these ids plus the tokenized rest, so
+            turn N+1 shares turn N's KV exactly (DESIGN.md); otherwise the engine falls
+            back to a full render and reports ``prefix_reused=False``.
+        params: sampling and stopping parameters.
+        cache_salt: namespace for the prefix cache; requests with different salts never
+            share KV (ACCEPTANCE C02). The engine also salts with its weights id.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    prefix_token_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str = ""
+
+
+@dataclass
+class Usage:
+    """Token counts of one request (tokens)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    completion_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    """Latencies of one request, in milliseconds.
+
+    ttft_ms: arrival to first token; tpot_ms: mean time per output token after the
+    first; e2e_ms: arrival to finish; queue_ms: arrival to first scheduled.
+    """
+
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    e2e_ms: float = 0.0
+    queue_ms: float = 0.0
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a sampled token and its top alternatives (natural log)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """One item yielded by ``AsyncEngine.generate``.
+
+    A delta carries the new ``text`` and ``token_ids`` since the previous item
+    (``finished`` False). The final item has ``finished`` True, may itself carry
+    text and tokens decoded in the finishing step (ACCEPTANCE C14), and holds
+    ``finish_reason`` ("stop", "length" or "abort"), ``usage``, ``timings``, the
+    full ``output_text`` and ``output_token_ids`` and the ``prompt_token_ids``
+    that were run.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    usage: Usage | None = None
+    timings: Timings | None = None
+    output_text: str | None = None
+    output_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix_reused: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (None fields dropped)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
