@@ -1,0 +1,253 @@
+"""The asyncio face of the engine: the step loop runs on its own thread.
+
+``generate`` builds the prompt off the event loop (chat templates and
+tokenization are CPU-heavy), hands the request to the step thread, and yields
+``RequestOutput`` items as the thread produces them. Leaving the ``async for``
+early (or cancelling the task) aborts the request, which frees its KV blocks
+within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import EngineError, InvalidRequestError
+from engine.outputs import GenerateRequest, RequestOutput
+from engine.prompt import PromptBuilder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineInfo:
+    """What the engine serves (sent in the internal protocol's ``hello`` frame)."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+    device: str
+    weights_id: str
+    eos_token_ids: list[int]
+
+
+class AsyncEngine:
+    """Runs an ``EngineCore`` on a background thread and serves asyncio callers.
+
+    Use ``AsyncEngine.from_config(cfg)`` to load a model, then ``start()``;
+    ``shutdown()`` stops the thread.
+    """
+
+    def __init__(self, core: EngineCore, info: EngineInfo, prompt_builder: PromptBuilder) -> None:
+        self.core = core
+        self.info = info
+        self.prompts = prompt_builder
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompt")
+        self.last_error: str | None = None
+
+    # ----- construction -------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: EngineConfig, verbose: bool = True) -> "AsyncEngine":
+        """Load the model, size and allocate the KV cache, and build the engine.
+
+        Raises:
+            ModelLoadError: unknown path, unsupported architecture, missing tensors.
+        """
+        from engine.kv_cache import KVCache, plan_kv_blocks
+        from engine.loader import load_model
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        loaded = load_model(config)
+        device = torch.device(loaded.device) if not isinstance(loaded.device, torch.device) else loaded.device
+        mc = loaded.model_config
+        max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        plan = plan_kv_blocks(mc, config, device)
+        kv = KVCache.allocate(mc, plan.num_blocks, config.block_size, config.torch_dtype, device)
+        if verbose:
+            print(f"engine: {plan.describe()}; max context {max_len} tokens", file=sys.stderr, flush=True)
+        core = EngineCore(model=loaded.model, model_config=mc, kv=kv, tokenizer=loaded.tokenizer,
+                          config=config, num_blocks=plan.num_blocks, max_model_len=max_len,
+                          namespace=loaded.weights_id, device=device)
+        info = EngineInfo(model=loaded.name, max_model_len=max_len, block_size=config.block_size,
+                          num_blocks=plan.num_blocks, dtype=config.dtype, device=str(device),
+                          weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids))
+        prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
+        for warning in prompts.lint_template():
+            print(f"engine: warning: {warning}", file=sys.stderr, flush=True)
+        return cls(core, info, prompts)
+
+    # ----- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the step thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the step thread; live requests end with finish_reason "abort"."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
+    # ----- public API -------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yield deltas, then one final output (``finished`` True).
+
+        Raises (before any work is queued):
+            InvalidRequestError: bad messages/ids/params, duplicate request id.
+            ContextLengthError: the prompt cannot fit the context or the KV pool.
+        """
+        loop = asyncio.get_running_loop()
+        arrival = time.monotonic()
+        ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
+        self.core.check_fits(len(ids), request.params)
+        q: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        with self._lock:
+            if rid in self._streams:
+                raise InvalidRequestError(f"request id {rid!r} is already running", "duplicate_request_id")
+            self._streams[rid] = (loop, q)
+        finished = False
+        try:
+            self._inbox.put(("add", (rid, ids, request.params, request.cache_salt, reused, arrival)))
+            self._wake.set()
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+            with self._lock:
+                self._streams.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the step thread to abort a request (no-op if unknown or finished)."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    async def stats(self) -> dict:
+        """A consistent snapshot of the engine's counters, taken by the step thread
+        between two steps (so it never races the scheduler)."""
+        fut: Future = Future()
+        self._inbox.put(("stats", fut))
+        self._wake.set()
+        s = dict(await asyncio.wrap_future(fut))
+        s["model"] = self.info.model
+        return s
+
+    async def call(self, fn, *args):
+        """Run ``fn(core, *args)`` on the step thread between two steps (tests, admin)."""
+        fut: Future = Future()
+        self._inbox.put(("call", (fut, fn, args)))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    # ----- the step thread ------------------------------------------------------------
+    def _deliver(self, out: RequestOutput | BaseException, rid: str) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is None:
+            return
+        loop, q = target
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, ids, params, salt, reused, arrival = arg
+                with self._lock:
+                    alive = rid in self._streams
+                if not alive:
+                    continue  # the caller left before we started it
+                try:
+                    self.core.add_request(rid, ids, params, salt, reused, arrival)
+                except EngineError as e:
+                    self._deliver(e, rid)
+            elif kind == "abort":
+                out = self.core.abort(arg)
+                if out is not None:
+                    self._deliver(out, arg)
+            elif kind == "stats":
+                if arg.set_running_or_notify_cancel():
+                    arg.set_result(self.core.stats())
+            elif kind == "call":
+                fut, fn, args = arg
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.core, *args))
+                    except BaseException as e:  # hand it to the caller
+                        fut.set_exception(e)
+
+    def _loop(self) -> None:
+        was_busy = False
+        while not self._stop:
+            self._drain_inbox()
+            if not self.core.has_work():
+                if was_busy:
+                    was_busy = False
+                    try:
+                        self.core.check_invariants()
+                    except AssertionError as e:  # report, keep serving
+                        log.error("engine invariant failed when idle: %s", e)
+                        self.last_error = str(e)
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            was_busy = True
+            try:
+                outputs = self.core.step()
+            except Exception as e:  # a bug in a step must not kill the engine silently
+                log.exception("engine step failed")
+                self.last_error = repr(e)
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out, out.request_id)
+        for rid in list(self.core.requests):
+            out = self.core.abort(rid)
+            if out is not None:
+                self._deliver(out, rid)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """After a failed step, end every live request with an engine error, freeing blocks."""
+        for rid in list(self.core.requests):
+            try:
+                self.core.abort(rid)
+            except Exception:  # keep going: every caller must hear back
+                log.exception("abort after failed step")
+            self._deliver(EngineError(f"engine step failed: {exc}"), rid)

@@ -1,0 +1,131 @@
+"""Command line: ``python -m engine serve`` and ``python -m engine generate``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import uuid
+from dataclasses import asdict
+
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.outputs import GenerateRequest
+from engine.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The EngineConfig options, shared by every subcommand."""
+    d = EngineConfig()
+    p.add_argument("--model", default=os.environ.get("MODEL") or None,
+                   help="local Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_bytes / 2**30, help="CPU KV budget in GiB")
+    p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction)
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (prefill chunk size)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
+    p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"])
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--engine-seed", type=int, default=0, help="seed of the shared generator for unseeded sampled requests")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """Build the EngineConfig from parsed arguments (validated on construction)."""
+    return EngineConfig(
+        model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size, num_blocks=a.num_blocks,
+        kv_cache_bytes=int(a.kv_cache_gib * 2**30), gpu_memory_fraction=a.gpu_memory_fraction,
+        max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs, enable_prefix_cache=not a.no_prefix_cache,
+        schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,
+        cuda_graphs=not a.no_cuda_graphs, threads=a.threads, seed=a.engine_seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m engine`` argument parser."""
+    p = argparse.ArgumentParser(prog="python -m engine", description="LLM engine: serve or generate once")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve the internal WebSocket protocol")
+    s.add_argument("--host", default=os.environ.get("ENGINE_HOST", "127.0.0.1"))
+    s.add_argument("--port", type=int, default=int(os.environ.get("ENGINE_PORT", "9000")),
+                   help="0 picks a free port")
+    add_engine_args(s)
+    g = sub.add_parser("generate", help="generate one reply and print it")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
+    g.add_argument("--system", default=None, help="system prompt (with --chat)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", dest="req_seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(g)
+    return p
+
+
+async def _generate_once(a: argparse.Namespace) -> int:
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_config(engine_config_from_args(a), verbose=not a.json)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k, seed=a.req_seed, stop=a.stop)
+        if a.chat:
+            msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [
+                {"role": "user", "content": a.prompt}]
+            req = GenerateRequest(request_id=uuid.uuid4().hex, messages=msgs, params=params)
+        else:
+            req = GenerateRequest(request_id=uuid.uuid4().hex,
+                                  prompt_token_ids=engine.prompts.encode_text(a.prompt), params=params)
+        final = None
+        async for out in engine.generate(req):
+            if not a.json:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
+        assert final is not None
+        if a.json:
+            print(json.dumps({"text": final.output_text, "token_ids": final.output_token_ids,
+                              "finish_reason": final.finish_reason, "usage": asdict(final.usage),
+                              "timings": asdict(final.timings)}, ensure_ascii=False))
+        else:
+            t = final.timings
+            print(f"\n[{final.finish_reason}; {final.usage.completion_tokens} tokens; TTFT {t.ttft_ms:.0f} ms; "
+                  f"TPOT {t.tpot_ms:.1f} ms]", file=sys.stderr)
+        return 0
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 on a clear user error)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    a = build_parser().parse_args(argv)
+    try:
+        if a.cmd == "serve":
+            from engine.async_engine import AsyncEngine
+            from engine.server import run_server
+
+            engine = AsyncEngine.from_config(engine_config_from_args(a))
+            asyncio.run(run_server(engine, a.host, a.port))
+            return 0
+        return asyncio.run(_generate_once(a))
+    except EngineError as e:
+        print(f"error ({e.code}): {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,266 @@
+"""The synchronous engine: admit requests, run steps, turn samples into outputs.
+
+``EngineCore`` is single-threaded by contract: only the step loop's thread
+calls it (``AsyncEngine`` owns that thread). One ``step`` = schedule → build
+the flat batch → one forward over all requests → sample → detokenize → emit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ContextLengthError, InvalidRequestError
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, Timings, Usage
+from engine.radix_cache import RadixCache
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.sampler import PenaltyState
+from engine.scheduler import Scheduler, SchedulerConfig, cdiv
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCounters:
+    """Totals since start (tokens, requests, steps)."""
+
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    completion_tokens_total: int = 0
+    steps_total: int = 0
+    aborted_total: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class EngineCore:
+    """Scheduler + model runner + per-request sampling and detokenization.
+
+    Args:
+        model, model_config, kv, tokenizer: from ``engine.loader.load_model`` and
+            ``engine.kv_cache``.
+        config: the engine settings.
+        num_blocks: KV blocks in the pool (the KV cache was allocated with them).
+        max_model_len: context limit in tokens.
+        namespace: prefix-cache namespace of these weights (their weights id).
+        device: where the model runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        kv,
+        tokenizer,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        namespace: str,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.namespace = namespace
+        self.device = device
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(self.pool, config.block_size, enabled=config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+                            config.schedule_policy),
+            self.pool, self.cache,
+        )
+        self.runner = ModelRunner(model, model_config, kv, config, device)
+        self.requests: dict[str, Request] = {}
+        self.counters = EngineCounters()
+        self.eos_ids = set(model_config.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            self.eos_ids.add(int(tok_eos))
+
+    # ----- admission ------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Refuse at once what could never run (ACCEPTANCE C10): no silent truncation.
+
+        Raises:
+            ContextLengthError: prompt + max_tokens over the context, or more KV than the pool.
+            InvalidRequestError: empty prompt.
+        """
+        if prompt_len < 1:
+            raise InvalidRequestError("the prompt is empty")
+        total = prompt_len + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's context of {self.max_model_len} tokens"
+            )
+        # The last sampled token never needs KV.
+        blocks = cdiv(total - 1, self.config.block_size)
+        if blocks > self.pool.num_blocks:
+            raise ContextLengthError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the pool has {self.pool.num_blocks}"
+            )
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    cache_salt: str = "", prefix_reused: bool = False,
+                    arrival_s: float | None = None) -> Request:
+        """Queue a request whose prompt is already built.
+
+        Raises:
+            InvalidRequestError: duplicate live request id (code ``duplicate_request_id``).
+            ContextLengthError: see ``check_fits``.
+        """
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", "duplicate_request_id")
+        self.check_fits(len(prompt_ids), params)
+        req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params,
+                      namespace=f"{self.namespace}|{cache_salt}", prefix_reused=prefix_reused)
+        if arrival_s is not None:
+            req.arrival_s = arrival_s
+        sampler = self.runner.sampler
+        # Seeded requests own their random stream; unseeded ones share the sampler's.
+        req.generator = sampler.make_generator(params.seed) if params.seed is not None else None
+        if PenaltyState.needed(params):
+            req.token_counts = PenaltyState(self.model_config.vocab_size, self.device, prompt_ids)
+        req.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.counters.requests_total += 1
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now, free its blocks, and return its final output (None if unknown)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.counters.aborted_total += 1
+        return self._finish(req, "abort", None)
+
+    def has_work(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_work()
+
+    # ----- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs it produced (deltas and finals)."""
+        sched = self.scheduler.schedule()
+        if not sched.items:
+            return []
+        sampled = self.runner.execute(sched)
+        self.scheduler.on_step_done(sched)
+        self.counters.steps_total += 1
+        outputs: list[RequestOutput] = []
+        if sampled is None:
+            return outputs
+        now = time.monotonic()
+        k = 0
+        for item in sched.items:
+            if not item.sample:
+                continue
+            req = item.request
+            tok = sampled.token_ids[k]
+            lp = sampled.logprobs[k] if sampled.logprobs else None
+            k += 1
+            outputs.append(self._on_token(req, tok, lp, now))
+        return outputs
+
+    def _on_token(self, req: Request, tok: int, logprob, now: float) -> RequestOutput:
+        """Append a sampled token, check the stop conditions, and emit a delta or the final output."""
+        if req.first_token_s is None:
+            req.first_token_s = now
+        req.output_ids.append(tok)
+        req.pending_ids.append(tok)
+        if logprob is not None:
+            req.pending_logprobs.append(logprob)
+        p = req.params
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return self._finish(req, "stop", tok)
+        req.pending_text += req.detok.add(tok)
+        if req.detok.stopped:
+            return self._finish(req, "stop", req.detok.stop_reason)
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return self._finish(req, "length", None)
+        out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
+                            logprobs=req.pending_logprobs or None)
+        req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
+        return out
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> RequestOutput:
+        """Release the request's blocks (caching its pages) and build its final output."""
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.finished_s = time.monotonic()
+        req.pending_text += req.detok.finish()
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.requests.pop(req.request_id, None)
+        c = self.counters
+        n_out = len(req.output_ids)
+        cached = max(req.num_cached_tokens, 0)
+        c.prompt_tokens_total += len(req.prompt_ids)
+        c.cached_tokens_total += cached
+        c.completion_tokens_total += n_out
+        c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
+        ttft = (req.first_token_s - req.arrival_s) * 1000 if req.first_token_s else 0.0
+        tpot = ((req.finished_s - req.first_token_s) * 1000 / (n_out - 1)) if (req.first_token_s and n_out > 1) else 0.0
+        queue = (req.first_scheduled_s - req.arrival_s) * 1000 if req.first_scheduled_s else 0.0
+        out = RequestOutput(
+            request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
+            logprobs=req.pending_logprobs or None, finished=True, finish_reason=reason,
+            stop_reason=stop_reason,
+            usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out),
+            timings=Timings(ttft_ms=round(ttft, 3), tpot_ms=round(tpot, 3),
+                            e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3)),
+            output_text=req.detok.text, output_token_ids=list(req.output_ids),
+            prompt_token_ids=list(req.prompt_ids), prefix_reused=req.prefix_reused,
+        )
+        req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
+        return out
+
+    # ----- introspection --------------------------------------------------------------
+    def stats(self) -> dict:
+        """Block and request counters (blocks are counts of KV blocks; tokens are tokens)."""
+        c = self.counters
+        return {
+            "num_blocks": self.pool.num_blocks,
+            "block_size": self.config.block_size,
+            "blocks_free": self.pool.num_free,
+            "blocks_used": self.pool.num_blocks - self.pool.num_free,
+            "blocks_cached": self.cache.num_cached_blocks,
+            "blocks_evictable": self.cache.num_evictable_blocks,
+            "blocks_held_by_requests": self.scheduler.blocks_held_by_requests(),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions_total": self.scheduler.num_preemptions,
+            "requests_total": c.requests_total,
+            "aborted_total": c.aborted_total,
+            "prompt_tokens_total": c.prompt_tokens_total,
+            "cached_tokens_total": c.cached_tokens_total,
+            "completion_tokens_total": c.completion_tokens_total,
+            "steps_total": c.steps_total,
+        }
+
+    def check_invariants(self) -> None:
+        """Block conservation and tree consistency; run when idle and in tests.
+
+        Raises:
+            AssertionError: an invariant does not hold.
+        """
+        self.scheduler.check_invariants()
+        if not self.has_work():
+            assert self.pool.num_free + self.cache.num_evictable_blocks == self.pool.num_blocks, (
+                "idle engine: free + evictable != total"
+            )
+
+    def evict_all(self) -> int:
+        """Evict every unlocked cached page; returns blocks freed."""
+        return self.cache.evict(self.pool.num_blocks)

@@ -1,0 +1,121 @@
+"""Runs one scheduled step on the device: build the batch, forward, sample.
+
+The step's index tensors (positions, slot mapping, block tables, lengths) are
+built once here and shared by every layer through ``ForwardBatch``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.config import EngineConfig, ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVCache
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto" gives Triton on CUDA and torch elsewhere; "torch"/"triton" force one.
+
+    Raises:
+        ModelLoadError: Triton requested but not importable.
+    """
+    from engine.errors import ModelLoadError
+
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        try:
+            from engine.attention.triton_backend import TritonAttentionBackend
+        except ImportError as e:  # triton missing
+            raise ModelLoadError(f"attention backend 'triton' is unavailable: {e}") from None
+        return TritonAttentionBackend()
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    """Owns the model, its KV cache, the attention backend and the sampler.
+
+    Args:
+        model: our Llama-family module (``engine.models``), already on ``device``.
+        model_config: its shapes.
+        kv: the paged KV cache.
+        engine_config: block size, attention backend choice, CUDA graphs.
+        device: where the model lives.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        kv: KVCache,
+        engine_config: EngineConfig,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.kv = kv
+        self.block_size = engine_config.block_size
+        self.device = device
+        self.attn = make_attention_backend(engine_config.attention_backend, device)
+        self.sampler = Sampler(model_config.vocab_size, device, seed=engine_config.seed)
+        self.graphs = None
+        if device.type == "cuda" and engine_config.cuda_graphs and self.attn.name == "triton":
+            try:
+                from engine.cuda_graph import CudaGraphDecodeRunner
+
+                self.graphs = CudaGraphDecodeRunner(
+                    model, kv, self.attn, max_batch_size=engine_config.max_num_seqs,
+                    max_model_len=engine_config.max_model_len or model_config.max_model_len,
+                    block_size=self.block_size, device=device,
+                )
+            except Exception as e:  # graphs are an optimisation: run eagerly without them
+                log.warning("CUDA graphs disabled: %s", e)
+                self.graphs = None
+
+    def build_batch(self, sched: ScheduledBatch) -> ForwardBatch:
+        """The step's ForwardBatch: each request's next ``num_new`` tokens after its
+        ``num_computed_tokens``; logits only for requests that sample this step."""
+        chunks, prefix, tables, sample = [], [], [], []
+        for item in sched.items:
+            r = item.request
+            chunks.append(r.token_at(r.num_computed_tokens, r.num_computed_tokens + item.num_new))
+            prefix.append(r.num_computed_tokens)
+            tables.append(r.block_table)
+            sample.append(item.sample)
+        return ForwardBatch.build(
+            token_chunks=chunks, prefix_lens=prefix, block_tables=tables,
+            sample_mask=sample, block_size=self.block_size, device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [S, vocab] float32 for the batch's ``logits_indices`` rows."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        self.attn.prepare(batch)
+        return self.model(batch, self.kv, self.attn)
+
+    @torch.inference_mode()
+    def execute(self, sched: ScheduledBatch) -> SamplerOutput | None:
+        """Run one step; returns sampled tokens for the items with ``sample`` set, in
+        their order, or None when no item samples (all mid-prefill chunks)."""
+        batch = self.build_batch(sched)
+        logits = self.forward(batch)
+        reqs = [i.request for i in sched.items if i.sample]
+        if not reqs:
+            return None
+        return self.sampler.sample(
+            logits,
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            [r.token_counts for r in reqs],
+        )

@@ -1,0 +1,115 @@
+"""A request's life inside the engine: its tokens, its blocks and its clocks.
+
+Which blocks a running request holds (block_size 4, prompt of 10 tokens, the
+first 8 matched in the radix tree)::
+
+    tokens        t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 __ __
+    block_table   [   b7      ,    b2       ,    b9      ]
+                  \____ shared with the tree ___/ \ private /
+    num_tree_blocks = 2   (pages the tree also holds; the request locks their node)
+    num_computed_tokens = 8 before the first step, 10 after it
+
+The request holds one BlockPool reference on every block in its table; the
+tree holds its own on the pages it stores. Finishing (or preemption) inserts
+the computed full pages into the tree and drops the request's references.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one generation.
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_ids: the prompt tokens, as run.
+        params: sampling and stop parameters.
+        namespace: prefix-cache namespace (weights id + cache salt).
+        output_ids: sampled tokens so far (including a final EOS/stop token).
+        block_table: physical KV blocks covering tokens 0..num_computed_tokens-1 and
+            the blocks reserved for this step.
+        num_computed_tokens: tokens whose K/V are in the cache (tokens).
+        num_cached_tokens: prompt tokens served by the prefix cache at first
+            admission (reported as usage.cached_tokens).
+        num_tree_blocks: leading entries of block_table that the radix tree also holds.
+        tree_node: the deepest radix node this request has locked (or None).
+        generator: the request's own torch.Generator when it is seeded.
+        detok: its incremental detokenizer (engine.detokenizer.IncrementalDetokenizer).
+        token_counts: the PenaltyState (prompt mask, output counts) when penalties are on.
+        arrival_s, first_scheduled_s, first_token_s, finished_s: time.monotonic() seconds.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str = ""
+    prefix_reused: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_tree_blocks: int = 0
+    tree_node: Any = None
+    generator: torch.Generator | None = None
+    detok: Any = None
+    token_counts: Any = None  # engine.sampler.PenaltyState when penalties are on
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    abort_requested: bool = False
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    # Text and tokens produced since the last output was emitted.
+    pending_text: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[Any] = field(default_factory=list)
+    output_text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens (tokens)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, without building the whole list."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def all_ids(self) -> list[int]:
+        """Prompt plus output tokens as one list."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next sample (tokens)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,146 @@
+"""Scheduler behaviour on the real model runner: accounting, aborts, fairness, limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.errors import ContextLengthError
+from engine.sampling_params import SamplingParams
+from tests.engine_helpers import greedy, make_engine, run_core
+
+
+@pytest.fixture
+def core(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, num_blocks=512, max_num_batched_tokens=128, max_num_seqs=64)
+    return eng.core
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def test_shared_system_prompt_drains_to_exact_accounting(core):
+    """ACCEPTANCE C04: after a shared-prefix burst drains, free + evictable == total exactly,
+    evicting everything frees every block, and the engine still serves."""
+    rng = random.Random(3)
+    system = _tokens(rng, 300)
+    for i in range(32):
+        core.add_request(f"q{i}", system + _tokens(rng, rng.randrange(5, 40)), greedy(8))
+    finals = run_core(core)
+    assert len(finals) == 32
+    core.check_invariants()
+    s = core.stats()
+    assert s["blocks_free"] + s["blocks_evictable"] == s["num_blocks"]
+    assert s["blocks_cached"] == s["blocks_evictable"]
+    # The shared prefix was computed once or a few times, not 32 times.
+    assert sum(f.usage.cached_tokens for f in finals.values()) >= 20 * 288
+    core.evict_all()
+    assert core.pool.num_free == core.pool.num_blocks
+    core.add_request("ok", _tokens(rng, 5), greedy(3))
+    assert run_core(core)["ok"].usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_aborts_at_random_moments_leak_no_blocks(core, seed):
+    """Abort before prefill, mid-prefill and mid-decode: every block comes back."""
+    rng = random.Random(seed)
+    shared = _tokens(rng, 64)
+    live: list[str] = []
+    for step in range(60):
+        if step < 30 and rng.random() < 0.6:
+            rid = f"r{step}"
+            n = rng.choice([10, 50, 300])  # 300 > budget: chunked prefill, so mid-prefill aborts happen
+            core.add_request(rid, (shared if rng.random() < 0.5 else []) + _tokens(rng, n),
+                             greedy(rng.randrange(1, 20)))
+            live.append(rid)
+        if live and rng.random() < 0.3:
+            rid = live.pop(rng.randrange(len(live)))
+            core.abort(rid)
+        for out in core.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+        core.check_invariants()
+    for rid in live:
+        core.abort(rid)
+    run_core(core)
+    core.check_invariants()
+    assert core.pool.num_free + core.cache.num_evictable_blocks == core.pool.num_blocks
+    core.evict_all()
+    assert core.pool.num_free == core.pool.num_blocks
+
+
+def test_running_decode_gets_a_token_every_step_while_long_prompts_keep_arriving(core):
+    """ACCEPTANCE C07: chunked prefill never starves a running decode, and the prompts finish too."""
+    rng = random.Random(5)
+    core.add_request("R", _tokens(rng, 10), greedy(60))
+    got_token_at: list[int] = []
+    finished: set[str] = set()
+    for step in range(200):
+        if step < 40:
+            core.add_request(f"p{step}", _tokens(rng, 400), greedy(4))
+        for out in core.step():
+            if out.request_id == "R" and out.token_ids:
+                got_token_at.append(step)
+            if out.finished:
+                finished.add(out.request_id)
+        if not core.has_work():
+            break
+    gaps = [b - a for a, b in zip(got_token_at, got_token_at[1:])]
+    assert "R" in finished and len(got_token_at) >= 2
+    assert max(gaps) <= 2, gaps
+    assert {f"p{i}" for i in range(40)} <= finished
+
+
+def test_context_boundaries_are_enforced_and_engine_keeps_serving(tiny_model_dir):
+    """ACCEPTANCE C10: L-1 + 1 works; L + 1, and prompt + max_tokens = L + 1, are refused
+    before any work; nothing is truncated."""
+    eng = make_engine(tiny_model_dir, max_model_len=64, num_blocks=64)
+    core = eng.core
+    rng = random.Random(9)
+    core.add_request("fits", _tokens(rng, 63), greedy(1))
+    assert run_core(core)["fits"].usage.prompt_tokens == 63
+    with pytest.raises(ContextLengthError):
+        core.add_request("over", _tokens(rng, 64), greedy(1))
+    with pytest.raises(ContextLengthError):
+        core.add_request("sum", _tokens(rng, 60), greedy(5))
+    assert not core.has_work()
+    core.add_request("after", _tokens(rng, 10), greedy(2))
+    assert run_core(core)["after"].usage.completion_tokens == 2
+
+
+def test_request_larger_than_the_kv_pool_is_refused_at_once(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, num_blocks=4, block_size=16)
+    with pytest.raises(ContextLengthError):
+        eng.core.add_request("huge", list(range(100, 170)), greedy(1))
+    eng.core.add_request("small", list(range(100, 110)), greedy(3))
+    assert run_core(eng.core)["small"].usage.completion_tokens == 3
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget(core):
+    core.add_request("long", list(range(100, 600)), greedy(2))
+    steps = 0
+    while core.has_work():
+        sched_tokens_before = core.counters.steps_total
+        core.step()
+        steps += 1
+        assert core.counters.steps_total == sched_tokens_before + 1
+    assert steps == 4 + 1  # ceil(500 / 128) prefill steps, then one decode step
+
+
+def test_longest_prefix_match_policy_admits_cache_hits_first(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, schedule_policy="lpm", max_num_seqs=1, num_blocks=256)
+    core = eng.core
+    rng = random.Random(2)
+    prefix = _tokens(rng, 64)
+    core.add_request("warm", prefix + _tokens(rng, 4), greedy(1))
+    run_core(core)
+    core.add_request("cold", _tokens(rng, 60), greedy(1))
+    core.add_request("hit", prefix + _tokens(rng, 4), greedy(1))
+    first = None
+    while core.has_work():
+        for out in core.step():
+            if out.finished and first is None:
+                first = out.request_id
+    assert first == "hit"

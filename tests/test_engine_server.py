@@ -1,0 +1,140 @@
+"""The internal WebSocket protocol, against a real engine server on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+
+from engine.server import run_server
+from tests.engine_helpers import make_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+async def server(tiny_model_dir, capsys):
+    eng = make_engine(tiny_model_dir, num_blocks=256)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run_server(eng, "127.0.0.1", 0, ready=ready, stop=stop))
+    await asyncio.wait_for(ready.wait(), 30)
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("ENGINE READY")][-1]
+    yield line.split()[-1], eng
+    stop.set()
+    await task
+
+
+async def _recv(ws) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+
+async def _until_done(ws, rid: str) -> tuple[list[dict], dict]:
+    deltas = []
+    while True:
+        f = await _recv(ws)
+        if f.get("request_id") != rid:
+            continue
+        if f["type"] == "done":
+            return deltas, f
+        assert f["type"] == "delta", f
+        deltas.append(f)
+
+
+async def test_hello_then_multiplexed_requests_each_end_with_done(server):
+    url, _ = server
+    async with connect(url) as ws:
+        hello = await _recv(ws)
+        assert hello["type"] == "hello" and hello["block_size"] == 16 and hello["max_model_len"] > 0
+        for rid in ("a", "b", "c"):
+            await ws.send(json.dumps({"type": "generate", "request_id": rid,
+                                      "messages": [{"role": "user", "content": f"Hello {rid}"}],
+                                      "params": {"max_tokens": 5 + ord(rid) - 97, "temperature": 0, "ignore_eos": True}}))
+        seen: dict[str, list[dict]] = {"a": [], "b": [], "c": []}
+        done: dict[str, dict] = {}
+        while len(done) < 3:
+            f = await _recv(ws)
+            (done.__setitem__(f["request_id"], f) if f["type"] == "done" else seen[f["request_id"]].append(f))
+        for rid, n in (("a", 5), ("b", 6), ("c", 7)):
+            d = done[rid]
+            assert d["usage"]["completion_tokens"] == n == len(d["output_token_ids"])
+            assert "".join(x["text"] for x in seen[rid]) + d["text"] == d["output_text"]
+            assert d["prompt_token_ids"] and d["finish_reason"] == "length"
+            assert set(d["timings"]) >= {"ttft_ms", "tpot_ms", "e2e_ms"}
+
+
+async def test_bad_frames_get_errors_and_connection_stays_usable(server):
+    url, _ = server
+    async with connect(url) as ws:
+        await _recv(ws)
+        bad = ["not json", json.dumps([1, 2]), json.dumps({"type": "nope"}),
+               json.dumps({"type": "generate", "request_id": "x", "messages": [], "params": {}}),
+               json.dumps({"type": "generate", "request_id": "y", "prompt_token_ids": [1, 2], "params": {"top_p": 0}}),
+               json.dumps({"type": "generate", "request_id": "z", "prompt_token_ids": [1, 2], "params": {"bogus": 1}}),
+               json.dumps({"type": "generate", "request_id": "w", "prompt_token_ids": [10**9]}),
+               json.dumps({"type": "generate", "request_id": "v", "prompt_token_ids": list(range(5, 3000)),
+                           "params": {"max_tokens": 10}})]
+        codes = []
+        for b in bad:
+            await ws.send(b)
+            f = await _recv(ws)
+            assert f["type"] == "error", f
+            codes.append(f["code"])
+        assert codes[:3] == ["bad_frame"] * 3
+        assert codes[-1] == "context_length_exceeded"
+        await ws.send(json.dumps({"type": "ping"}))
+        assert (await _recv(ws))["type"] == "pong"
+        await ws.send(json.dumps({"type": "generate", "request_id": "ok", "prompt_token_ids": [5, 6, 7],
+                                  "params": {"max_tokens": 2, "ignore_eos": True}}))
+        _, done = await _until_done(ws, "ok")
+        assert done["usage"]["completion_tokens"] == 2
+
+
+async def test_abort_and_closed_connection_free_the_blocks(server):
+    url, eng = server
+    async with connect(url) as ws:
+        await _recv(ws)
+        await ws.send(json.dumps({"type": "generate", "request_id": "long", "prompt_token_ids": list(range(100, 140)),
+                                  "params": {"max_tokens": 1000, "ignore_eos": True}}))
+        f = await _recv(ws)
+        assert f["type"] == "delta"
+        await ws.send(json.dumps({"type": "abort", "request_id": "long"}))
+        _, done = await _until_done(ws, "long")
+        assert done["finish_reason"] == "abort" and done["usage"]["completion_tokens"] < 1000
+        await ws.send(json.dumps({"type": "stats"}))
+        s = await _recv(ws)
+        assert s["type"] == "stats" and s["running"] == 0 and s["blocks_held_by_requests"] == 0
+        await ws.send(json.dumps({"type": "generate", "request_id": "orphan", "prompt_token_ids": list(range(200, 230)),
+                                  "params": {"max_tokens": 1000, "ignore_eos": True}}))
+        await _recv(ws)
+    for _ in range(100):  # the close aborts within a step or so
+        s = await eng.stats()
+        if s["running"] == 0 and s["waiting"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert s["running"] == 0 and s["blocks_held_by_requests"] == 0
+    assert s["blocks_free"] + s["blocks_evictable"] == s["num_blocks"]
+
+
+def test_cli_generate_json_prints_text_tokens_usage_and_timings(tiny_model_dir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(tiny_model_dir), "--prompt",
+                        "Hello", "--chat", "--max-tokens", "4", "--json", "--num-blocks", "64"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out) >= {"text", "token_ids", "usage", "timings"}
+    assert 1 <= len(out["token_ids"]) <= 4 == out["usage"]["completion_tokens"] or out["finish_reason"] == "stop"
+
+
+def test_cli_reports_unknown_model_path_clearly(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(tmp_path / "nope"),
+                        "--prompt", "x"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 2
+    assert "error" in r.stderr and "Traceback" not in r.stderr
