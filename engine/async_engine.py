@@ -67,18 +67,24 @@ class AsyncEngine:
     # ----- construction -------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig, verbose: bool = True) -> "AsyncEngine":
-        """Load the model, size and allocate the KV cache, and build the engine.
+        """Load the model named by ``config.model``, then ``from_loaded``.
 
         Raises:
             ModelLoadError: unknown path, unsupported architecture, missing tensors.
         """
-        from engine.kv_cache import KVCache, plan_kv_blocks
         from engine.loader import load_model
 
         if config.threads:
             torch.set_num_threads(config.threads)
-        loaded = load_model(config)
-        device = torch.device(loaded.device) if not isinstance(loaded.device, torch.device) else loaded.device
+        return cls.from_loaded(load_model(config), config, verbose)
+
+    @classmethod
+    def from_loaded(cls, loaded, config: EngineConfig, verbose: bool = True) -> "AsyncEngine":
+        """Size and allocate the KV cache for a loaded model (``engine.loader.LoadedModel``)
+        and build the engine (not started). Prints what it sized when ``verbose``."""
+        from engine.kv_cache import KVCache, plan_kv_blocks
+
+        device = torch.device(loaded.device)
         mc = loaded.model_config
         max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         plan = plan_kv_blocks(mc, config, device)
@@ -92,8 +98,9 @@ class AsyncEngine:
                           num_blocks=plan.num_blocks, dtype=config.dtype, device=str(device),
                           weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids))
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
-        for warning in prompts.lint_template():
-            print(f"engine: warning: {warning}", file=sys.stderr, flush=True)
+        if verbose:
+            for warning in prompts.lint_template():
+                print(f"engine: warning: {warning}", file=sys.stderr, flush=True)
         return cls(core, info, prompts)
 
     # ----- lifecycle ------------------------------------------------------------------
