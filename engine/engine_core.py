@@ -197,9 +197,11 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: str, stop_reason) -> RequestOutput:
         """Release the request's blocks (caching its pages) and build its final output."""
-        req.finish_reason, req.stop_reason = reason, stop_reason
         req.finished_s = time.monotonic()
         req.pending_text += req.detok.finish()
+        if reason == "length" and req.detok.stopped:  # a stop string completed in the flushed tail
+            reason, stop_reason = "stop", req.detok.stop_reason
+        req.finish_reason, req.stop_reason = reason, stop_reason
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)

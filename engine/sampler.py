@@ -1,0 +1,391 @@
+"""Next-token sampling for one engine step, vectorised over the batch.
+
+Per row: penalties -> temperature -> top-k -> top-p -> min-p -> sample, or argmax
+when the row is greedy. Randomness is an exponential race in its Gumbel-max form:
+argmax(probs / q) with q ~ Exp(1) equals argmax(log probs + g) with g = -log q =
+-log(-log u), u ~ U(0, 1) drawn from the row's own ``torch.Generator``, so a seeded
+row's draw never depends on its batch neighbours (ACCEPTANCE C21).
+
+Sources: the CTRL paper (Keskar et al. 2019) for the repetition penalty, the OpenAI
+API reference for frequency/presence penalties, Holtzman et al. 2019 (nucleus
+sampling), Nguyen et al. 2024 (min-p), and vLLM's ``Sampler``/``TopKTopPSampler``
+for the order of the steps and the exponential race.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import GREEDY_EPS, SamplingParams
+
+_F32 = torch.finfo(torch.float32)
+# Floor for reported log-probabilities (OpenAI reports -9999.0 for "impossible").
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class SamplerOutput:
+    """What one ``Sampler.sample`` call picked, one entry per batch row.
+
+    token_ids: the sampled token id of each row, in ``[0, vocab_size)``.
+    logprobs: per row, None unless that row's ``params.logprobs`` is set.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+
+class PenaltyState:
+    """One request's token history for the repetition/frequency/presence penalties.
+
+    Create it once per request (only for requests where ``PenaltyState.needed`` is
+    True) and pass it to every ``Sampler.sample`` call for that request's row;
+    ``sample`` records the token it samples for the row (one in-place add on the
+    device, no host sync), so the caller never appends itself. The state survives
+    preemption with the request; a rebuilt state takes the output so far via
+    ``output_ids``. Memory: ``vocab_size`` bytes + ``4 * vocab_size`` bytes on ``device``.
+
+    Attributes:
+        prompt_mask: bool ``[V]``, True where the token occurs in the prompt.
+        output_counts: int32 ``[V]``, how many times each token was generated.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
+    ) -> None:
+        """Build the state from token ids (each in ``[0, vocab_size)``).
+
+        Raises:
+            IndexError: an id is outside ``[0, vocab_size)``.
+        """
+        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        if len(prompt_ids):
+            self.prompt_mask[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+        if len(output_ids):
+            ids = torch.tensor(list(output_ids), dtype=torch.long, device=device)
+            self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    @staticmethod
+    def needed(params: SamplingParams) -> bool:
+        """True when ``params`` has any penalty switched on (so the row needs a state)."""
+        return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+    def append(self, token_id: int) -> None:
+        """Count one more generated ``token_id`` (``sample`` already does this for you)."""
+        self.output_counts[token_id] += 1
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    The result of a seeded row depends only on (its generator's seed, how many
+    non-greedy steps it has sampled before, its own logits and params): every
+    non-greedy row draws exactly ``vocab_size`` uniforms per step from its own
+    generator, whatever the other rows are (greedy rows draw nothing). Unseeded rows
+    share ``self.generator`` (one batched draw), so they depend on their neighbours,
+    which is allowed.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        seed: int | None = None,
+        top_p_candidates: int = 256,
+    ) -> None:
+        """Args:
+            vocab_size: number of real tokens V; logits columns beyond V (padding) are ignored.
+            device: where the logits live (cpu or cuda).
+            seed: seed of the shared generator for unseeded rows; None draws one from the OS.
+            top_p_candidates: the nucleus is looked for among this many most likely tokens
+                first (a top-k instead of a full-vocabulary sort, which costs ~10x more
+                on the CPU), then among 16x as many; when some row's candidates hold less
+                than its top_p of the mass, the batch falls back to the full sort. Exact
+                either way.
+        """
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.top_p_candidates = max(1, top_p_candidates)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A generator on the sampler's device for a request with ``params.seed == seed``."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        token_counts: Sequence[PenaltyState | None] | None = None,
+    ) -> SamplerOutput:
+        """Pick the next token of every row.
+
+        Args:
+            logits: float ``[B, V']`` with ``V' >= vocab_size``, on ``self.device``; raw model
+                output (any float dtype; computed in float32). A row holding NaN or +-inf
+                is sampled greedily over its finite values (token 0 if none is finite).
+            params: B sampling parameters, row b uses ``params[b]``.
+            generators: B entries; a seeded request's own generator (``make_generator``,
+                kept by the caller for the request's lifetime, on ``self.device``), or None
+                to use the shared generator. None means all rows are unseeded.
+            token_counts: B entries; the row's ``PenaltyState`` (required when
+                ``PenaltyState.needed(params[b])``), else None. Each given state gets the
+                sampled token recorded in place. None means no row has a state.
+
+        Returns:
+            ``SamplerOutput`` with B token ids, and for rows with ``params.logprobs`` set, the
+            sampled token's log-probability and the top ``params.logprobs`` alternatives
+            (descending). Log-probabilities are ``log_softmax`` of the raw logits (the
+            model's own distribution, before penalties, temperature and filtering, as the
+            OpenAI API reports them), clamped below at ``LOGPROB_FLOOR``; always finite.
+
+        Cost: a fixed number of tensor ops over the rows that need them (all-greedy is
+        one argmax); one device-to-host copy at the end, plus one small host sync per
+        candidate level when some row has top_p < 1. A seeded row's tokens depend only on
+        (seed, its step index, its logits and params) on a given device type.
+
+        Raises:
+            ValueError: shapes disagree with ``params``, or a row with a penalty has no state.
+        """
+        x, rows = self._prepare(logits, params, generators, token_counts)
+        xp = self._penalise(x, params, token_counts, rows.penal)
+        token_ids = torch.argmax(xp, dim=1) if len(rows.sample) < len(params) else None
+        if rows.sample:
+            idx = self._index(rows.sample, len(params))
+            z = self._filtered_logits(_take(xp, idx), rows.sample, params)
+            # A row with non-finite logits gets no noise, so it takes argmax(z), its greedy
+            # token (the filters always keep the top token; ties go to the lowest id).
+            ok = _take(self._finite_rows(logits), idx).unsqueeze(1)
+            # argmax(z + g) with Gumbel g = -log(-log u): the exponential race argmax(p / q).
+            drawn = torch.argmax(z - self._log_exponentials(rows.sample, generators) * ok, dim=1)
+            token_ids = drawn if idx is None else token_ids.index_copy(0, idx, drawn)
+        out = self._to_host(x, token_ids, params, rows.logprobs)
+        for b, state in enumerate(token_counts or ()):
+            if state is not None:
+                state.append(out.token_ids[b])
+        return out
+
+    def distribution(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        token_counts: Sequence[PenaltyState | None] | None = None,
+    ) -> torch.Tensor:
+        """The probabilities ``sample`` would draw each row from (a debugging/test hook).
+
+        Same arguments as ``sample`` (without generators); changes no state.
+
+        Returns:
+            float32 ``[B, vocab_size]``, each row sums to 1; one-hot on the argmax for greedy
+            rows and rows with non-finite logits.
+        """
+        x, rows = self._prepare(logits, params, None, token_counts)
+        xp = self._penalise(x, params, token_counts, rows.penal)
+        probs = torch.nn.functional.one_hot(torch.argmax(xp, dim=1), self.vocab_size).float()
+        if rows.sample:
+            idx = self._index(rows.sample, len(params))
+            sampled = torch.softmax(self._filtered_logits(_take(xp, idx), rows.sample, params), dim=1)
+            ok = _take(self._finite_rows(logits), idx).unsqueeze(1)
+            probs = _put(probs, idx, torch.where(ok, sampled, _take(probs, idx)))
+        return probs
+
+    # -- steps -------------------------------------------------------------------
+
+    def _prepare(self, logits, params, generators, token_counts) -> tuple[torch.Tensor, "_Rows"]:
+        """Check shapes, replace non-finite logits, and split the rows by the work they need."""
+        if logits.dim() != 2 or logits.shape[0] != len(params) or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} rows x {self.vocab_size} tokens")
+        for name, seq in (("generators", generators), ("token_counts", token_counts)):
+            if seq is not None and len(seq) != len(params):
+                raise ValueError(f"{name} has {len(seq)} entries for {len(params)} rows")
+        # One fused pass: NaN/+-inf become the lowest finite value, so argmax is over finite values.
+        x = torch.nan_to_num(logits[:, : self.vocab_size].float(), nan=_F32.min, posinf=_F32.min, neginf=_F32.min)
+        rows = _Rows()
+        for b, p in enumerate(params):
+            if PenaltyState.needed(p):
+                if token_counts is None or token_counts[b] is None:
+                    raise ValueError(f"row {b} has penalties but no PenaltyState")
+                rows.penal.append(b)
+            if p.temperature >= GREEDY_EPS:
+                rows.sample.append(b)
+            if p.logprobs is not None:
+                rows.logprobs.append(b)
+        return x, rows
+
+    def _penalise(self, x, params, token_counts, penal: list[int]) -> torch.Tensor:
+        """Apply repetition (CTRL), frequency and presence (OpenAI) penalties to rows ``penal``.
+
+        Returns a new tensor when any row is penalised (``x`` itself is left raw for logprobs).
+        """
+        if not penal:
+            return x
+        idx = self._index(penal, x.shape[0])
+        counts = torch.stack([token_counts[b].output_counts for b in penal]).float()
+        generated = counts > 0
+        rep, freq, pres = ([getattr(params[b], name) for b in penal]
+                           for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        xp = _take(x, idx)
+        if any(r != 1.0 for r in rep):
+            seen = torch.stack([token_counts[b].prompt_mask for b in penal]) | generated
+            r = self._column(rep)
+            xp = torch.where(seen, torch.where(xp > 0, xp / r, xp * r), xp)
+        if any(f != 0.0 for f in freq):
+            xp = xp - self._column(freq) * counts
+        if any(p != 0.0 for p in pres):
+            xp = xp - self._column(pres) * generated.float()
+        # Huge or tiny penalties can overflow; keep the row finite so argmax stays defined.
+        xp = torch.nan_to_num(xp, nan=_F32.min, posinf=_F32.max, neginf=_F32.min)
+        return _put(x, idx, xp)
+
+    def _filtered_logits(self, z: torch.Tensor, rows: list[int], params) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p masks (masked logits become -inf).
+
+        Args:
+            z: float32 ``[S, V]`` finite (penalised) logits of the sampling rows ``rows``.
+        Returns:
+            float32 ``[S, V]`` scaled logits whose max per row is 0 (the top token always
+            survives, so no row is ever empty: ACCEPTANCE C22).
+        """
+        ps = [params[b] for b in rows]
+        # Subtracting the max first keeps (z - max) / T finite for T >= GREEDY_EPS.
+        z = (z - z.max(dim=1, keepdim=True).values) / self._column([p.temperature for p in ps])
+        ks = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in ps]
+        if any(ks):
+            # Keep logits >= the k-th largest (ties at the k-th value are all kept).
+            kth = torch.topk(z, max(ks), dim=1).values
+            k = torch.tensor(ks, device=self.device)
+            thr = kth.gather(1, (k.clamp(min=1) - 1).unsqueeze(1))
+            thr = torch.where(k.unsqueeze(1) > 0, thr, torch.full_like(thr, -float("inf")))
+            z = z.masked_fill(z < thr, -float("inf"))
+        nucleus = [i for i, p in enumerate(ps) if p.top_p < 1.0]
+        if nucleus:
+            # Only rows with top_p < 1: top_p == 1 keeps everything, even where a float
+            # cumsum over the vocabulary rounds past 1.
+            idx = self._index(nucleus, len(ps))
+            zn = _take(z, idx)
+            drop = self._nucleus_drop(torch.softmax(zn, dim=1), self._column([ps[i].top_p for i in nucleus]))
+            z = _put(z, idx, zn.masked_fill(drop, -float("inf")))
+        min_p = [p.min_p for p in ps]
+        if any(v > 0.0 for v in min_p):
+            probs = torch.softmax(z, dim=1)
+            thr = self._column(min_p) * probs.max(dim=1, keepdim=True).values
+            z = z.masked_fill(probs < thr, -float("inf"))
+        return z
+
+    def _nucleus_drop(self, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Nucleus (top-p) mask: True where a token is dropped.
+
+        A token is dropped when the mass of the tokens ranked before it already reaches
+        top_p; the first has mass 0 before it, so it always survives. Ranking is by
+        probability, ties by lower id (as argmax), so a tiny top_p is exactly greedy.
+
+        Args:
+            probs: float32 ``[R, V]``; top_p: float32 ``[R, 1]`` in (0, 1).
+        Returns:
+            bool ``[R, V]``.
+        """
+        rows, vocab = probs.shape
+        k = self.top_p_candidates
+        while k < vocab:  # candidates, 16x more candidates, then the full sort
+            cand_p, cand_i = torch.topk(probs, k, dim=1)
+            k *= 16
+            # Every token outside the candidates has at least their mass before it: dropped.
+            if bool((cand_p.sum(dim=1, keepdim=True) >= top_p).all()):  # one host sync
+                by_id, perm = torch.sort(cand_i, dim=1)
+                sp, order = torch.sort(cand_p.gather(1, perm), dim=1, descending=True, stable=True)
+                ranked = by_id.gather(1, order)
+                drop_ranked = (torch.cumsum(sp, dim=1) - sp) >= top_p
+                full = torch.ones(rows, vocab, dtype=torch.bool, device=probs.device)
+                return full.scatter(1, ranked, drop_ranked)
+        sp, ranked = torch.sort(probs, dim=1, descending=True, stable=True)
+        drop_ranked = (torch.cumsum(sp, dim=1) - sp) >= top_p
+        return torch.zeros_like(drop_ranked).scatter(1, ranked, drop_ranked)
+
+    def _finite_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """bool ``[B]``: the row's logits are all finite (one min/max pass; NaN propagates)."""
+        lo, hi = torch.aminmax(logits[:, : self.vocab_size], dim=1)
+        return torch.isfinite(lo) & torch.isfinite(hi)
+
+    def _log_exponentials(self, rows: list[int], generators) -> torch.Tensor:
+        """``log q`` for q = -log u ~ Exp(1) (minus a Gumbel sample), float32 ``[S, V]``:
+        each seeded row from its own generator (V uniforms per step, always), the
+        unseeded rows in one draw from the shared generator."""
+        noise = torch.empty(len(rows), self.vocab_size, device=self.device)
+        unseeded: list[int] = []
+        for i, b in enumerate(rows):
+            gen = generators[b] if generators is not None else None
+            if gen is None:
+                unseeded.append(i)
+            else:
+                noise[i].uniform_(generator=gen)
+        if unseeded:
+            shared = torch.empty(len(unseeded), self.vocab_size, device=self.device).uniform_(generator=self.generator)
+            noise = _put(noise, self._index(unseeded, len(rows)), shared)
+        # u = 0 or 1 would make log q infinite, and inf * 0 (a noise-free row) is NaN;
+        # the clamp keeps every value finite.
+        return noise.clamp_(_F32.tiny, 1.0 - _F32.eps / 2).log_().neg_().log_()
+
+    def _to_host(self, x, token_ids, params, lp_rows: list[int]) -> SamplerOutput:
+        """Gather tokens and logprobs, and copy them to the host in one transfer."""
+        parts = [token_ids.double()]
+        n = min(max((params[b].logprobs for b in lp_rows), default=0), self.vocab_size)
+        if lp_rows:
+            idx = self._index(lp_rows, len(params))
+            lp = torch.log_softmax(_take(x, idx), dim=1).clamp(min=LOGPROB_FLOOR)
+            parts.append(lp.gather(1, _take(token_ids, idx).unsqueeze(1)).squeeze(1).double())
+            if n:
+                top = torch.topk(lp, n, dim=1)
+                parts += [top.values.double().flatten(), top.indices.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        B, L = len(params), len(lp_rows)
+        tokens = [int(t) for t in flat[:B]]
+        logprobs: list[TokenLogprob | None] = [None] * B
+        top_vals, top_ids = flat[B + L : B + L + L * n], flat[B + L + L * n :]
+        for j, b in enumerate(lp_rows):
+            k = min(params[b].logprobs, n)
+            top = [(int(top_ids[j * n + i]), top_vals[j * n + i]) for i in range(k)]
+            logprobs[b] = TokenLogprob(token_id=tokens[b], logprob=flat[B + j], top=top)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs)
+
+    def _index(self, rows: list[int], total: int) -> torch.Tensor | None:
+        """Row-index tensor for ``rows``, or None when they are all ``total`` rows in order."""
+        if len(rows) == total:
+            return None
+        return torch.tensor(rows, device=self.device)
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        """float32 ``[N, 1]`` per-row parameter column on the sampler's device."""
+        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
+
+
+def _take(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``idx`` of ``t`` (``t`` itself when idx is None: all rows)."""
+    return t if idx is None else t[idx]
+
+
+def _put(t: torch.Tensor, idx: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``t`` with rows ``idx`` replaced by ``rows`` (out of place; ``rows`` when idx is None)."""
+    return rows if idx is None else t.index_copy(0, idx, rows)
+
+
+@dataclass
+class _Rows:
+    """Row indices grouped by the work they need in one step."""
+
+    penal: list[int] = field(default_factory=list)
+    sample: list[int] = field(default_factory=list)
+    logprobs: list[int] = field(default_factory=list)

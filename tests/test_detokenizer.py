@@ -1,0 +1,393 @@
+"""Incremental detokenizer: streamed pieces equal the one-shot decode, no broken UTF-8,
+no stop-string leaks (ACCEPTANCE C12, C14, C15, C16), for byte-level BPE (SmolLM2) and
+SentencePiece-style byte-fallback tokenizers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer, clean_text, decode_text
+
+TEXTS = [
+    "LLMs. It is a test. It works.",
+    "Hello,  double spaces and   triple ones.",
+    "first line\n  a leading space inside a line\n indented after newline",
+    "Lighthouses guide ships.\n It rains.\n\n Next paragraph.",
+    "日本語のテキスト and 中文 mixed 😀🎉 emoji 👩‍👩‍👧 family",
+    "Café au lait, naïve résumé, Ångström, ß, ñandú.",
+    " leading space and trailing space ",
+]
+
+SP_CORPUS = [
+    "LLMs. It is a test of the lighthouse keeper.",
+    "Hello,  double spaces here.\n indented line",
+    "The quick brown fox jumps over the lazy dog.",
+    "Café au lait, naïve résumé.",
+    "It was the best of times, it was the worst of times.",
+    "日本語 😀",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    """The real SmolLM2 tokenizer (byte-level BPE)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def _sentencepiece_style(decoder_style: str):
+    """A small BPE tokenizer trained in-test, Llama-2 style: '▁' word marker, 256
+    ``<0xNN>`` byte-fallback tokens, a decoder that drops the first leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    if decoder_style == "llama2":  # Llama-2's tokenizer.json: normalizer + Strip decoder
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+    else:  # Metaspace pre-tokenizer and decoder
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Sequence(
+            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")]
+        )
+    # A small alphabet so that CJK and emoji fall back to byte tokens.
+    trainer = trainers.BpeTrainer(vocab_size=220, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=40)
+    tok.train_from_iterator(SP_CORPUS, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    spec["model"]["vocab"] = vocab
+    spec["added_tokens"] = [dict(t, id=vocab[t["content"]]) for t in spec["added_tokens"]]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def sp_llama2_tokenizer():
+    return _sentencepiece_style("llama2")
+
+
+@pytest.fixture(scope="session")
+def sp_metaspace_tokenizer():
+    return _sentencepiece_style("metaspace")
+
+
+@pytest.fixture(params=["smollm2", "sp_llama2", "sp_metaspace"])
+def tokenizer(request):
+    return request.getfixturevalue(f"{request.param}_tokenizer")
+
+
+def stream(tok, ids, stop=(), skip_special_tokens=True) -> tuple[IncrementalDetokenizer, list[str]]:
+    """Feed ``ids`` one at a time, then finish; return the detokenizer and all pieces."""
+    detok = IncrementalDetokenizer(tok, list(stop), skip_special_tokens=skip_special_tokens)
+    pieces = [detok.add(i) for i in ids]
+    pieces.append(detok.finish())
+    return detok, pieces
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def byte_token_id(tok, byte: int) -> int:
+    """The id of the single-byte token for ``byte`` (SentencePiece ``<0xNN>`` or byte-level char)."""
+    sp = tok.convert_tokens_to_ids(f"<0x{byte:02X}>")
+    if sp is not None and sp != tok.unk_token_id:
+        return sp
+    # GPT-2 byte-level alphabet: printable Latin-1 bytes map to themselves.
+    return tok.convert_tokens_to_ids(bytes([byte]).decode("latin-1"))
+
+
+# -- streaming equals the one-shot decode -------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_pieces_concatenate_to_one_shot_decode(tokenizer, text):
+    ids = encode(tokenizer, text)
+    detok, pieces = stream(tokenizer, ids)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == expected == detok.text == decode_text(tokenizer, ids)
+    assert detok.token_ids == ids and not detok.stopped
+    # Valid text never streams a replacement character, and every piece is sendable.
+    assert all("\ufffd" not in p for p in pieces)
+    for p in pieces:
+        p.encode("utf-8")
+
+
+def test_byte_level_round_trip_keeps_every_space(smollm2_tokenizer):
+    for text in TEXTS:
+        _, pieces = stream(smollm2_tokenizer, encode(smollm2_tokenizer, text))
+        assert "".join(pieces) == text
+
+
+def test_spaces_at_token_boundaries_are_kept(tokenizer):
+    ids = encode(tokenizer, "LLMs. It is,  here.\n indented")
+    detok, pieces = stream(tokenizer, ids)
+    assert ". It is,  here.\n indented" in detok.text  # not ".It" (C15)
+    assert "".join(pieces) == detok.text
+
+
+def test_first_piece_has_no_spurious_leading_space(sp_llama2_tokenizer, sp_metaspace_tokenizer):
+    for tok in (sp_llama2_tokenizer, sp_metaspace_tokenizer):
+        ids = encode(tok, "It is")
+        assert tok.convert_ids_to_tokens(ids)[0].startswith("▁")  # the word marker is there...
+        _, pieces = stream(tok, ids)
+        first = next(p for p in pieces if p)
+        assert first.startswith("I")  # ...but, as in the one-shot decode, not as text
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == "It is"
+
+
+def test_multibyte_characters_are_emitted_whole(tokenizer):
+    text = "a 中文 🎉 é z"  # not in the SentencePiece training corpus: byte tokens there
+    ids = encode(tokenizer, text)
+    # Some characters really are split over several tokens, or the test proves nothing.
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    detok, pieces = stream(tokenizer, ids)
+    chars = set("中文🎉é")
+    for p in pieces:
+        assert "\ufffd" not in p
+    assert "".join(pieces) == detok.text and chars <= set(detok.text)
+
+
+def test_each_token_costs_a_bounded_decode_window(smollm2_tokenizer):
+    """O(1) work per token: decode never sees more than a few recent tokens."""
+    seen: list[int] = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(smollm2_tokenizer, name)
+
+        def decode(self, ids, **kw):
+            seen.append(len(ids))
+            return smollm2_tokenizer.decode(ids, **kw)
+
+    ids = encode(smollm2_tokenizer, " ".join(TEXTS) * 4)
+    assert len(ids) > 200
+    detok, pieces = stream(Spy(), ids)
+    assert "".join(pieces) == decode_text(smollm2_tokenizer, ids)
+    assert max(seen) <= 8
+
+
+def test_special_tokens_are_skipped_or_kept_like_one_shot_decode(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = encode(tok, "Hi there") + [tok.convert_tokens_to_ids("<|im_start|>")] + encode(tok, " friend")
+    for skip in (True, False):
+        _, pieces = stream(tok, ids, skip_special_tokens=skip)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+    assert "<|im_start|>" not in "".join(stream(tok, ids)[1])
+
+
+# -- stop strings --------------------------------------------------------------------
+
+
+def test_stop_string_split_across_tokens_never_leaks(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    parts = ["ABC ", "DEF", "G", "HI", "J", " KLM"]
+    ids = [i for part in parts for i in encode(tok, part)]
+    detok = IncrementalDetokenizer(tok, ["DEFGHIJ"])
+    emitted = ""
+    for i in ids:
+        emitted += detok.add(i)
+        assert "D" not in emitted  # no part of the stop string is ever streamed
+    emitted += detok.finish()
+    assert emitted == detok.text == "ABC "
+    assert detok.stopped and detok.stop_reason == "DEFGHIJ"
+    assert detok.add(encode(tok, "more")[0]) == ""  # nothing after the stop
+
+
+def test_held_back_stop_prefix_is_flushed_when_stream_ends_otherwise(tokenizer):
+    ids = encode(tokenizer, "It ends with DEFG")
+    detok = IncrementalDetokenizer(tokenizer, ["DEFGHIJ"])
+    streamed = "".join(detok.add(i) for i in ids)
+    assert not streamed.endswith("G")  # "DEFG" could still become the stop string
+    tail = detok.finish()
+    assert streamed + tail == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert tail.endswith("DEFG") and not detok.stopped and detok.stop_reason is None
+
+
+def test_stop_string_at_the_very_start(tokenizer):
+    detok, pieces = stream(tokenizer, encode(tokenizer, "Hello world, more text"), stop=["Hello"])
+    assert pieces == [""] * len(pieces) and detok.text == ""
+    assert detok.stop_reason == "Hello"
+
+
+@pytest.mark.parametrize(
+    "text,stops,expected,reason",
+    [
+        ("in the end we go", ["the end", "the"], "in ", "the"),  # the shorter one completes first
+        ("a category b", ["category", "cat"], "a ", "cat"),
+        ("x abc y", ["bc", "abc"], "x ", "abc"),  # both end together: the earlier start wins
+        ("line one\n\nline two STOP", ["STOP", "\n\n"], "line one", "\n\n"),
+        ("one two STOP three\n\n", ["\n\n", "STOP"], "one two ", "STOP"),
+    ],
+)
+def test_overlapping_and_multiple_stop_strings(tokenizer, text, stops, expected, reason):
+    detok, pieces = stream(tokenizer, encode(tokenizer, text), stop=stops)
+    full = tokenizer.decode(encode(tokenizer, text), skip_special_tokens=True)
+    assert full.startswith(expected)
+    assert "".join(pieces) == detok.text == expected
+    assert detok.stopped and detok.stop_reason == reason
+
+
+def test_stop_string_completed_in_the_final_flush_still_cuts(sp_llama2_tokenizer):
+    """A byte-fallback character is held until its run ends; a stop on it still applies."""
+    tok = sp_llama2_tokenizer
+    ids = encode(tok, "ok 日🎉")
+    assert tok.convert_ids_to_tokens(ids[-1]).startswith("<0x")  # 🎉 is not in the trained vocab
+    detok = IncrementalDetokenizer(tok, ["🎉"])
+    streamed = "".join(detok.add(i) for i in ids)
+    assert not detok.stopped and "🎉" not in streamed
+    streamed += detok.finish()
+    assert detok.text == streamed == "ok 日" and detok.stop_reason == "🎉"
+
+
+# -- invalid UTF-8 and surrogates (C16) ----------------------------------------------
+
+
+def test_lone_lead_byte_at_end_becomes_replacement_at_finish(tokenizer):
+    ids = encode(tokenizer, "ok then") + [byte_token_id(tokenizer, 0xE6)]
+    detok = IncrementalDetokenizer(tokenizer, [])
+    streamed = "".join(detok.add(i) for i in ids)
+    assert "\ufffd" not in streamed  # held back while it might still complete
+    tail = detok.finish()
+    assert tail.endswith("\ufffd")
+    assert streamed + tail == detok.text == decode_text(tokenizer, ids)
+    detok.text.encode("utf-8")
+
+
+def test_invalid_byte_in_the_middle_matches_one_shot_decode(tokenizer):
+    ids = encode(tokenizer, "a") + [byte_token_id(tokenizer, 0xE6)] + encode(tokenizer, " b 日")
+    detok, pieces = stream(tokenizer, ids)
+    assert "".join(pieces) == decode_text(tokenizer, ids) and "\ufffd" in detok.text
+
+
+def test_lone_surrogate_from_a_decode_path_is_replaced(smollm2_tokenizer):
+    class SurrogateDecoder:
+        """A tokenizer whose decode yields a lone surrogate after token ``bad`` (as a slow
+        tokenizer decoding with errors='surrogateescape' would)."""
+
+        bad = encode(smollm2_tokenizer, "!")[0]
+
+        def __getattr__(self, name):
+            return getattr(smollm2_tokenizer, name)
+
+        def decode(self, ids, **kw):
+            return "".join(
+                "\udce6" if i == self.bad else smollm2_tokenizer.decode([i], **kw) for i in ids
+            )
+
+    tok = SurrogateDecoder()
+    ids = encode(smollm2_tokenizer, "Hi") + [tok.bad] + encode(smollm2_tokenizer, " there")
+    detok, pieces = stream(tok, ids)
+    for p in pieces:
+        p.encode("utf-8")
+    assert detok.text == "Hi\ufffd there" == decode_text(tok, ids)
+
+
+def test_clean_text_replaces_only_lone_surrogates():
+    assert clean_text("plain é 日 😀") == "plain é 日 😀"
+    assert clean_text("a\ud800b\udfffc") == "a\ufffdb\ufffdc"
+    assert clean_text("\ud83d\ude00") == "😀"  # a split pair is rejoined
+    assert clean_text("x\ud83d") == "x\ufffd"
+
+
+@pytest.mark.parametrize("stop", [[], ["Hi there"]])
+def test_single_token_stream_delivers_its_text(smollm2_tokenizer, stop):
+    """max_tokens=1 (C14): the one token's text comes out of add, or of finish when a
+    stop prefix held it back."""
+    ids = encode(smollm2_tokenizer, "Hi")
+    assert len(ids) == 1
+    detok = IncrementalDetokenizer(smollm2_tokenizer, stop)
+    first = detok.add(ids[0])
+    assert first == ("" if stop else "Hi")
+    assert first + detok.finish() == detok.text == "Hi"
+
+
+def test_finish_is_idempotent_and_add_after_finish_is_ignored(tokenizer):
+    ids = encode(tokenizer, "done here")
+    detok, pieces = stream(tokenizer, ids)
+    assert detok.finish() == "" and detok.add(ids[0]) == ""
+    assert detok.text == "".join(pieces) and detok.token_ids == ids
+
+
+# -- property tests ---------------------------------------------------------------------
+
+
+def _id_strategy(tok):
+    """Any id, with extra weight on byte tokens, special tokens and tokens of real text."""
+    vocab = tok.get_vocab()
+    byte_ids = sorted(i for t, i in vocab.items() if len(t) == 1 or (len(t) == 6 and t.startswith("<0x")))
+    text_ids = sorted(set(encode(tok, " ".join(TEXTS))))
+    specials = sorted(set(tok.all_special_ids))
+    return st.one_of(
+        st.integers(0, len(tok) - 1),
+        st.sampled_from(byte_ids),
+        st.sampled_from(text_ids),
+        st.sampled_from(specials),
+    )
+
+
+def _expected_stop_cut(full: str, stops: list[str]) -> tuple[str, str | None]:
+    """Reference: the match that ends first in the one-shot text (ties: starts first)."""
+    best = None
+    for s in stops:
+        i = full.find(s)
+        if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+            best = (i + len(s), i, s)
+    return (full, None) if best is None else (full[: best[1]], best[2])
+
+
+@pytest.mark.parametrize("name", ["smollm2", "sp_llama2", "sp_metaspace"])
+def test_random_ids_stream_equals_clean_one_shot_decode(request, name):
+    tok = request.getfixturevalue(f"{name}_tokenizer")
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(ids=st.lists(_id_strategy(tok), min_size=0, max_size=24))
+    def check(ids):
+        detok, pieces = stream(tok, ids)
+        for p in pieces:
+            p.encode("utf-8")
+        assert "".join(pieces) == detok.text == clean_text(tok.decode(ids, skip_special_tokens=True))
+
+    check()
+
+
+@pytest.mark.parametrize("name", ["smollm2", "sp_llama2"])
+def test_random_ids_with_stop_strings_cut_at_first_match(request, name):
+    tok = request.getfixturevalue(f"{name}_tokenizer")
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data(), ids=st.lists(_id_strategy(tok), min_size=1, max_size=24))
+    def check(data, ids):
+        full = decode_text(tok, ids)
+        # Stop strings taken from the text itself (so they do match), plus one that may not.
+        n = data.draw(st.integers(1, 3))
+        stops = []
+        for _ in range(n):
+            if full:
+                a = data.draw(st.integers(0, len(full) - 1))
+                b = data.draw(st.integers(a + 1, min(len(full), a + 6)))
+                stops.append(full[a:b])
+        stops.append(data.draw(st.text(min_size=1, max_size=3)))
+        detok, pieces = stream(tok, ids, stop=stops)
+        expected, reason = _expected_stop_cut(full, stops)
+        assert "".join(pieces) == detok.text == expected
+        assert detok.stop_reason == reason
+        for p in pieces:
+            p.encode("utf-8")
+
+    check()
