@@ -1,0 +1,253 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over the paged KV cache.
+
+Source: Touvron et al., "LLaMA" (2023) and the Hugging Face ``LlamaForCausalLM``
+port, whose tensor names and numerics (float32 RMSNorm, rotate-half RoPE) this
+module follows; written in the gpt-fast style, one equation per line.
+
+Per layer, for the step's flat token batch ``x`` of shape [T, hidden]::
+
+    h   = x + W_o · Attn(RoPE(W_q·n), RoPE(W_k·n), W_v·n)     n = RMSNorm(x)
+    out = h + W_down · (SiLU(W_gate·m) * (W_up·m))            m = RMSNorm(h)
+
+Q, K and V come from one fused matmul (``qkv_weight`` rows: Q heads, then K heads,
+then V heads); gate and up from another (``gate_up_weight`` rows: gate, then up).
+A step runs a fixed number of torch ops per layer whatever the batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVCache
+from engine.models.rope import apply_rotary, rotary_table
+
+# Checkpoint entries that hold no weights of ours (old Llama exports store the RoPE
+# frequencies); they are skipped, not reported as unexpected.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised, frozen parameter: every one is filled by ``load_weights``."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019), accumulated in float32.
+
+    ``y = weight * (x / sqrt(mean(x^2) + eps))``, the normalisation in float32 and the
+    result cast back to x's dtype before the weight is applied (as the HF port does).
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((size,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, size] in the model dtype -> [T, size], same dtype."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with a fused QKV projection (bias for Qwen2)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_weight = _param((qkv_rows, cfg.hidden_size), dtype, device)
+        self.qkv_bias = _param((qkv_rows,), dtype, device) if cfg.attention_bias else None
+        self.o_weight = _param((cfg.hidden_size, cfg.num_heads * cfg.head_dim), dtype, device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attention of the step's tokens over their cached context.
+
+        Args:
+            x: [T, hidden] normalised input, model dtype.
+            cos, sin: [T, 1, head_dim / 2] rotary factors at the tokens' positions.
+            k_cache, v_cache: this layer's [num_blocks, block_size, Hkv, head_dim] caches,
+                written at ``batch.slot_mapping``.
+            batch, attn: the step and the backend that reads it.
+
+        Returns:
+            [T, hidden] in the model dtype.
+        """
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, h + 2 * hkv, d)
+        qk = apply_rotary(qkv[:, : h + hkv], cos, sin)  # Q and K heads rotated together
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
+        out = attn.forward(q, k, v, k_cache, v_cache, batch, self.scale)
+        return F.linear(out.reshape(t, h * d), self.o_weight)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer, 2020): ``down(SiLU(gate(x)) * up(x))``, gate and up fused."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_up_weight = _param((2 * cfg.intermediate_size, cfg.hidden_size), dtype, device)
+        self.down_weight = _param((cfg.hidden_size, cfg.intermediate_size), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then the MLP."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.attn = Attention(cfg, dtype, device)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (arguments as in ``Attention.forward``)."""
+        h = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, batch, attn)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder: embedding, ``num_layers`` blocks, final norm, LM head.
+
+    Parameters are created uninitialised in ``dtype`` on ``device``; call
+    ``load_weights`` before ``forward``. Also serves Qwen2 (``attention_bias``) and
+    Mistral (no sliding window: exact only up to the window, which the loader
+    enforces through ``max_model_len``).
+    """
+
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        cfg, device = model_config, torch.device(device)
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ModelLoadError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
+        self.config, self.dtype, self.device = cfg, dtype, device
+        self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # Tied models share one tensor: the LM head is the embedding matrix.
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        table = rotary_table(cfg.max_model_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+        self.register_buffer("rope", table, persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
+        """Run one step and write its K/V into ``kv``.
+
+        Args:
+            batch: the step's flat token batch (``attn.prepare(batch)`` is called here
+                if the runner has not done it yet).
+            kv: the paged cache, one K and one V tensor per layer.
+            attn: the attention backend.
+
+        Returns:
+            [len(batch.logits_indices), vocab_size] float32 logits of the rows named by
+            ``batch.logits_indices`` (the LM head runs on those rows only).
+
+        Positions must be below ``model_config.max_model_len`` (the rotary table's
+        length); the scheduler guarantees it.
+        """
+        if batch.attn_metadata is None:
+            attn.prepare(batch)
+        cos, sin = self.rope[batch.positions].unbind(1)  # each [T, 1, head_dim / 2]
+        x = F.embedding(batch.input_ids, self.embed)
+        for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, batch, attn)
+        x = self.norm(x.index_select(0, batch.logits_indices))  # RMSNorm is per row
+        return F.linear(x, self.lm_head).float()
+
+    def _weight_slots(self) -> dict[str, tuple[torch.Tensor, slice]]:
+        """HF tensor name -> (our parameter, the rows of it that tensor fills)."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter, every = cfg.intermediate_size, slice(None)
+        slots: dict[str, tuple[torch.Tensor, slice]] = {
+            "model.embed_tokens.weight": (self.embed, every),
+            "model.norm.weight": (self.norm.weight, every),
+        }
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = (self.lm_head, every)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = layer.attn, layer.mlp
+            thirds = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+            for name, rows in thirds.items():
+                slots[f"{p}self_attn.{name}_proj.weight"] = (a.qkv_weight, rows)
+                if a.qkv_bias is not None:
+                    slots[f"{p}self_attn.{name}_proj.bias"] = (a.qkv_bias, rows)
+            slots[f"{p}self_attn.o_proj.weight"] = (a.o_weight, every)
+            slots[f"{p}mlp.gate_proj.weight"] = (m.gate_up_weight, slice(0, inter))
+            slots[f"{p}mlp.up_proj.weight"] = (m.gate_up_weight, slice(inter, 2 * inter))
+            slots[f"{p}mlp.down_proj.weight"] = (m.down_weight, every)
+            slots[f"{p}input_layernorm.weight"] = (layer.attn_norm.weight, every)
+            slots[f"{p}post_attention_layernorm.weight"] = (layer.mlp_norm.weight, every)
+        return slots
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters, converting
+        dtype and device on the way; tensors arrive one at a time (streaming).
+
+        ``lm_head.weight`` is optional, and ignored, when the embeddings are tied.
+
+        Raises:
+            ModelLoadError: a tensor of the wrong shape, tensors the model does not
+                have (unexpected), or parameters no tensor filled (missing); each names them.
+        """
+        slots = self._weight_slots()
+        missing, unexpected = set(slots), []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            if name not in slots:
+                unexpected.append(name)
+                continue
+            param, rows = slots[name]
+            target = param[rows]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            missing.discard(name)
+        if unexpected:
+            raise ModelLoadError(f"unexpected weight tensors: {_names(unexpected)}")
+        if missing:
+            raise ModelLoadError(f"missing weight tensors: {_names(missing)}")
+
+
+def _names(names: Iterable[str], limit: int = 8) -> str:
+    """Up to ``limit`` sorted names, and how many more there are."""
+    ordered = sorted(names)
+    more = f" (and {len(ordered) - limit} more)" if len(ordered) > limit else ""
+    return ", ".join(ordered[:limit]) + more
