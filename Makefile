@@ -3,7 +3,7 @@
 setup:
 	bash scripts/bootstrap.sh
 run:
-	bash scripts/run.sh
+	bash scripts/run.sh $(ARGS)
 test:
 	bash scripts/test.sh -q
 bench:
