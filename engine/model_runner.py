@@ -77,6 +77,7 @@ class ModelRunner:
                     max_model_len=engine_config.max_model_len or model_config.max_model_len,
                     block_size=self.block_size, device=device,
                 )
+                self.graphs.capture_all()  # capture at start-up, not on the first requests
             except Exception as e:  # graphs are an optimisation: run eagerly without them
                 log.warning("CUDA graphs disabled: %s", e)
                 self.graphs = None
