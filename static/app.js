@@ -1,0 +1,274 @@
+// Entry point of the chat page (web/index.html): reads the config the
+// gateway rendered into the page, builds the views, the socket and the
+// controller, and wires the DOM events to them. Nothing runs at import time
+// except the final call to main().
+
+import { api } from "./js/api.js";
+import { ChatSocket } from "./js/socket.js";
+import { createMarkdownRenderer, copyText } from "./js/markdown.js";
+import { MessageView, icon, ICONS } from "./js/messages.js";
+import { SidebarView } from "./js/sidebar.js";
+import { SettingsDialog } from "./js/settings.js";
+import { ChatController } from "./js/controller.js";
+
+/**
+ * The GET /api/config body the gateway put into `<script id="chat-config">`;
+ * falls back to asking the API when it is missing or unreadable.
+ * @param {Document} doc
+ * @returns {Promise<object>}
+ */
+async function loadConfig(doc) {
+  try {
+    const cfg = JSON.parse(doc.getElementById("chat-config")?.textContent || "");
+    if (cfg && typeof cfg === "object") return cfg;
+  } catch {
+    // fall back below
+  }
+  try {
+    return await api.config();
+  } catch {
+    return { model: doc.body.dataset.model || "", limits: {}, defaults: {} };
+  }
+}
+
+/** @param {Location} loc @returns {string} the same-origin WebSocket URL */
+function socketUrl(loc) {
+  return `${loc.protocol === "https:" ? "wss:" : "ws:"}//${loc.host}/ws`;
+}
+
+/**
+ * Build and start the page.
+ * @param {Window} win
+ */
+async function main(win) {
+  const doc = win.document;
+  const $ = (id) => doc.getElementById(id);
+  const config = await loadConfig(doc);
+  const model = config.model || doc.body.dataset.model || "the model";
+  const limits = config.limits || {};
+
+  const input = $("input");
+  const sendBtn = $("send");
+  const stopBtn = $("stop");
+  const notice = $("notice");
+  const banner = $("conn-banner");
+  const narrow = win.matchMedia("(max-width: 820px)");
+
+  const renderer = createMarkdownRenderer(win);
+  const view = new MessageView({ doc, listEl: $("messages"), scrollEl: $("conversation"), emptyEl: $("empty-state"), renderer });
+
+  // ---- notices, banner, announcements ---------------------------------
+  const notify = (message) => {
+    $("notice-text").textContent = message;
+    notice.hidden = !message;
+  };
+  const announce = (message) => {
+    $("announcer").textContent = message;
+  };
+  let countdown = 0;
+  const showConnection = (s) => {
+    clearInterval(countdown);
+    doc.body.dataset.connection = s.state; // "connecting" | "open" | "closed", for styles and tests
+    if (s.state === "open") {
+      banner.hidden = true;
+      return;
+    }
+    if (s.state === "connecting") {
+      if (!banner.hidden) $("conn-text").textContent = "Reconnecting…";
+      return;
+    }
+    const until = Date.now() + s.retryInMs;
+    const tick = () => {
+      const secs = Math.max(0, Math.ceil((until - Date.now()) / 1000));
+      const why = win.navigator.onLine === false ? "You are offline." : "Connection to the server lost.";
+      $("conn-text").textContent = `${why} Reconnecting${secs ? ` in ${secs} s` : ""}…`;
+    };
+    tick();
+    countdown = setInterval(tick, 1000);
+    banner.hidden = false;
+  };
+
+  // ---- sidebar (off-canvas when narrow) ---------------------------------
+  const setSidebarOpen = (open) => {
+    doc.body.classList.toggle("sidebar-open", open);
+    $("sidebar-toggle").setAttribute("aria-expanded", String(open));
+    $("scrim").hidden = !open;
+    // On a narrow screen the drawer and the chat take turns: what is covered
+    // (or off screen) is inert, so Tab and screen readers skip it.
+    $("sidebar").inert = narrow.matches && !open;
+    $("main").inert = narrow.matches && open;
+    if (open) $("new-chat").focus();
+  };
+  const closeSidebarIfNarrow = () => {
+    if (narrow.matches && doc.body.classList.contains("sidebar-open")) setSidebarOpen(false);
+  };
+
+  // ---- composer ---------------------------------------------------------
+  const autosize = () => {
+    input.style.height = "auto";
+    input.style.height = `${Math.min(input.scrollHeight, 240)}px`;
+  };
+  let busy = false;
+  const refreshSend = () => {
+    sendBtn.disabled = busy || !input.value.trim();
+  };
+  const onChange = (st) => {
+    busy = st.busy;
+    // "loading", or the open chat's id ("new" for an unsaved one) once its history is shown
+    doc.body.dataset.chat = st.loaded ? st.id || "new" : "loading";
+    sendBtn.hidden = st.busy;
+    stopBtn.hidden = !st.busy;
+    stopBtn.disabled = st.stopping;
+    stopBtn.setAttribute("aria-label", st.stopping ? "Stopping…" : "Stop generating");
+    $("chat-heading").textContent = st.title;
+    doc.title = `${st.title} · ${model}`;
+    if (st.restore && !input.value) {
+      input.value = st.restore;
+      autosize();
+    }
+    refreshSend();
+  };
+
+  let controller = null;
+  const socket = new ChatSocket({
+    url: socketUrl(win.location),
+    onFrame: (f) => controller.onFrame(f),
+    onStatus: (s) => {
+      showConnection(s);
+      if (s.state === "open") controller.onOpen();
+    },
+  });
+  const sidebar = new SidebarView({
+    doc,
+    container: $("chat-list"),
+    maxTitleChars: Number(limits.max_title_chars) || 200,
+    onRename: (id, title) => controller.rename(id, title),
+    onDelete: (id) => confirmDelete(id),
+  });
+  controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange });
+  const settings = new SettingsDialog({
+    dialog: $("settings-dialog"),
+    maxTokensLimit: Number(config.max_model_len) || 0,
+    maxSystemPromptChars: Number(limits.max_system_prompt_chars) || 0,
+    defaults: config.defaults || {},
+    onSave: (s) => controller.saveSettings(s),
+  });
+
+  const confirmDialog = $("confirm-dialog");
+  const confirmDelete = (id) => {
+    const title = sidebar.get(id)?.title || "this chat";
+    $("confirm-text").textContent = `“${title}” and all its messages will be deleted.`;
+    confirmDialog.returnValue = "";
+    confirmDialog.onclose = () => {
+      if (confirmDialog.returnValue === "confirm") controller.remove(id);
+    };
+    confirmDialog.showModal();
+  };
+
+  const submit = async () => {
+    const text = input.value;
+    if (!text.trim() || controller.isBusy()) return;
+    input.value = "";
+    autosize();
+    refreshSend();
+    const sent = await controller.send(text);
+    if (!sent && !input.value) {
+      input.value = text;
+      autosize();
+    }
+    refreshSend();
+  };
+
+  // ---- events -----------------------------------------------------------
+  $("composer").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    submit();
+  });
+  input.addEventListener("keydown", (ev) => {
+    // Enter sends; Shift+Enter is a newline; Enter that ends an IME composition does neither.
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && ev.keyCode !== 229) {
+      ev.preventDefault();
+      submit();
+    }
+  });
+  input.addEventListener("input", () => {
+    autosize();
+    refreshSend();
+  });
+  stopBtn.addEventListener("click", () => {
+    controller.stop();
+    input.focus();
+  });
+  $("messages").addEventListener("click", async (ev) => {
+    const btn = ev.target.closest("button");
+    if (!btn) return;
+    if (btn.classList.contains("copy-code")) {
+      const code = btn.closest(".code-block")?.querySelector("pre")?.textContent || "";
+      flash(btn, (await copyText(doc, code)) ? "Copied" : "Copy failed");
+    } else if (btn.classList.contains("copy-msg")) {
+      const ok = await copyText(doc, view.textOf(btn.closest(".msg")));
+      announce(ok ? "Reply copied." : "Could not copy.");
+      if (ok) {
+        btn.replaceChildren(icon(doc, ICONS.check));
+        setTimeout(() => btn.replaceChildren(icon(doc, ICONS.copy)), 1500);
+      }
+    } else if (btn.classList.contains("regenerate")) {
+      controller.regenerate();
+    }
+  });
+  const newChat = () => {
+    closeSidebarIfNarrow();
+    controller.navigate(null);
+    input.focus();
+  };
+  $("new-chat").addEventListener("click", newChat);
+  $("new-chat-top").addEventListener("click", newChat);
+  $("chat-list").addEventListener("click", (ev) => {
+    if (ev.target.closest(".chat-link")) closeSidebarIfNarrow();
+  });
+  $("sidebar-toggle").addEventListener("click", () => setSidebarOpen(!doc.body.classList.contains("sidebar-open")));
+  $("sidebar-close").addEventListener("click", () => {
+    setSidebarOpen(false);
+    $("sidebar-toggle").focus();
+  });
+  $("scrim").addEventListener("click", () => setSidebarOpen(false));
+  narrow.addEventListener("change", () => setSidebarOpen(false));
+  $("open-settings").addEventListener("click", () => settings.open(controller.currentSettings()));
+  $("notice-close").addEventListener("click", () => notify(""));
+  $("conn-retry").addEventListener("click", () => socket.reconnectNow());
+  win.addEventListener("hashchange", () => controller.openFromLocation());
+  win.addEventListener("online", () => socket.reconnectNow());
+  doc.addEventListener("visibilitychange", () => {
+    if (doc.visibilityState === "visible") socket.reconnectNow();
+  });
+  doc.addEventListener("keydown", (ev) => {
+    if (ev.key !== "Escape" || ev.defaultPrevented || doc.querySelector("dialog[open]")) return;
+    if (doc.body.classList.contains("sidebar-open") && narrow.matches) {
+      setSidebarOpen(false);
+    } else if (controller.isBusy()) {
+      controller.stop();
+    }
+  });
+
+  setSidebarOpen(false);
+  socket.start();
+  controller.refreshList();
+  await controller.openFromLocation();
+  if (!narrow.matches) input.focus();
+}
+
+/**
+ * Show a short confirmation on a button, then put its label back.
+ * @param {HTMLButtonElement} btn
+ * @param {string} text
+ */
+function flash(btn, text) {
+  const old = btn.dataset.label || btn.textContent;
+  btn.dataset.label = old;
+  btn.textContent = text;
+  setTimeout(() => {
+    btn.textContent = old;
+  }, 1500);
+}
+
+main(window);

@@ -1,0 +1,68 @@
+// Client of the gateway's HTTP API (docs/protocol.md §3). Same origin; the
+// user cookie travels by itself.
+
+/** An HTTP API failure: `code` is the gateway's error code, or "network". */
+export class ApiError extends Error {
+  /**
+   * @param {string} code  e.g. "not_found", "store_unavailable", "network"
+   * @param {string} message
+   * @param {number} status  HTTP status, 0 when the server was not reached
+   */
+  constructor(code, message, status) {
+    super(message);
+    this.name = "ApiError";
+    this.code = code;
+    this.status = status;
+  }
+}
+
+/**
+ * One request; resolves to the parsed JSON body (null for 204).
+ * @param {string} method
+ * @param {string} path
+ * @param {object} [body]
+ * @returns {Promise<any>}
+ * @throws {ApiError} on a non-2xx answer (code from `{"error": {...}}`) or a network failure
+ */
+async function request(method, path, body) {
+  const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let resp;
+  try {
+    resp = await fetch(path, init);
+  } catch (err) {
+    throw new ApiError("network", String(err && err.message ? err.message : err), 0);
+  }
+  if (resp.status === 204) return null;
+  let data = null;
+  try {
+    data = await resp.json();
+  } catch {
+    data = null;
+  }
+  if (!resp.ok) {
+    const e = (data && data.error) || {};
+    const fallback = resp.status === 404 ? "not_found" : resp.status === 503 ? "store_unavailable" : "internal_error";
+    throw new ApiError(e.code || fallback, e.message || resp.statusText, resp.status);
+  }
+  return data;
+}
+
+/** The gateway's HTTP API: chats of the cookie's user. Every method throws ApiError. */
+export const api = {
+  /** @returns {Promise<{model:string, max_model_len:number, limits:object, defaults:object}>} */
+  config: () => request("GET", "/api/config"),
+  /** @returns {Promise<Array<{id:string, title:string, created_at:number, updated_at:number}>>} newest first */
+  listSessions: async () => (await request("GET", "/api/sessions")).sessions || [],
+  /** @param {{title?:string, system_prompt?:string, params?:object}} body */
+  createSession: (body) => request("POST", "/api/sessions", body),
+  /** @param {string} id  @returns {Promise<object>} the session with `messages` and `active` */
+  getSession: (id) => request("GET", `/api/sessions/${encodeURIComponent(id)}`),
+  /** @param {string} id  @param {{title?:string, system_prompt?:string, params?:object}} body */
+  patchSession: (id, body) => request("PATCH", `/api/sessions/${encodeURIComponent(id)}`, body),
+  /** @param {string} id */
+  deleteSession: (id) => request("DELETE", `/api/sessions/${encodeURIComponent(id)}`),
+};

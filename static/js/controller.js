@@ -1,0 +1,459 @@
+// The chat controller: turns user actions into HTTP calls and WebSocket
+// frames (docs/protocol.md §2-3), and server frames into view updates.
+
+import { ApiError } from "./api.js";
+import { errorText } from "./format.js";
+import { chatIdFromHash, hashForChat } from "./router.js";
+import { ReplyBook, randomId } from "./replies.js";
+import { effectiveSettings } from "./settings.js";
+
+/**
+ * @typedef {object} ControllerDeps
+ * @property {Window} win
+ * @property {object} config  GET /api/config body
+ * @property {typeof import("./api.js").api} api
+ * @property {import("./socket.js").ChatSocket} socket  created by the caller with onFrame/onStatus wired here
+ * @property {import("./messages.js").MessageView} view
+ * @property {import("./sidebar.js").SidebarView} sidebar
+ * @property {(message:string)=>void} notify  shows an error notice ("" hides it)
+ * @property {(message:string)=>void} announce  polite screen-reader announcement
+ * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string,
+ *   loaded:boolean})=>void} onChange
+ *   refresh of the composer and header; `restore` is a refused message to put back in the
+ *   composer; `loaded` is false while the open chat's history is being fetched
+ */
+
+export class ChatController {
+  /** @param {ControllerDeps} deps */
+  constructor(deps) {
+    Object.assign(this, deps);
+    this.book = new ReplyBook();
+    /** @type {string|null} */
+    this.currentId = null;
+    /** @type {object|null} the open chat's session (without messages) */
+    this.session = null;
+    /** Settings chosen for the unsaved new chat. */
+    this.draft = null;
+    this.loadToken = 0;
+    this.wasOpen = false;
+    /** True while the first message of a new chat waits for the chat to be created. */
+    this.creating = false;
+    /** @type {string|undefined} see restoreInput */
+    this.restoreText = undefined;
+    this.limits = { maxFrameBytes: Number((deps.config.limits || {}).max_frame_bytes) || 0 };
+  }
+
+  // ---- navigation -------------------------------------------------------
+
+  /** Open the chat named by the URL fragment (a new chat when none). */
+  openFromLocation() {
+    return this.openChat(chatIdFromHash(this.win.location.hash));
+  }
+
+  /**
+   * Show a chat: its history, and its running reply if any (re-attached
+   * with `resume`, from seq 0 unless this page already follows it).
+   * @param {string|null} id  null for a new, unsaved chat
+   */
+  async openChat(id) {
+    const token = ++this.loadToken;
+    this.currentId = id;
+    this.session = null;
+    for (const r of this.book.replies.values()) r.el = null;
+    this.view.clear();
+    this.sidebar.setActive(id);
+    this.changed();
+    if (!id) return;
+    let s;
+    try {
+      s = await this.api.getSession(id);
+    } catch (err) {
+      if (token !== this.loadToken) return;
+      if (err instanceof ApiError && err.code === "not_found") {
+        this.sidebar.remove(id);
+        this.notify("That chat no longer exists.");
+        this.navigate(null, { replace: true });
+      } else {
+        this.notify(this.apiErrorText(err));
+      }
+      return;
+    }
+    if (token !== this.loadToken) return;
+    this.showSession(s);
+  }
+
+  /**
+   * Draw a freshly loaded session and attach to its running reply.
+   * @param {object} s  GET /api/sessions/{id} body
+   * @private
+   */
+  showSession(s) {
+    this.session = s;
+    const active = s.active || null;
+    const history = (s.messages || []).filter((m) => !active || m.id !== active.message_id);
+    this.view.showHistory(history);
+    this.sidebar.upsert({ id: s.id, title: s.title, created_at: s.created_at, updated_at: s.updated_at });
+    if (active) {
+      let r = this.book.replies.get(active.request_id);
+      const isNew = !r;
+      if (!r) r = this.book.attach(active.request_id, s.id, active.message_id);
+      r.el = this.view.addAssistant(r.messageId);
+      this.view.startStreaming(r.el);
+      if (r.text) this.view.setStreamingText(r.el, r.text);
+      if (isNew) this.socket.send({ type: "resume", request_id: r.requestId, last_seq: 0 });
+    }
+    this.changed();
+  }
+
+  /**
+   * Change the URL to a chat and show it. With `replace` no history entry is
+   * added (used when the current entry's chat is gone).
+   * @param {string|null} id
+   * @param {{replace?:boolean}} [opts]
+   */
+  navigate(id, opts = {}) {
+    const hash = hashForChat(id);
+    if (opts.replace) {
+      this.win.history.replaceState(null, "", hash);
+      if (id !== this.currentId) this.openChat(id);
+    } else if (this.win.location.hash !== hash) {
+      this.win.location.hash = hash; // hashchange opens it
+    } else {
+      this.openChat(id);
+    }
+  }
+
+  // ---- user actions -----------------------------------------------------
+
+  /**
+   * Send a user message in the open chat, creating the chat first when it is new.
+   * @param {string} content
+   * @returns {Promise<boolean>} false when nothing was sent (the caller keeps the text)
+   */
+  async send(content) {
+    if (!content.trim() || this.isBusy() || this.creating) return false;
+    const bytes = new TextEncoder().encode(content).length;
+    if (this.limits.maxFrameBytes && bytes + 512 > this.limits.maxFrameBytes) {
+      this.notify(errorText("frame_too_large", "", this.limits));
+      return false;
+    }
+    this.notify("");
+    let id = this.currentId;
+    if (!id) {
+      // Untouched settings are left to the server, so its defaults apply.
+      const body = this.draft ? { system_prompt: this.draft.system_prompt, params: this.draft.params } : {};
+      let s;
+      const token = this.loadToken;
+      this.creating = true; // a second Enter must not create a second chat
+      try {
+        s = await this.api.createSession(body);
+      } catch (err) {
+        this.notify(this.apiErrorText(err));
+        return false;
+      } finally {
+        this.creating = false;
+      }
+      id = s.id;
+      this.draft = null;
+      // Until `done` brings the server's title, the first line stands in for it.
+      const provisional = content.trim().split("\n")[0].slice(0, 60);
+      this.sidebar.upsert({ id, title: s.title || provisional, created_at: s.created_at, updated_at: s.updated_at });
+      if (token === this.loadToken) {
+        this.currentId = id;
+        this.session = s;
+        this.loadToken++;
+        this.win.history.replaceState(null, "", hashForChat(id));
+        this.sidebar.setActive(id);
+      } // else the user opened another chat meanwhile: the message still goes to the new one
+    }
+    const frame = { type: "chat", session_id: id, content, client_msg_id: randomId() };
+    const userEl = id === this.currentId ? this.view.addUser(content, null) : null;
+    this.book.pending.set(id, { sessionId: id, kind: "chat", frame, sent: false, content, userEl, cancelRequested: false });
+    this.flushPending();
+    this.changed();
+    return true;
+  }
+
+  /** Replace the open chat's last reply with a new one. */
+  regenerate() {
+    const id = this.currentId;
+    if (!id || this.isBusy()) return;
+    this.notify("");
+    const frame = { type: "regenerate", session_id: id };
+    this.book.pending.set(id, { sessionId: id, kind: "regenerate", frame, sent: false, content: "", userEl: null, cancelRequested: false });
+    this.flushPending();
+    this.changed();
+  }
+
+  /** Stop the open chat's reply (`cancel`); its partial text is kept. */
+  stop() {
+    const id = this.currentId;
+    if (!id) return;
+    const r = this.book.replyOf(id);
+    if (r) {
+      if (!r.stopRequested) {
+        r.stopRequested = true;
+        this.socket.send({ type: "cancel", request_id: r.requestId });
+      }
+    } else {
+      const p = this.book.pending.get(id);
+      if (p) p.cancelRequested = true; // sent once `start` names the reply
+    }
+    this.changed();
+  }
+
+  /**
+   * @param {string} id
+   * @param {string} title
+   */
+  async rename(id, title) {
+    try {
+      const s = await this.api.patchSession(id, { title });
+      this.sidebar.upsert({ id, title: s.title ?? title, updated_at: s.updated_at });
+      if (id === this.currentId && this.session) this.session.title = s.title ?? title;
+      this.changed();
+    } catch (err) {
+      this.notify(this.apiErrorText(err));
+      this.sidebar.setSessions(this.sidebar.sessions); // redraw the old title
+    }
+  }
+
+  /** @param {string} id  deleted on the server, then from the list */
+  async remove(id) {
+    try {
+      await this.api.deleteSession(id);
+    } catch (err) {
+      if (!(err instanceof ApiError && err.code === "not_found")) {
+        this.notify(this.apiErrorText(err));
+        return;
+      }
+    }
+    this.sidebar.remove(id);
+    this.book.pending.delete(id);
+    for (const r of [...this.book.replies.values()]) if (r.sessionId === id) this.book.replies.delete(r.requestId);
+    if (id === this.currentId) this.navigate(null, { replace: true });
+  }
+
+  /** @returns {import("./settings.js").ChatSettings} the open chat's settings */
+  currentSettings() {
+    return this.currentId ? effectiveSettings(this.session, this.config.defaults) : this.draft || effectiveSettings(null, this.config.defaults);
+  }
+
+  /**
+   * Save settings: PATCH for a stored chat, kept locally for a new one.
+   * @param {import("./settings.js").ChatSettings} settings
+   * @throws {Error} with a user-facing message when the server refuses
+   */
+  async saveSettings(settings) {
+    if (!this.currentId) {
+      this.draft = settings;
+      return;
+    }
+    const id = this.currentId;
+    const params = { ...((this.session && this.session.params) || {}), ...settings.params };
+    try {
+      const s = await this.api.patchSession(id, { system_prompt: settings.system_prompt, params });
+      if (id === this.currentId) this.session = { ...(this.session || {}), ...s };
+    } catch (err) {
+      throw new Error(this.apiErrorText(err));
+    }
+  }
+
+  /** Reload the chat list. */
+  async refreshList() {
+    try {
+      this.sidebar.setSessions(await this.api.listSessions());
+    } catch (err) {
+      this.notify(this.apiErrorText(err));
+    }
+  }
+
+  // ---- socket -----------------------------------------------------------
+
+  /**
+   * The socket (re)opened: send what waited, re-attach to the open chat's
+   * reply from the last seq seen, forget replies of other chats (opening
+   * them later resumes from 0).
+   */
+  onOpen() {
+    const reconnect = this.wasOpen;
+    this.wasOpen = true;
+    let reload = false;
+    for (const p of [...this.book.pending.values()]) {
+      // A chat frame carries client_msg_id, so re-sending it is safe; a
+      // regenerate is not, so the chat is re-read to see whether it started.
+      if (p.sent && p.kind === "regenerate") {
+        this.book.pending.delete(p.sessionId);
+        if (p.sessionId === this.currentId) reload = true;
+      } else {
+        p.sent = false;
+      }
+    }
+    this.flushPending();
+    for (const r of [...this.book.replies.values()]) {
+      if (r.sessionId !== this.currentId) {
+        this.book.replies.delete(r.requestId);
+        continue;
+      }
+      this.socket.send({ type: "resume", request_id: r.requestId, last_seq: r.lastSeq });
+      if (r.stopRequested) this.socket.send({ type: "cancel", request_id: r.requestId });
+    }
+    if (reconnect) {
+      this.refreshList();
+      if (reload && this.currentId) this.openChat(this.currentId);
+    }
+    this.changed();
+  }
+
+  /**
+   * One server frame.
+   * @param {{type:string}} f
+   */
+  onFrame(f) {
+    switch (f.type) {
+      case "start":
+        return this.onStart(f);
+      case "delta": {
+        const r = this.book.applyDelta(f);
+        if (r && r.el) this.view.setStreamingText(r.el, r.text);
+        return;
+      }
+      case "done":
+        return this.onDone(f);
+      case "error":
+        return this.onError(f);
+      default:
+        return;
+    }
+  }
+
+  /** @private */
+  onStart(f) {
+    const known = this.book.replies.get(f.request_id);
+    if (known) {
+      // The answer to our resume.
+      if (f.message_id) known.messageId = f.message_id;
+      return;
+    }
+    const p = this.book.pending.get(f.session_id);
+    if (!p) return;
+    this.book.pending.delete(f.session_id);
+    const r = this.book.attach(f.request_id, f.session_id, f.message_id);
+    Object.assign(r, { kind: p.kind, content: p.content, userEl: p.userEl });
+    if (p.userEl && f.user_message_id) p.userEl.dataset.messageId = f.user_message_id;
+    if (f.session_id === this.currentId) {
+      if (p.kind === "regenerate") {
+        const old = this.view.lastAssistant();
+        if (old) old.remove();
+      }
+      r.el = this.view.addAssistant(f.message_id);
+      this.view.startStreaming(r.el);
+      this.announce("The assistant is replying.");
+    }
+    if (p.cancelRequested) {
+      r.stopRequested = true;
+      this.socket.send({ type: "cancel", request_id: r.requestId });
+    }
+    this.changed();
+  }
+
+  /** @private */
+  onDone(f) {
+    const r = this.book.replies.get(f.request_id);
+    if (!r) return;
+    this.book.replies.delete(f.request_id);
+    if (r.el) {
+      this.view.finish(r.el, {
+        id: f.message_id,
+        content: r.text,
+        finish_reason: f.finish_reason,
+        usage: f.usage,
+        timings: f.timings,
+      });
+      this.announce(f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply failed." : "Reply finished.");
+    }
+    const summary = { id: r.sessionId, updated_at: Date.now() / 1000 };
+    if (f.title) summary.title = f.title;
+    this.sidebar.upsert(summary);
+    if (f.title && r.sessionId === this.currentId && this.session) this.session.title = f.title;
+    this.changed();
+  }
+
+  /** @private */
+  onError(f) {
+    const text = errorText(f.code, f.message, this.limits);
+    const r = f.request_id ? this.book.replies.get(f.request_id) : undefined;
+    if (r) {
+      this.book.replies.delete(r.requestId);
+      if (r.sessionId === this.currentId) {
+        // Either the reply's stream is gone (not_found on a resume) or the
+        // engine refused the turn after `start`, in which case the gateway
+        // removed the user message (or put the old reply back). Either way
+        // the stored chat is the truth, so it is read again.
+        if (r.el) r.el.remove();
+        if (r.userEl) r.userEl.remove();
+        if (f.code !== "not_found") {
+          if (r.kind === "chat") this.restoreInput(r.content);
+          this.notify(text);
+        }
+        this.openChat(this.currentId);
+      }
+      this.changed();
+      return;
+    }
+    const p = this.book.pendingForError(f);
+    if (p) {
+      this.book.pending.delete(p.sessionId);
+      if (p.userEl) p.userEl.remove();
+      if (p.kind === "chat" && p.sessionId === this.currentId) this.restoreInput(p.content);
+      this.view.updateRegenerate(true);
+      if (p.sessionId === this.currentId || !this.currentId) this.notify(text);
+      this.changed();
+      return;
+    }
+    this.notify(text);
+  }
+
+  // ---- helpers ----------------------------------------------------------
+
+  /** @returns {boolean} whether the open chat waits for or streams a reply */
+  isBusy() {
+    return this.book.isBusy(this.currentId);
+  }
+
+  /** @private Send every pending frame not sent yet (no-op while disconnected). */
+  flushPending() {
+    for (const p of this.book.pending.values()) {
+      if (!p.sent && this.socket.send(p.frame)) p.sent = true;
+    }
+  }
+
+  /** @private */
+  apiErrorText(err) {
+    if (err instanceof ApiError) return errorText(err.code, err.message, this.limits);
+    return errorText("internal_error", String(err));
+  }
+
+  /**
+   * Have the next `onChange` put a refused message back in the composer
+   * (the page does so only if nothing new was typed).
+   * @private
+   */
+  restoreInput(content) {
+    this.restoreText = content;
+  }
+
+  /** @private Tell the page to refresh its composer and header. */
+  changed() {
+    const busy = this.isBusy();
+    const r = this.currentId ? this.book.replyOf(this.currentId) : undefined;
+    const p = this.currentId ? this.book.pending.get(this.currentId) : undefined;
+    const stopping = !!((r && r.stopRequested) || (p && p.cancelRequested));
+    const title = this.currentId ? (this.sidebar.get(this.currentId)?.title || (this.session && this.session.title) || "New chat") : "New chat";
+    this.view.updateRegenerate(!busy);
+    const restore = this.restoreText;
+    this.restoreText = undefined;
+    const loaded = !this.currentId || (!!this.session && this.session.id === this.currentId);
+    this.onChange({ id: this.currentId, busy, stopping, title, restore, loaded });
+  }
+}

@@ -1,0 +1,133 @@
+// Pure formatting helpers: reply statistics, error texts, chat-list date groups.
+// No DOM access here, so each function can be reasoned about (and tested) alone.
+
+/**
+ * Speed figures for one reply, from the `usage` and `timings` objects of a
+ * `done` frame or a stored message (docs/protocol.md §2).
+ * @param {{prompt_tokens?:number, cached_tokens?:number, completion_tokens?:number}|null|undefined} usage  counts in tokens
+ * @param {{ttft_ms?:number, tpot_ms?:number, e2e_ms?:number}|null|undefined} timings  durations in ms
+ * @returns {{ttftMs:number|null, tokensPerSecond:number|null, cachedTokens:number|null, completionTokens:number|null}}
+ *   tokensPerSecond is the decode rate: completion tokens after the first
+ *   divided by the time after the first token, else 1000 / tpot_ms.
+ */
+export function replyStats(usage, timings) {
+  const u = usage || {};
+  const t = timings || {};
+  const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : null);
+  const ttft = num(t.ttft_ms);
+  const e2e = num(t.e2e_ms);
+  const tpot = num(t.tpot_ms);
+  const completion = num(u.completion_tokens);
+  let rate = null;
+  // The first token's time is TTFT; the decode rate covers the tokens after it.
+  if (completion !== null && completion > 1 && ttft !== null && e2e !== null && e2e > ttft) {
+    rate = (completion - 1) / ((e2e - ttft) / 1000);
+  } else if (tpot !== null && tpot > 0) {
+    rate = 1000 / tpot;
+  }
+  return { ttftMs: ttft, tokensPerSecond: rate, cachedTokens: num(u.cached_tokens), completionTokens: completion };
+}
+
+/**
+ * One short line such as "TTFT 84 ms · 41.2 tok/s · 32 cached"; empty when
+ * nothing is known.
+ * @param {ReturnType<typeof replyStats>} s
+ * @returns {string}
+ */
+export function formatStats(s) {
+  const parts = [];
+  if (s.ttftMs !== null) parts.push(`TTFT ${Math.round(s.ttftMs)} ms`);
+  if (s.tokensPerSecond !== null) parts.push(`${s.tokensPerSecond.toFixed(1)} tok/s`);
+  if (s.cachedTokens !== null) parts.push(`${s.cachedTokens} cached`);
+  return parts.join(" · ");
+}
+
+/**
+ * A longer description for the stats line's tooltip.
+ * @param {object|null|undefined} usage
+ * @param {object|null|undefined} timings
+ * @returns {string}
+ */
+export function describeStats(usage, timings) {
+  const u = usage || {};
+  const t = timings || {};
+  const lines = [];
+  if (u.prompt_tokens != null) lines.push(`Prompt: ${u.prompt_tokens} tokens (${u.cached_tokens ?? 0} from cache)`);
+  if (u.completion_tokens != null) lines.push(`Reply: ${u.completion_tokens} tokens`);
+  if (t.ttft_ms != null) lines.push(`Time to first token: ${Math.round(t.ttft_ms)} ms`);
+  if (t.tpot_ms != null) lines.push(`Time per output token: ${Number(t.tpot_ms).toFixed(1)} ms`);
+  if (t.e2e_ms != null) lines.push(`Total: ${(t.e2e_ms / 1000).toFixed(2)} s`);
+  return lines.join("\n");
+}
+
+/**
+ * @param {number} n  a size in bytes
+ * @returns {string} e.g. "4 MiB", "1.5 MiB", "512 KiB", "900 bytes"
+ */
+export function formatBytes(n) {
+  const units = [["MiB", 1024 * 1024], ["KiB", 1024]];
+  for (const [name, size] of units) {
+    if (n >= size) {
+      const v = n / size;
+      return `${Number.isInteger(v) ? v : v.toFixed(1)} ${name}`;
+    }
+  }
+  return `${n} bytes`;
+}
+
+/**
+ * The sentence shown to the user for a gateway error code (docs/protocol.md §2).
+ * @param {string} code  e.g. "busy", "engine_unavailable"
+ * @param {string} [serverMessage]  the frame's own message, used where it helps
+ * @param {{maxFrameBytes?:number}} [limits]
+ * @returns {string}
+ */
+export function errorText(code, serverMessage, limits) {
+  const detail = serverMessage ? ` (${serverMessage})` : "";
+  switch (code) {
+    case "busy":
+      return "This chat is still writing a reply. Wait for it to finish, or stop it first.";
+    case "engine_unavailable":
+      return "The model server is not reachable right now. Your message was not sent; try again in a moment.";
+    case "store_unavailable":
+      return "Chat storage (Redis) is unreachable, so nothing can be saved right now. Try again shortly.";
+    case "rate_limited":
+      return "You are sending messages too quickly. Wait a few seconds and try again.";
+    case "context_length_exceeded":
+      return "This conversation no longer fits in the model's context window. Start a new chat or send a shorter message.";
+    case "frame_too_large": {
+      const max = limits && limits.maxFrameBytes;
+      const size = max ? ` (the limit is ${formatBytes(max)})` : "";
+      return `That message is too large to send${size}. Shorten it and try again.`;
+    }
+    case "too_many_generations":
+      return "Too many replies are being written at once. Wait for one to finish.";
+    case "too_many_sessions":
+      return "You have reached the maximum number of chats. Delete some to start new ones.";
+    case "invalid_request":
+      return `The request was refused${detail}. Check this chat's settings.`;
+    case "not_found":
+      return "This chat or reply no longer exists.";
+    case "network":
+      return "The server cannot be reached. Check that it is running.";
+    default:
+      return `Something went wrong${detail}.`;
+  }
+}
+
+/**
+ * Label of the chat-list group a chat falls into, by its last update.
+ * @param {number} updatedAt  Unix time in seconds
+ * @param {Date} now
+ * @returns {"Today"|"Yesterday"|"Previous 7 days"|"Previous 30 days"|"Older"}
+ */
+export function dateGroup(updatedAt, now) {
+  const startOfToday = new Date(now.getFullYear(), now.getMonth(), now.getDate()).getTime();
+  const t = updatedAt * 1000;
+  const day = 24 * 3600 * 1000;
+  if (t >= startOfToday) return "Today";
+  if (t >= startOfToday - day) return "Yesterday";
+  if (t >= startOfToday - 7 * day) return "Previous 7 days";
+  if (t >= startOfToday - 30 * day) return "Previous 30 days";
+  return "Older";
+}

@@ -1,0 +1,288 @@
+// The conversation pane: user and assistant messages, the streaming reply
+// (re-rendered at most once per animation frame), and per-reply stats.
+
+import { replyStats, formatStats, describeStats } from "./format.js";
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+/**
+ * A small stroked icon, built with DOM calls.
+ * @param {Document} doc
+ * @param {string} pathData  SVG path "d" attribute (24x24 box)
+ * @returns {SVGSVGElement}
+ */
+export function icon(doc, pathData) {
+  const svg = doc.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("viewBox", "0 0 24 24");
+  svg.setAttribute("aria-hidden", "true");
+  svg.setAttribute("class", "icon");
+  const path = doc.createElementNS(SVG_NS, "path");
+  path.setAttribute("d", pathData);
+  svg.append(path);
+  return svg;
+}
+
+export const ICONS = {
+  copy: "M9 9h10v10H9zM5 15V5h10",
+  regenerate: "M20 11a8 8 0 1 0-2.3 5.7M20 5v6h-6",
+  check: "M5 12l5 5 9-10",
+};
+
+/**
+ * The message list. It owns the DOM under `listEl` and nothing else; the
+ * controller tells it what happened.
+ */
+export class MessageView {
+  /**
+   * @param {{doc:Document, listEl:HTMLElement, scrollEl:HTMLElement,
+   *          emptyEl:HTMLElement, renderer:{render:(el:HTMLElement, text:string)=>void}}} opts
+   */
+  constructor(opts) {
+    this.doc = opts.doc;
+    this.listEl = opts.listEl;
+    this.scrollEl = opts.scrollEl;
+    this.emptyEl = opts.emptyEl;
+    this.renderer = opts.renderer;
+    /** @type {WeakMap<HTMLLIElement, {text:string, raf:number}>} per assistant message */
+    this.replyState = new WeakMap();
+  }
+
+  /** @private */
+  st(li) {
+    let s = this.replyState.get(li);
+    if (!s) {
+      s = { text: "", raf: 0 };
+      this.replyState.set(li, s);
+    }
+    return s;
+  }
+
+  /**
+   * @param {HTMLLIElement} li
+   * @returns {string} the assistant message's raw markdown
+   */
+  textOf(li) {
+    return this.st(li).text;
+  }
+
+  /** Remove every message and show the empty state. */
+  clear() {
+    this.listEl.replaceChildren();
+    this.updateEmpty();
+  }
+
+  /**
+   * Show a stored history (GET /api/sessions/{id} `messages`).
+   * @param {Array<{id:string, role:string, content:string, status?:string, finish_reason?:string, usage?:object, timings?:object}>} messages
+   */
+  showHistory(messages) {
+    this.listEl.replaceChildren();
+    for (const m of messages) {
+      if (m.role === "user") this.addUser(m.content, m.id);
+      else if (m.role === "assistant") this.finish(this.addAssistant(m.id), m);
+      // system messages are shown in the settings panel, not in the flow
+    }
+    this.updateEmpty();
+    this.scrollToBottom();
+  }
+
+  /**
+   * @param {string} content  shown as plain text
+   * @param {string|null} [id]  the stored message id, once known
+   * @returns {HTMLLIElement}
+   */
+  addUser(content, id) {
+    const li = this.doc.createElement("li");
+    li.className = "msg user";
+    if (id) li.dataset.messageId = id;
+    const sr = this.srLabel("You said:");
+    const body = this.doc.createElement("div");
+    body.className = "msg-body";
+    body.textContent = content;
+    li.append(sr, body);
+    this.listEl.append(li);
+    this.updateEmpty();
+    this.scrollToBottom();
+    return li;
+  }
+
+  /**
+   * An empty assistant message, ready to stream into or to finish at once.
+   * @param {string|null} id
+   * @returns {HTMLLIElement}
+   */
+  addAssistant(id) {
+    const d = this.doc;
+    const li = d.createElement("li");
+    li.className = "msg assistant";
+    if (id) li.dataset.messageId = id;
+    const avatar = d.createElement("div");
+    avatar.className = "avatar";
+    avatar.setAttribute("aria-hidden", "true");
+    const main = d.createElement("div");
+    main.className = "msg-main";
+    const body = d.createElement("div");
+    body.className = "msg-body markdown";
+    const typing = d.createElement("div");
+    typing.className = "typing";
+    typing.setAttribute("aria-hidden", "true");
+    typing.append(d.createElement("span"), d.createElement("span"), d.createElement("span"));
+    typing.hidden = true;
+    const meta = d.createElement("div");
+    meta.className = "msg-meta";
+    const badge = d.createElement("span");
+    badge.className = "badge";
+    badge.hidden = true;
+    const stats = d.createElement("span");
+    stats.className = "stats";
+    const actions = d.createElement("span");
+    actions.className = "msg-actions";
+    actions.append(
+      this.iconButton("copy-msg", "Copy reply", ICONS.copy),
+      this.iconButton("regenerate", "Regenerate reply", ICONS.regenerate),
+    );
+    meta.append(badge, stats, actions);
+    main.append(this.srLabel("Assistant said:"), body, typing, meta);
+    li.append(avatar, main);
+    this.listEl.append(li);
+    this.updateEmpty();
+    return li;
+  }
+
+  /**
+   * Mark an assistant message as streaming: typing dots, busy live region.
+   * @param {HTMLLIElement} li
+   */
+  startStreaming(li) {
+    li.classList.add("streaming");
+    const body = li.querySelector(".msg-body");
+    body.setAttribute("aria-live", "polite");
+    body.setAttribute("aria-busy", "true");
+    li.querySelector(".typing").hidden = false;
+    li.querySelector(".msg-meta").hidden = true;
+    this.scrollToBottom();
+  }
+
+  /**
+   * Set the streamed text so far; the markdown render happens on the next
+   * animation frame, once however many deltas arrived in between.
+   * @param {HTMLLIElement} li
+   * @param {string} text  the whole reply so far
+   */
+  setStreamingText(li, text) {
+    const st = this.st(li);
+    st.text = text;
+    if (st.raf) return;
+    st.raf = requestAnimationFrame(() => {
+      st.raf = 0;
+      this.renderNow(li);
+    });
+  }
+
+  /**
+   * Render an assistant message's text now (markdown, sanitised).
+   * @param {HTMLLIElement} li
+   */
+  renderNow(li) {
+    const stick = this.isNearBottom();
+    const text = this.st(li).text;
+    this.renderer.render(li.querySelector(".msg-body"), text);
+    li.querySelector(".typing").hidden = !(li.classList.contains("streaming") && !text);
+    if (stick) this.scrollToBottom();
+  }
+
+  /**
+   * Finish an assistant message: final text, badge, stats line.
+   * @param {HTMLLIElement} li
+   * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object}} info
+   */
+  finish(li, info) {
+    const stick = this.isNearBottom();
+    const st = this.st(li);
+    if (st.raf) cancelAnimationFrame(st.raf);
+    st.raf = 0;
+    if (typeof info.content === "string") st.text = info.content;
+    if (info.id) li.dataset.messageId = info.id;
+    li.classList.remove("streaming");
+    const body = li.querySelector(".msg-body");
+    body.removeAttribute("aria-busy");
+    body.removeAttribute("aria-live");
+    this.renderNow(li);
+    li.querySelector(".typing").hidden = true;
+    const reason = info.finish_reason;
+    const status = info.status || (reason === "abort" ? "partial" : reason === "error" ? "error" : "complete");
+    li.dataset.status = status;
+    const badge = li.querySelector(".badge");
+    badge.hidden = status === "complete" && reason !== "length";
+    badge.className = `badge badge-${status === "complete" ? "length" : status}`;
+    badge.textContent = status === "partial" ? "partial" : status === "error" ? "error" : "max tokens";
+    badge.title =
+      status === "partial" ? "Stopped before the end: this is what was written so far"
+      : status === "error" ? "The reply was interrupted by an error"
+      : "The reply reached its max tokens limit";
+    const stats = li.querySelector(".stats");
+    stats.textContent = formatStats(replyStats(info.usage, info.timings));
+    stats.title = describeStats(info.usage, info.timings);
+    li.querySelector(".msg-meta").hidden = false;
+    if (!st.text && status === "error") {
+      const p = this.doc.createElement("p");
+      p.className = "muted";
+      p.textContent = "No reply was produced.";
+      body.replaceChildren(p);
+    }
+    if (stick) this.scrollToBottom();
+  }
+
+  /**
+   * Show the Regenerate button on the last assistant message only, and only when idle.
+   * @param {boolean} idle
+   */
+  updateRegenerate(idle) {
+    const all = this.listEl.querySelectorAll(".msg.assistant");
+    const last = all.length ? all[all.length - 1] : null;
+    const lastIsAssistant = last !== null && this.listEl.lastElementChild === last;
+    for (const li of all) {
+      li.querySelector(".regenerate").hidden = !(idle && lastIsAssistant && li === last);
+    }
+  }
+
+  /** @returns {HTMLLIElement|null} the last assistant message, if it is the last message */
+  lastAssistant() {
+    const last = this.listEl.lastElementChild;
+    return last && last.classList.contains("assistant") ? last : null;
+  }
+
+  /** @returns {boolean} whether the view is scrolled (nearly) to the end */
+  isNearBottom() {
+    const el = this.scrollEl;
+    return el.scrollHeight - el.scrollTop - el.clientHeight < 80;
+  }
+
+  scrollToBottom() {
+    this.scrollEl.scrollTop = this.scrollEl.scrollHeight;
+  }
+
+  /** @private */
+  updateEmpty() {
+    this.emptyEl.hidden = this.listEl.childElementCount > 0;
+  }
+
+  /** @private */
+  srLabel(text) {
+    const h = this.doc.createElement("h2");
+    h.className = "visually-hidden";
+    h.textContent = text;
+    return h;
+  }
+
+  /** @private */
+  iconButton(cls, label, pathData) {
+    const b = this.doc.createElement("button");
+    b.type = "button";
+    b.className = `icon-btn small ${cls}`;
+    b.setAttribute("aria-label", label);
+    b.title = label;
+    b.append(icon(this.doc, pathData));
+    return b;
+  }
+}
