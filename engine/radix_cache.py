@@ -1,0 +1,539 @@
+r"""Radix-tree prefix cache over a ``BlockPool``: page-aligned token prefixes -> KV blocks.
+
+Algorithm: RadixAttention from SGLang (Zheng et al. 2023, "Efficiently Programming
+Large Language Models using SGLang"), with SGLang's page-aligned variant: only full
+blocks are ever in the tree, so every edge holds ``k * block_size`` tokens and ``k``
+block ids. Written from the paper's description, not from its code.
+
+Tree layout::
+
+    root                         (no tokens, no blocks, never evicted)
+     +-- "ns-A"                  namespace node: cache salt (weights id + cache_salt);
+     |    +-- [t0..t31] [b7 b3]  edge of 2 pages (block_size 16): tokens -> blocks
+     |    |    +-- [t32..t47] [b12]
+     |    |    +-- [u32..u63] [b5 b9]
+     |    +-- ...
+     +-- "ns-B"                  requests of different namespaces never share blocks
+
+Ownership of one request R (prompt = 2 pages matched from the tree, 1 full page and
+1 partial page computed by R)::
+
+    tokens   | page 0 | page 1 | page 2 | part |
+    blocks      b7       b3       b12     b20
+             \_ in the tree _/ \_ private to R _/
+    refcount(b7) = 1 (tree) + 1 (R) + 1 per other running request that matched it
+    refcount(b12) = 1 (R)
+    lock_ref of the node covering [page 0, page 1] (and of its ancestors) counts R
+
+    R finishes: insert(pages 0..2, [b7, b3, b12]) -> the tree increfs b12 (new page);
+    R decrefs b7 b3 b12 b20 -> b20 is free, b12 stays with refcount 1 (the tree's);
+    R unlocks its matched node.
+
+Rules:
+- BlockPool refcount of a block = number of holders; the tree holds exactly one
+  reference on every block stored in it, and stores each block at most once.
+- ``lock_ref`` of a node = running requests whose locked node is it or a descendant.
+  Only nodes with lock_ref 0 are evictable, leaves first, least recently used first.
+- A running request keeps locked a node whose path covers exactly the tree blocks it
+  holds, and holds a reference on every block of that path. After a mid-run insert
+  it adopts the tree's path: ``match_prefix`` the inserted tokens, ``lock`` +
+  ``incref`` the result, then ``unlock`` its old node and ``decref`` its own blocks of
+  those pages (some of them were duplicates of pages the tree already had).
+
+Accounting identity (the engine checks it when idle; ACCEPTANCE C04)::
+
+    pool.num_free + cache.num_evictable_blocks + |blocks held by running requests|
+        == pool.num_blocks
+
+where the last term counts each block once, however many requests hold it, and
+``num_evictable_blocks`` counts each tree block once. After ``evict`` of everything
+with no running request, ``pool.num_free == pool.num_blocks``.
+
+Not thread-safe: the scheduler's step loop is its only user.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool
+
+
+class RadixCacheError(RuntimeError):
+    """A caller broke the cache's contract: unlock below 0, lock of a node that was
+    evicted or invalidated, or insert of a block that the tree already stores."""
+
+
+class RadixNode:
+    """One tree node; an opaque handle for callers (pass it back to ``lock``/``unlock``).
+
+    ``tokens`` is the edge label (a tuple, ``len(blocks) * block_size`` tokens) and
+    ``blocks`` its KV block ids; namespace nodes and the root have neither.
+    """
+
+    __slots__ = ("parent", "tokens", "blocks", "children", "lock_ref", "last_access",
+                 "uid", "namespace", "removed")
+
+    def __init__(self, parent: RadixNode | None, tokens: tuple[int, ...], blocks: list[int],
+                 uid: int, last_access: int, namespace: str | None = None) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.blocks = blocks
+        # Children are keyed by their first page of tokens (namespace nodes: by name).
+        # Edges are page-aligned, so two children never share a first page.
+        self.children: dict[object, RadixNode] = {}
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.uid = uid
+        self.namespace = namespace
+        self.removed = False
+
+    def __repr__(self) -> str:
+        what = f"ns={self.namespace!r}" if self.namespace is not None else f"pages={len(self.blocks)}"
+        return f"RadixNode(uid={self.uid}, {what}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    """What ``match_prefix`` found.
+
+    Attributes:
+        blocks: block ids of the matched pages, in order (``num_tokens / block_size``).
+        num_tokens: matched tokens, a multiple of block_size (0 when nothing matched).
+        node: the deepest matched node (the root when nothing matched); lock it.
+        epoch: the namespace's invalidation epoch at match time; pass it to ``insert``
+            so that KV computed before an ``invalidate_namespace`` is never stored.
+    """
+
+    blocks: list[int]
+    num_tokens: int
+    node: RadixNode
+    epoch: int = 0
+
+
+@dataclass
+class InsertResult:
+    """What ``insert`` did.
+
+    Attributes:
+        num_existing_tokens: leading tokens whose pages the tree already had (it kept
+            its own blocks for them).
+        num_new_tokens: tokens whose pages the tree newly stored (it increfed those).
+        duplicate_blocks: the caller's blocks that were not stored because the tree
+            already had an equal page under a different block id (redundant copies).
+        node: the deepest node of the inserted path (the root when nothing was stored
+            or matched); lock it to keep the path pinned while the request runs.
+    """
+
+    num_existing_tokens: int
+    num_new_tokens: int
+    duplicate_blocks: list[int]
+    node: RadixNode
+
+
+class RadixCache:
+    """Prefix cache: a radix tree of page-aligned token prefixes, per namespace.
+
+    Counters (each tree block counted once): ``num_cached_blocks`` (all blocks the tree
+    holds a reference on), ``num_evictable_blocks`` (those in nodes with lock_ref 0)
+    and ``num_locked_blocks`` (the rest, including blocks of invalidated but still
+    locked nodes).
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, enabled: bool = True) -> None:
+        """Build an empty cache over ``pool`` with ``block_size`` tokens per block.
+
+        When ``enabled`` is False, ``match_prefix`` matches nothing and ``insert``
+        stores nothing, so the scheduler keeps one code path.
+
+        Raises:
+            ValueError: ``block_size < 1``.
+        """
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self.enabled = enabled
+        self._uids = itertools.count()
+        self._clock = 0  # logical time: bumped by every match and insert
+        self._root = RadixNode(None, (), [], next(self._uids), 0)
+        self._epochs: dict[str, int] = {}  # only namespaces invalidated at least once
+        self._detached: set[RadixNode] = set()  # invalidated namespace nodes still locked
+        self._tree_blocks: set[int] = set()
+        self._num_cached = 0
+        self._num_locked = 0
+
+    # --- counters ----------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the tree holds a reference on (live and invalidated-but-locked)."""
+        return self._num_cached
+
+    @property
+    def num_locked_blocks(self) -> int:
+        """Tree blocks in nodes with lock_ref > 0 (in use by running requests)."""
+        return self._num_locked
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Tree blocks in nodes with lock_ref 0: what ``evict`` can give back to the pool."""
+        return self._num_cached - self._num_locked
+
+    @property
+    def root(self) -> RadixNode:
+        """The root node (what an empty match returns; locking it is a no-op)."""
+        return self._root
+
+    def namespace_epoch(self, namespace: str) -> int:
+        """How many times ``namespace`` has been invalidated (0 if never)."""
+        return self._epochs.get(namespace, 0)
+
+    # --- match / lock ------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], namespace: str = "",
+                     max_tokens: int | None = None) -> MatchResult:
+        """Find the longest cached prefix of ``token_ids`` in ``namespace``, in whole blocks.
+
+        At most ``max_tokens`` tokens are matched (rounded down to a block multiple);
+        a caller that needs logits passes ``len(token_ids) - 1``. When the match ends
+        inside an edge, that edge is split at the block boundary so that the returned
+        node covers exactly the matched blocks. Refreshes the last-access time of the
+        matched path. Does not lock and does not incref.
+
+        Caller's contract: before any other cache call, ``lock(result.node)`` and
+        ``pool.incref(result.blocks)``; later ``unlock`` it exactly once and decref
+        the blocks. The blocks are complete (a page enters the tree only after its KV
+        was written), so they can be read at once and must never be written.
+        """
+        epoch = self.namespace_epoch(namespace)
+        bs = self.block_size
+        limit = len(token_ids) if max_tokens is None else max(0, min(len(token_ids), max_tokens))
+        num_pages = limit // bs
+        ns_node = self._root.children.get(namespace) if self.enabled else None
+        if ns_node is None or num_pages == 0:
+            return MatchResult([], 0, self._root, epoch)
+        tokens = tuple(token_ids[: num_pages * bs])
+        self._clock += 1
+        node, pos, blocks = ns_node, 0, []
+        while pos < num_pages:
+            child = node.children.get(tokens[pos * bs:(pos + 1) * bs])
+            if child is None:
+                break
+            m = _common_pages(child.tokens, tokens, pos * bs, bs)
+            if m < len(child.blocks):
+                child = self._split(child, m)
+            blocks.extend(child.blocks)
+            child.last_access = self._clock
+            node, pos = child, pos + m
+        if pos == 0:
+            return MatchResult([], 0, self._root, epoch)
+        return MatchResult(blocks, pos * bs, node, epoch)
+
+    def lock(self, node: RadixNode) -> None:
+        """Pin ``node`` and its ancestors against eviction (lock_ref += 1 on the path).
+
+        Locking the root is a no-op (it holds no blocks).
+
+        Raises:
+            RadixCacheError: the node was evicted or invalidated since it was returned
+                (lock right after ``match_prefix``/``insert``, before other cache calls).
+        """
+        if node is self._root:
+            return
+        path = self._path(node)
+        if node.removed or path[-1].parent is not self._root:
+            raise RadixCacheError(f"lock of {node!r}, which is no longer in the cache")
+        for n in path:
+            if n.lock_ref == 0 and n.blocks:
+                self._num_locked += len(n.blocks)
+            n.lock_ref += 1
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one ``lock(node)``. Nodes of an invalidated namespace whose lock_ref
+        reaches 0 are dropped at once (their blocks are decrefed).
+
+        Raises:
+            RadixCacheError: the node's lock_ref is already 0 (more unlocks than locks).
+        """
+        if node is self._root:
+            return
+        if node.removed or node.lock_ref <= 0:
+            raise RadixCacheError(f"unlock of {node!r} below lock_ref 0")
+        path = self._path(node)
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0 and n.blocks:
+                self._num_locked -= len(n.blocks)
+        top = path[-1]
+        if top.parent is None and top in self._detached:
+            # Invalidated subtree: every node with lock_ref 0 is unreachable garbage.
+            # Walking bottom-up, each such node has no children left (children have
+            # lock_ref <= the parent's, so they were dropped before it).
+            for n in path:
+                if n.lock_ref == 0:
+                    self._remove_leaf(n)
+            if top.removed:
+                self._detached.discard(top)
+
+    # --- insert ------------------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], namespace: str = "",
+               epoch: int | None = None) -> InsertResult:
+        """Store the pages ``token_ids`` -> ``blocks`` (full blocks only) in ``namespace``.
+
+        ``len(token_ids) == len(blocks) * block_size``: the caller trims its partial
+        last block, and inserts only pages whose KV is fully written (a match hands
+        them to other requests at once, read-only). Pages the tree already has keep the tree's block (reported in
+        ``num_existing_tokens``; the caller's block, if different, in
+        ``duplicate_blocks``); new pages are stored with one new tree reference each
+        (incref). So the caller afterwards decrefs *all* of its own blocks, whatever
+        the result. Nothing is stored when the cache is disabled or when ``epoch``
+        (from ``MatchResult.epoch``) is older than the namespace's current epoch.
+        Refreshes the last-access time of the path.
+
+        Raises:
+            ValueError: the lengths disagree, or ``blocks`` lists a block twice.
+            RadixCacheError: a block to store is already in the tree (at another page),
+                or is free in the pool. Nothing is stored when it raises.
+        """
+        bs = self.block_size
+        n = len(blocks)
+        if len(token_ids) != n * bs:
+            raise ValueError(f"insert needs len(token_ids) == len(blocks) * {bs}, "
+                             f"got {len(token_ids)} tokens for {n} blocks")
+        if len(set(blocks)) != n:
+            raise ValueError("insert got the same block id twice")
+        if not self.enabled or n == 0 or (epoch is not None and epoch != self.namespace_epoch(namespace)):
+            return InsertResult(0, 0, [], self._root)
+        tokens = tuple(token_ids)
+        self._clock += 1
+        ns_node = self._root.children.get(namespace)
+        node, pos, duplicates = ns_node, 0, []
+        while node is not None and pos < n:
+            child = node.children.get(tokens[pos * bs:(pos + 1) * bs])
+            if child is None:
+                break
+            m = _common_pages(child.tokens, tokens, pos * bs, bs)
+            if m < len(child.blocks):
+                child = self._split(child, m)
+            for tree_block, mine in zip(child.blocks, blocks[pos:pos + m]):
+                if tree_block != mine:
+                    duplicates.append(mine)
+            child.last_access = self._clock
+            node, pos = child, pos + m
+        new_blocks = list(blocks[pos:])
+        for b in itertools.chain(duplicates, new_blocks):
+            if b in self._tree_blocks:
+                raise RadixCacheError(f"block {b} is already stored in the tree at another page")
+            if self.pool.refcount(b) < 1:
+                raise RadixCacheError(f"block {b} is free in the pool; the caller must hold it")
+        if new_blocks:
+            if node is None:
+                node = ns_node = RadixNode(self._root, (), [], next(self._uids), self._clock, namespace)
+                self._root.children[namespace] = ns_node
+            leaf = RadixNode(node, tokens[pos * bs:], new_blocks, next(self._uids), self._clock)
+            node.children[leaf.tokens[:bs]] = leaf
+            self.pool.incref(new_blocks)
+            self._tree_blocks.update(new_blocks)
+            self._num_cached += len(new_blocks)
+            node = leaf
+        if node is None or node is ns_node:
+            node = self._root
+        return InsertResult(pos * bs, (n - pos) * bs, duplicates, node)
+
+    # --- eviction and invalidation -------------------------------------------------------
+
+    def evict(self, num_blocks: int) -> int:
+        """Free at least ``num_blocks`` blocks by evicting unlocked leaves, least recently
+        used first (a parent whose last child went becomes a candidate). Whole nodes are
+        evicted, so it may free more; it frees less only when nothing evictable is left.
+
+        Returns:
+            Blocks that went back to the pool's free list (with correct use, every
+            evicted block). Evicting 0 (or less) is a no-op that returns 0.
+        """
+        if num_blocks <= 0 or self._num_cached == self._num_locked:
+            return 0
+        heap = [(n.last_access, n.uid, n) for n in self._iter_live() if self._evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_blocks and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            freed += self._remove_leaf(leaf)
+            assert parent is not None
+            if parent.namespace is not None:
+                if not parent.children and parent.lock_ref == 0:
+                    self._remove_leaf(parent)
+            elif self._evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        return freed
+
+    def reset(self) -> int:
+        """Evict everything that is not locked. Returns the blocks freed."""
+        return self.evict(self._num_cached)
+
+    def invalidate_namespace(self, namespace: str) -> int:
+        """Forget ``namespace`` (its weights or salt changed; ACCEPTANCE C02).
+
+        Its unlocked nodes are dropped now; its locked ones stay with the requests that
+        use them but are unreachable by new matches, and are dropped when unlocked.
+        The namespace's epoch moves on, so ``insert(..., epoch=old)`` stores nothing.
+
+        Returns:
+            Blocks that went back to the pool's free list now.
+        """
+        self._epochs[namespace] = self.namespace_epoch(namespace) + 1
+        ns_node = self._root.children.pop(namespace, None)
+        if ns_node is None:
+            return 0
+        ns_node.parent = None
+        freed = 0
+        # Post-order: drop every unlocked node; locked nodes have only locked ancestors,
+        # so what remains is a (possibly empty) subtree hanging from ns_node.
+        stack: list[tuple[RadixNode, bool]] = [(ns_node, False)]
+        while stack:
+            n, seen = stack.pop()
+            if not seen:
+                stack.append((n, True))
+                stack.extend((c, False) for c in n.children.values())
+            elif n.lock_ref == 0:
+                freed += self._remove_leaf(n)
+        if not ns_node.removed:
+            self._detached.add(ns_node)
+        return freed
+
+    # --- checks and debugging ------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Check the tree's structure and recount its counters (also checks the pool).
+
+        Raises:
+            AssertionError: an edge is not page-aligned, a parent/child link or key is
+                wrong, a lock_ref is negative or smaller than its children's sum, a block
+                is stored twice or is free in the pool, or a counter disagrees.
+        """
+        self.pool.check_invariants()
+        bs = self.block_size
+        root = self._root
+        assert not root.tokens and not root.blocks and root.lock_ref == 0, "root must be empty"
+        seen: set[int] = set()
+        cached = locked = 0
+        tops = [(n, True) for n in root.children.values()] + [(n, False) for n in self._detached]
+        for top, live in tops:
+            assert top.namespace is not None and not top.tokens and not top.blocks
+            assert not top.removed, f"{top!r} is marked removed"
+            if live:
+                assert top.parent is root and root.children[top.namespace] is top
+                assert top.children or top.lock_ref > 0, f"empty namespace node {top!r}"
+            else:
+                assert top.parent is None and top.lock_ref > 0, f"unlocked detached {top!r}"
+            stack = [top]
+            while stack:
+                n = stack.pop()
+                assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), (
+                    f"{n!r} lock_ref below its children's sum")
+                assert live or n.lock_ref > 0, f"unlocked node {n!r} left in an invalidated subtree"
+                for key, c in n.children.items():
+                    assert c.parent is n and not c.removed, f"bad parent link at {c!r}"
+                    assert c.namespace is None and c.blocks, f"{c!r} holds no blocks"
+                    assert len(c.tokens) == len(c.blocks) * bs, f"{c!r} edge not page-aligned"
+                    assert key == c.tokens[:bs], f"{c!r} keyed by the wrong page"
+                    for b in c.blocks:
+                        assert b not in seen, f"block {b} stored twice in the tree"
+                        seen.add(b)
+                        assert self.pool.refcount(b) >= 1, f"tree block {b} is free in the pool"
+                    cached += len(c.blocks)
+                    locked += len(c.blocks) if c.lock_ref > 0 else 0
+                    stack.append(c)
+        assert seen == self._tree_blocks, "tree block set out of sync"
+        assert cached == self._num_cached, f"num_cached_blocks {self._num_cached} != recount {cached}"
+        assert locked == self._num_locked, f"num_locked_blocks {self._num_locked} != recount {locked}"
+
+    def pretty(self) -> str:
+        """A multi-line dump of the tree (debugging aid; token lists are abbreviated)."""
+        lines = [f"RadixCache(block_size={self.block_size}, cached={self._num_cached}, "
+                 f"locked={self._num_locked}, enabled={self.enabled})"]
+
+        def walk(n: RadixNode, depth: int) -> None:
+            toks = list(n.tokens[:8]) + (["..."] if len(n.tokens) > 8 else [])
+            label = f"ns {n.namespace!r}" if n.namespace is not None else f"{toks} -> {n.blocks}"
+            lines.append(f"{'  ' * depth}{label} lock={n.lock_ref} t={n.last_access}")
+            for c in n.children.values():
+                walk(c, depth + 1)
+
+        for top in list(self._root.children.values()) + [d for d in self._detached]:
+            walk(top, 1)
+        return "\n".join(lines)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _path(self, node: RadixNode) -> list[RadixNode]:
+        """``node`` and its ancestors up to (not including) the root, deepest first."""
+        path = []
+        n: RadixNode | None = node
+        while n is not None and n is not self._root:
+            path.append(n)
+            n = n.parent
+        return path
+
+    def _split(self, child: RadixNode, m: int) -> RadixNode:
+        """Cut ``child``'s edge after ``m`` pages (0 < m < pages); returns the new upper node.
+
+        Blocks, lock_ref and last-access time are shared by both halves, so no counter
+        changes and a lock held on ``child`` still unlocks both.
+        """
+        bs = self.block_size
+        parent = child.parent
+        assert parent is not None and 0 < m < len(child.blocks)
+        upper = RadixNode(parent, child.tokens[: m * bs], child.blocks[:m], next(self._uids),
+                          child.last_access)
+        upper.lock_ref = child.lock_ref
+        parent.children[upper.tokens[:bs]] = upper
+        child.tokens, child.blocks, child.parent = child.tokens[m * bs:], child.blocks[m:], upper
+        upper.children[child.tokens[:bs]] = child
+        return upper
+
+    def _remove_leaf(self, node: RadixNode) -> int:
+        """Unlink a childless, unlocked node and decref its blocks; returns blocks freed."""
+        assert not node.children and node.lock_ref == 0 and not node.removed
+        parent = node.parent
+        if parent is not None:
+            key = node.namespace if node.namespace is not None else node.tokens[:self.block_size]
+            del parent.children[key]
+        node.removed = True
+        if not node.blocks:
+            return 0
+        self._tree_blocks.difference_update(node.blocks)
+        self._num_cached -= len(node.blocks)
+        return len(self.pool.decref(node.blocks))
+
+    def _evictable_leaf(self, node: RadixNode) -> bool:
+        """A block-holding, childless, unlocked node."""
+        return bool(node.blocks) and not node.children and node.lock_ref == 0
+
+    def _iter_live(self) -> Iterator[RadixNode]:
+        """Every node of the live tree (namespace nodes included), in no set order."""
+        stack = list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+
+def _common_pages(edge: tuple[int, ...], query: tuple[int, ...], start: int, bs: int) -> int:
+    """Whole pages that ``edge`` shares with ``query[start:]`` from their starts."""
+    n = min(len(edge), len(query) - start) // bs * bs
+    if query[start:start + n] == edge[:n]:
+        return n // bs
+    pages = 0
+    while pages * bs < n and query[start + pages * bs:start + (pages + 1) * bs] == edge[pages * bs:(pages + 1) * bs]:
+        pages += 1
+    return pages
+
+
+__all__ = ["InsertResult", "MatchResult", "RadixCache", "RadixCacheError", "RadixNode"]

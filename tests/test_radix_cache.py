@@ -1,0 +1,574 @@
+"""RadixCache over BlockPool: prefix matching, refcounts, eviction, namespaces, and the
+idle accounting identity of ACCEPTANCE C04 (free + evictable + held == total)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.block_pool import BlockPool, blocks_needed
+from engine.radix_cache import RadixCache, RadixCacheError, RadixNode
+
+
+# --- helpers: a request that follows the caller's contract --------------------------------
+
+
+@dataclass
+class Req:
+    """A running request as the scheduler holds it."""
+
+    ns: str
+    tokens: tuple[int, ...]
+    node: RadixNode
+    locked_pages: int  # pages covered by `node`
+    epoch: int
+    blocks: list[int]  # one per page (last may be partial); the request holds a ref on each
+
+
+def admit(cache: RadixCache, tokens, ns: str = "", cap_last: bool = True) -> Req:
+    """Match (leaving one token to compute), lock, incref, allocate the rest privately."""
+    pool = cache.pool
+    m = cache.match_prefix(tokens, ns, max_tokens=len(tokens) - 1 if cap_last else None)
+    cache.lock(m.node)
+    pool.incref(m.blocks)
+    need = blocks_needed(len(tokens), cache.block_size) - len(m.blocks)
+    private = pool.allocate(need)
+    return Req(ns, tuple(tokens), m.node, len(m.blocks), m.epoch, list(m.blocks) + private)
+
+
+def finish(cache: RadixCache, req: Req):
+    """Insert the full pages, drop the request's own references, unlock."""
+    n_full = len(req.tokens) // cache.block_size
+    res = cache.insert(req.tokens[: n_full * cache.block_size], req.blocks[:n_full], req.ns, epoch=req.epoch)
+    cache.pool.decref(req.blocks)
+    cache.unlock(req.node)
+    return res
+
+
+def identity_holds(cache: RadixCache, running: list[Req]) -> bool:
+    held = set().union(*(r.blocks for r in running)) if running else set()
+    return cache.pool.num_free + cache.num_evictable_blocks + len(held) == cache.pool.num_blocks
+
+
+def seq(*parts) -> tuple[int, ...]:
+    out: list[int] = []
+    for p in parts:
+        out.extend(p)
+    return tuple(out)
+
+
+# --- plain unit tests -----------------------------------------------------------------------
+
+
+def test_match_ending_mid_edge_splits_at_block_boundary():
+    pool = BlockPool(16)
+    cache = RadixCache(pool, block_size=2)
+    r = admit(cache, range(8), cap_last=False)  # 4 pages, all private
+    finish(cache, r)
+    assert cache.num_cached_blocks == 4
+    m = cache.match_prefix([0, 1, 2, 3, 9, 9, 9, 9])
+    assert m.num_tokens == 4 and m.blocks == r.blocks[:2]
+    cache.lock(m.node)
+    # The split node covers exactly the matched pages: evicting everything else
+    # leaves precisely them.
+    assert cache.num_locked_blocks == 2
+    assert cache.reset() == 2
+    assert cache.match_prefix(range(8)).blocks == r.blocks[:2]
+    cache.check_invariants()
+    cache.unlock(m.node)
+    assert cache.reset() == 2 and pool.num_free == 16
+
+
+def test_insert_diverging_mid_edge_splits_and_shares_the_common_pages():
+    pool = BlockPool(16)
+    cache = RadixCache(pool, block_size=2)
+    a = admit(cache, seq(range(6), [7, 7]), cap_last=False)
+    finish(cache, a)
+    b = admit(cache, seq(range(4), [5, 8], [1, 1]), cap_last=False)
+    assert b.locked_pages == 2  # [0,1] [2,3] matched; [5,8] differs at its second token
+    res = finish(cache, b)
+    assert res.num_existing_tokens == 4 and res.num_new_tokens == 4 and res.duplicate_blocks == []
+    assert cache.num_cached_blocks == 6
+    assert cache.match_prefix(seq(range(4), [5, 8])).blocks == b.blocks[:3]
+    assert cache.match_prefix(seq(range(6))).blocks == a.blocks[:3]
+    cache.check_invariants()
+
+
+def test_eviction_is_lru_older_leaf_first():
+    pool = BlockPool(8)
+    cache = RadixCache(pool, block_size=1)
+    old = admit(cache, [1, 2], cap_last=False)
+    finish(cache, old)
+    new = admit(cache, [3, 4], cap_last=False)
+    finish(cache, new)
+    cache.match_prefix([1, 2])  # refresh: now [3, 4] is the least recently used
+    assert cache.evict(1) >= 1
+    assert cache.match_prefix([3, 4]).num_tokens == 0
+    assert cache.match_prefix([1, 2]).num_tokens == 2
+    assert pool.refcount(new.blocks[0]) == 0 and pool.refcount(old.blocks[0]) == 1
+    cache.check_invariants()
+
+
+def test_reinserting_a_cached_prompt_refreshes_its_lru_time():
+    pool = BlockPool(12)
+    cache = RadixCache(pool, block_size=2)
+    a1 = admit(cache, [1, 1, 2, 2])  # computed privately, finishes first
+    a2 = admit(cache, [1, 1, 2, 2])  # same prompt, also computed privately
+    finish(cache, a1)
+    finish(cache, admit(cache, [3, 3, 4, 4]))
+    res = finish(cache, a2)  # all pages already cached: a pure refresh
+    assert res.num_existing_tokens == 4 and res.duplicate_blocks == a2.blocks[:2]
+    assert cache.evict(1) == 2
+    assert cache.match_prefix([3, 3, 4, 4]).num_tokens == 0, "the older prompt goes first"
+    assert cache.match_prefix([1, 1, 2, 2]).blocks == a1.blocks[:2]
+
+
+def test_splitting_a_locked_edge_keeps_both_halves_locked():
+    pool = BlockPool(12)
+    cache = RadixCache(pool, block_size=2)
+    finish(cache, admit(cache, [1, 1, 2, 2, 3, 3], cap_last=False))
+    holder = admit(cache, [1, 1, 2, 2, 3, 3, 4])  # locks the whole 3-page edge
+    assert holder.locked_pages == 3 and cache.num_locked_blocks == 3
+    other = admit(cache, [1, 1, 9])  # match ends after page 1: splits the locked edge
+    assert other.locked_pages == 1
+    cache.check_invariants()
+    assert cache.evict(100) == 0 and cache.num_locked_blocks == 3
+    finish(cache, holder)
+    assert cache.num_locked_blocks == 1  # only `other`'s first page
+    cache.check_invariants()
+    finish(cache, other)
+    assert cache.num_locked_blocks == 0 and identity_holds(cache, [])
+    cache.reset()
+    assert pool.num_free == 12
+
+
+def test_evicting_a_leaf_makes_its_parent_a_candidate_and_evict_zero_is_noop():
+    pool = BlockPool(8)
+    cache = RadixCache(pool, block_size=1)
+    finish(cache, admit(cache, [1, 2, 3], cap_last=False))
+    cache.match_prefix([1, 5])  # splits [1] | [2, 3]
+    assert cache.evict(0) == 0 and cache.num_cached_blocks == 3
+    assert cache.evict(3) == 3
+    assert pool.num_free == 8 and cache.num_cached_blocks == 0
+    cache.check_invariants()
+
+
+def test_locked_leaves_are_never_evicted():
+    pool = BlockPool(8)
+    cache = RadixCache(pool, block_size=2)
+    finish(cache, admit(cache, [1, 1, 2, 2], cap_last=False))
+    finish(cache, admit(cache, [3, 3, 4, 4], cap_last=False))
+    running = admit(cache, [1, 1, 2, 2, 9], cap_last=False)
+    assert running.locked_pages == 2
+    assert cache.evict(100) == 2  # only [3 3 4 4]
+    assert cache.num_locked_blocks == 2 and cache.num_evictable_blocks == 0
+    assert cache.match_prefix([1, 1, 2, 2]).num_tokens == 4
+    assert identity_holds(cache, [running])
+    finish(cache, running)
+    assert cache.evict(100) == 2 and pool.num_free == 8
+
+
+def test_duplicate_insert_reports_callers_blocks_and_refcounts_are_exact():
+    pool = BlockPool(12)
+    cache = RadixCache(pool, block_size=2)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    a = admit(cache, prompt)  # both arrive before either finished: nothing to match
+    b = admit(cache, prompt)
+    assert a.locked_pages == b.locked_pages == 0
+    ra = finish(cache, a)
+    assert ra.num_new_tokens == 6 and ra.duplicate_blocks == []
+    rb = finish(cache, b)
+    assert rb.num_existing_tokens == 6 and rb.num_new_tokens == 0
+    assert rb.duplicate_blocks == b.blocks[:3]
+    for blk in a.blocks[:3]:
+        assert pool.refcount(blk) == 1  # the tree's reference only
+    for blk in b.blocks + a.blocks[3:]:
+        assert pool.refcount(blk) == 0  # duplicates and partial pages went back
+    assert pool.num_free == 12 - 3 and cache.num_evictable_blocks == 3
+    # A block the tree already stores cannot be inserted at another page.
+    (c,) = pool.allocate(1)
+    with pytest.raises(RadixCacheError):
+        cache.insert([0, 0, 1, 1], [c, a.blocks[0]])
+    assert cache.num_cached_blocks == 3
+    pool.decref([c])
+    cache.check_invariants()
+
+
+def test_c04_shared_prefix_drain_keeps_accounting_exact():
+    # C04 in miniature: block size 16, a long shared system prompt, many sessions.
+    bs, total = 16, 400
+    pool = BlockPool(total)
+    cache = RadixCache(pool, block_size=bs)
+    system = tuple(range(1000, 1000 + 10 * bs + 5))  # not page-aligned on purpose
+    prompts = [seq(system, [i] * (2 * bs + i)) for i in range(12)]
+    first_wave = [admit(cache, p) for p in prompts[:6]]  # nothing cached yet
+    running = list(first_wave)
+    for r in first_wave[:3]:
+        finish(cache, r)
+        running.remove(r)
+        assert identity_holds(cache, running)
+    second_wave = [admit(cache, p) for p in prompts[6:]]
+    assert all(r.locked_pages == 10 for r in second_wave)  # the system prompt's full pages
+    running += second_wave
+    assert identity_holds(cache, running), "shared locked pages must be counted once"
+    # Decode a few tokens each (new private blocks), then drain everything.
+    for r in running:
+        r.tokens += (7,) * bs
+        r.blocks += pool.allocate(blocks_needed(len(r.tokens), bs) - len(r.blocks))
+        assert identity_holds(cache, running)
+    for r in list(running):
+        finish(cache, r)
+        running.remove(r)
+        cache.check_invariants()
+        assert identity_holds(cache, running)
+    assert cache.num_locked_blocks == 0
+    assert pool.num_free + cache.num_evictable_blocks == total
+    evictable = cache.num_evictable_blocks
+    assert evictable == cache.num_cached_blocks > 0
+    assert cache.evict(evictable) == evictable
+    assert pool.num_free == total and cache.num_cached_blocks == 0
+    # The engine keeps serving: a short follow-up request goes through.
+    r = admit(cache, [1, 2, 3])
+    finish(cache, r)
+    cache.check_invariants()
+
+
+def test_namespaces_never_share_blocks():
+    pool = BlockPool(16)
+    cache = RadixCache(pool, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    finish(cache, admit(cache, prompt, ns="weights-X"))
+    y = admit(cache, prompt, ns="weights-Y")
+    assert y.locked_pages == 0, "a different namespace must not match X's blocks"
+    res = finish(cache, y)
+    assert res.num_new_tokens == 4 and res.duplicate_blocks == []
+    mx = cache.match_prefix(prompt, "weights-X")
+    my = cache.match_prefix(prompt, "weights-Y")
+    assert mx.num_tokens == my.num_tokens == 4 and not set(mx.blocks) & set(my.blocks)
+    assert cache.match_prefix(prompt, "").num_tokens == 0
+    cache.check_invariants()
+
+
+def test_invalidate_namespace_frees_unlocked_now_and_locked_on_unlock():
+    pool = BlockPool(16)
+    cache = RadixCache(pool, block_size=2)
+    finish(cache, admit(cache, [1, 1, 2, 2, 3, 3], ns="X", cap_last=False))
+    finish(cache, admit(cache, [8, 8, 9], ns="X", cap_last=False))
+    finish(cache, admit(cache, [1, 1, 2, 2], ns="Y", cap_last=False))
+    running = admit(cache, [1, 1, 2, 2, 5, 5], ns="X")  # locks [1 1 2 2]
+    assert running.locked_pages == 2
+    free_before = pool.num_free
+    # Unlocked X nodes ([3 3] and [8 8]) go at once; the locked [1 1 2 2] stays held.
+    assert cache.invalidate_namespace("X") == 2
+    assert pool.num_free == free_before + 2
+    assert cache.match_prefix([1, 1, 2, 2], "X").num_tokens == 0
+    assert cache.match_prefix([1, 1, 2, 2], "Y").num_tokens == 4  # other namespaces untouched
+    assert cache.num_locked_blocks == 2 and identity_holds(cache, [running])
+    with pytest.raises(RadixCacheError):
+        cache.lock(running.node)  # no new users of invalidated KV
+    cache.check_invariants()
+    # A fresh request under the reloaded X computes and caches its own blocks.
+    fresh = admit(cache, [1, 1, 2, 2, 6], ns="X")
+    assert fresh.locked_pages == 0
+    finish(cache, fresh)
+    # The old request finishes: its stale KV is not stored, and its locked pages are freed.
+    res = finish(cache, running)
+    assert res.num_new_tokens == 0 and res.num_existing_tokens == 0
+    assert cache.match_prefix([1, 1, 2, 2, 5, 5], "X").blocks == fresh.blocks[:2]
+    cache.check_invariants()
+    cache.reset()
+    assert pool.num_free == 16 and cache.num_cached_blocks == 0
+
+
+def test_max_tokens_caps_the_match_to_whole_blocks():
+    pool = BlockPool(8)
+    cache = RadixCache(pool, block_size=4)
+    prompt = list(range(12))
+    finish(cache, admit(cache, prompt, cap_last=False))
+    assert cache.match_prefix(prompt).num_tokens == 12
+    assert cache.match_prefix(prompt, max_tokens=11).num_tokens == 8  # len - 1, rounded down
+    assert cache.match_prefix(prompt, max_tokens=4).num_tokens == 4
+    assert cache.match_prefix(prompt, max_tokens=3).num_tokens == 0
+    m = cache.match_prefix(prompt, max_tokens=0)
+    assert m.num_tokens == 0 and m.blocks == [] and m.node is cache.root
+    assert cache.match_prefix(prompt[:7]).num_tokens == 4  # a partial last page never matches
+    cache.check_invariants()
+
+
+def test_block_size_one_matches_token_by_token():
+    pool = BlockPool(10)
+    cache = RadixCache(pool, block_size=1)
+    a = admit(cache, [4, 5, 6, 7], cap_last=False)
+    finish(cache, a)
+    m = cache.match_prefix([4, 5, 9])
+    assert m.num_tokens == 2 and m.blocks == a.blocks[:2]
+    b = admit(cache, [4, 5, 9])  # matches [4 5] capped at len - 1 = 2
+    assert b.locked_pages == 2 and b.blocks[:2] == a.blocks[:2]
+    res = finish(cache, b)
+    assert res.num_existing_tokens == 2 and res.num_new_tokens == 1
+    assert cache.num_cached_blocks == 5
+    cache.check_invariants()
+    assert cache.reset() == 5 and pool.num_free == 10
+
+
+def test_disabled_cache_matches_and_stores_nothing():
+    pool = BlockPool(6)
+    cache = RadixCache(pool, block_size=2, enabled=False)
+    r = admit(cache, [1, 2, 3, 4, 5], cap_last=False)
+    res = finish(cache, r)
+    assert res.num_new_tokens == 0 and res.node is cache.root
+    assert pool.num_free == 6 and cache.num_cached_blocks == 0
+    assert cache.match_prefix([1, 2, 3, 4]).num_tokens == 0
+    assert cache.evict(3) == 0
+    cache.check_invariants()
+
+
+def test_contract_violations_raise():
+    pool = BlockPool(6)
+    cache = RadixCache(pool, block_size=2)
+    with pytest.raises(ValueError):
+        RadixCache(pool, block_size=0)
+    r = admit(cache, [1, 2, 3, 4], cap_last=False)
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3], r.blocks)  # not len(blocks) * block_size tokens
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3, 4], [r.blocks[0], r.blocks[0]])
+    finish(cache, r)
+    m = cache.match_prefix([1, 2, 3, 4])
+    with pytest.raises(RadixCacheError):
+        cache.unlock(m.node)  # never locked
+    (free_block,) = pool.allocate(1)
+    pool.decref([free_block])
+    with pytest.raises(RadixCacheError):
+        cache.insert([7, 7], [free_block])  # the caller does not hold it
+    cache.reset()
+    with pytest.raises(RadixCacheError):
+        cache.lock(m.node)  # evicted since the match
+    cache.check_invariants()
+    assert "RadixCache" in cache.pretty()
+
+
+# --- the state machine ------------------------------------------------------------------------
+
+NAMESPACES = ("a", "b")
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random arrivals, finishes, aborts, mid-run inserts, evictions and invalidations,
+    checked against a flat reference: per namespace, a dict from every cached page-aligned
+    prefix to the block the tree stores for it, with a last-access stamp per prefix."""
+
+    @initialize(bs=st.sampled_from([1, 2, 4, 16]), total=st.integers(4, 48))
+    def setup(self, bs, total):
+        self.bs, self.total = bs, total
+        self.pool = BlockPool(total)
+        self.cache = RadixCache(self.pool, bs)
+        self.running: list[Req] = []
+        self.seen: list[tuple[int, ...]] = []
+        self.ref: dict[str, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
+        self.stamp: dict[str, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
+        self.clock = 0
+
+    # --- reference helpers ---
+
+    def _touch(self, ns, tokens, pages):
+        self.clock += 1
+        for i in range(1, pages + 1):
+            self.stamp[ns][tokens[: i * self.bs]] = self.clock
+
+    def _expected_match(self, ns, tokens, cap):
+        pages, blocks = 0, []
+        while (pages + 1) * self.bs <= cap:
+            blk = self.ref[ns].get(tuple(tokens[: (pages + 1) * self.bs]))
+            if blk is None:
+                break
+            blocks.append(blk)
+            pages += 1
+        return pages, blocks
+
+    def _live(self, r: Req) -> bool:
+        return r.epoch == self.cache.namespace_epoch(r.ns)
+
+    def _locked_prefixes(self) -> set[tuple[str, tuple[int, ...]]]:
+        return {(r.ns, r.tokens[: i * self.bs]) for r in self.running if self._live(r)
+                for i in range(1, r.locked_pages + 1)}
+
+    def _check_insert(self, ns, tokens, blocks, res):
+        pages = len(blocks)
+        present = [tokens[: (i + 1) * self.bs] in self.ref[ns] for i in range(pages)]
+        existing = sum(present)
+        assert present == [True] * existing + [False] * (pages - existing), "reference not prefix-closed"
+        assert res.num_existing_tokens == existing * self.bs
+        assert res.num_new_tokens == (pages - existing) * self.bs
+        dups = [b for i, b in enumerate(blocks[:existing]) if self.ref[ns][tokens[: (i + 1) * self.bs]] != b]
+        assert res.duplicate_blocks == dups
+        for i in range(existing, pages):
+            self.ref[ns][tokens[: (i + 1) * self.bs]] = blocks[i]
+        self._touch(ns, tokens, pages)
+
+    def _match(self, ns, tokens, cap):
+        m = self.cache.match_prefix(tokens, ns, max_tokens=cap)
+        pages, blocks = self._expected_match(ns, tokens, min(cap, len(tokens)))
+        assert m.num_tokens == pages * self.bs, (m.num_tokens, pages, self.cache.pretty())
+        assert m.blocks == blocks
+        assert m.epoch == self.cache.namespace_epoch(ns)
+        if pages:
+            self._touch(ns, tuple(tokens), pages)
+        return m
+
+    def _evict(self, k):
+        before_cached, before_locked = self.cache.num_cached_blocks, self.cache.num_locked_blocks
+        before_evictable = self.cache.num_evictable_blocks
+        freed = self.cache.evict(k)
+        gone = {(ns, p) for ns in NAMESPACES for p, b in self.ref[ns].items() if self.pool.refcount(b) == 0}
+        assert freed == len(gone) and freed >= min(max(k, 0), before_evictable)
+        assert self.cache.num_cached_blocks == before_cached - freed
+        assert self.cache.num_locked_blocks == before_locked, "a locked node was evicted"
+        locked = self._locked_prefixes()
+        assert not gone & locked
+        for ns, p in gone:
+            del self.ref[ns][p]
+        # LRU: nothing evicted is newer than an unlocked leaf that survived.
+        survivors = [self.stamp[ns][p] for ns in NAMESPACES for p in self.ref[ns]
+                     if (ns, p) not in locked and not any(
+                         len(q) == len(p) + self.bs and q[: len(p)] == p for q in self.ref[ns])]
+        if gone and survivors:
+            assert max(self.stamp[ns][p] for ns, p in gone) <= min(survivors)
+        for ns, p in gone:
+            del self.stamp[ns][p]
+        for ns in NAMESPACES:
+            for p in self.ref[ns]:
+                assert len(p) == self.bs or p[: -self.bs] in self.ref[ns], "evicted a parent before its child"
+        return freed
+
+    # --- rules ---
+
+    @rule(data=st.data())
+    def arrive(self, data):
+        bs = self.bs
+        prefix: tuple[int, ...] = ()
+        # Mostly continue an earlier prompt (cut at a page boundary, its end, or anywhere),
+        # so that prefixes collide even at block size 16.
+        if self.seen and data.draw(st.integers(0, 3)) > 0:
+            base = data.draw(st.sampled_from(self.seen))
+            page_cuts = list(range(0, len(base) + 1, bs)) + [len(base)]
+            cut = data.draw(st.one_of(st.sampled_from(page_cuts), st.integers(0, len(base))))
+            prefix = base[:cut]
+        # A seeded generator is far cheaper to draw than a list of 32 small integers.
+        ext_len = data.draw(st.integers(0 if prefix else 1, 2 * bs))
+        ext = random.Random(data.draw(st.integers(0, 2**16))).choices(range(3), k=ext_len)
+        tokens = (prefix + tuple(ext))[: 5 * bs + 1]
+        self.seen.append(tokens)
+        ns = data.draw(st.sampled_from(NAMESPACES))
+        cap = data.draw(st.one_of(st.just(len(tokens) - 1), st.integers(0, len(tokens))))
+        m = self._match(ns, tokens, cap)
+        self.cache.lock(m.node)
+        self.pool.incref(m.blocks)
+        need = blocks_needed(len(tokens), bs) - len(m.blocks)
+        if self.pool.num_free < need:
+            self._evict(need - self.pool.num_free)
+        if self.pool.num_free < need:  # would be preempted/queued by the scheduler
+            self.pool.decref(m.blocks)
+            self.cache.unlock(m.node)
+            return
+        req = Req(ns, tokens, m.node, len(m.blocks), m.epoch, list(m.blocks) + self.pool.allocate(need))
+        self.running.append(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data):
+        req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
+        n_full = len(req.tokens) // self.bs
+        toks = req.tokens[: n_full * self.bs]
+        live = self._live(req)
+        res = self.cache.insert(toks, req.blocks[:n_full], req.ns, epoch=req.epoch)
+        if live and n_full:
+            self._check_insert(req.ns, toks, req.blocks[:n_full], res)
+        else:
+            assert res.num_new_tokens == res.num_existing_tokens == 0 and res.node is self.cache.root
+        self.pool.decref(req.blocks)
+        self.cache.unlock(req.node)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def abort(self, data):
+        req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
+        self.pool.decref(req.blocks)
+        self.cache.unlock(req.node)
+
+    @precondition(lambda self: any(len(r.tokens) // self.bs > r.locked_pages and self._live(r) for r in self.running))
+    @rule(data=st.data())
+    def insert_mid_run(self, data):
+        """A long-running request caches what it has computed so far and adopts the tree's
+        blocks for those pages (SGLang's "cache unfinished request")."""
+        req = data.draw(st.sampled_from(
+            [r for r in self.running if len(r.tokens) // self.bs > r.locked_pages and self._live(r)]))
+        k = data.draw(st.integers(req.locked_pages + 1, len(req.tokens) // self.bs))
+        toks = req.tokens[: k * self.bs]
+        res = self.cache.insert(toks, req.blocks[:k], req.ns, epoch=req.epoch)
+        self._check_insert(req.ns, toks, req.blocks[:k], res)
+        m = self._match(req.ns, toks, len(toks))
+        assert m.num_tokens == k * self.bs
+        self.cache.lock(m.node)
+        self.pool.incref(m.blocks)
+        self.cache.unlock(req.node)
+        self.pool.decref(req.blocks[:k])
+        req.blocks[:k] = m.blocks
+        req.node, req.locked_pages = m.node, k
+
+    @precondition(lambda self: self.cache.num_evictable_blocks > 0)
+    @rule(k=st.integers(-1, 12))
+    def evict(self, k):
+        self._evict(k)
+
+    @rule(ns=st.sampled_from(NAMESPACES))
+    def invalidate(self, ns):
+        locked = self._locked_prefixes()
+        expect_freed = sum(1 for p in self.ref[ns] if (ns, p) not in locked)
+        assert self.cache.invalidate_namespace(ns) == expect_freed
+        self.ref[ns].clear()
+        self.stamp[ns].clear()
+
+    # --- checks ---
+
+    @invariant()
+    def accounting_is_exact(self):
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_invariants()
+        held = set().union(*(r.blocks for r in self.running)) if self.running else set()
+        assert self.pool.num_free + self.cache.num_evictable_blocks + len(held) == self.total
+        live_locked_blocks = {self.ref[ns][p] for ns, p in self._locked_prefixes()}
+        in_ref = sum(len(d) for d in self.ref.values())
+        assert self.cache.num_evictable_blocks == in_ref - len(live_locked_blocks)
+        detached = {b for r in self.running if not self._live(r) for b in r.blocks[: r.locked_pages]}
+        assert self.cache.num_cached_blocks == in_ref + len(detached)
+        tree_blocks = {b for d in self.ref.values() for b in d.values()} | detached
+        for b in range(self.total):
+            holders = sum(r.blocks.count(b) for r in self.running) + (b in tree_blocks)
+            assert self.pool.refcount(b) == holders, f"block {b}: refcount {self.pool.refcount(b)} != {holders}"
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        for r in self.running:
+            self.pool.decref(r.blocks)
+            self.cache.unlock(r.node)
+        self.running.clear()
+        self.cache.check_invariants()
+        assert self.cache.num_locked_blocks == 0
+        assert self.pool.num_free + self.cache.num_evictable_blocks == self.total
+        self.cache.evict(self.total)
+        assert self.pool.num_free == self.total and self.cache.num_cached_blocks == 0
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(
+    max_examples=90, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
