@@ -79,8 +79,8 @@ def hf_model(a: argparse.Namespace, engine: AsyncEngine):
 
 
 def mixed_requests(n: int, rng: random.Random, vocab: int, max_prompt: int, max_out: int):
-    return [([rng.randrange(100, vocab - 1) for _ in range(rng.randrange(32, max_prompt + 1))],
-             rng.randrange(16, max_out + 1)) for _ in range(n)]
+    return [([rng.randrange(100, vocab - 1) for _ in range(rng.randrange(min(32, max_prompt), max_prompt + 1))],
+             rng.randrange(min(16, max_out), max_out + 1)) for _ in range(n)]
 
 
 async def run_ours(engine: AsyncEngine, reqs, tag: str) -> dict:
@@ -293,12 +293,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="a smaller run, under two minutes")
+    p.add_argument("--smoke", action="store_true", help="a tiny run that only checks the script works (CI)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     full = dict(mixed_requests=64, max_prompt=512, max_out=256, single_tokens=128, chats=8, turns=8, turn_tokens=48)
     quick = dict(mixed_requests=16, max_prompt=256, max_out=64, single_tokens=32, chats=4, turns=8, turn_tokens=16)
-    for k, v in (quick if a.quick else full).items():
+    smoke = dict(mixed_requests=4, max_prompt=64, max_out=8, single_tokens=4, chats=2, turns=3, turn_tokens=4)
+    for k, v in (smoke if a.smoke else quick if a.quick else full).items():
         setattr(a, k, v)
     return a
 

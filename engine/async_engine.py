@@ -205,6 +205,9 @@ class AsyncEngine:
                     self.core.add_request(rid, ids, params, salt, reused, arrival)
                 except EngineError as e:
                     self._deliver(e, rid)
+                except Exception as e:  # a bug must reach the caller as an error, not a hang
+                    log.exception("adding request %s failed", rid)
+                    self._deliver(EngineError(f"could not start the request: {type(e).__name__}"), rid)
             elif kind == "abort":
                 out = self.core.abort(arg)
                 if out is not None:

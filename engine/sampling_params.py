@@ -81,8 +81,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_num(v) or not (-2 <= v <= 2):
                 bad(f"{name} must be in [-2, 2], got {v!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not (0 <= self.seed < 2**64)
+        ):
+            bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in self.stop):
             bad("stop must be at most 16 non-empty strings of at most 256 characters")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):

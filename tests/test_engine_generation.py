@@ -236,3 +236,10 @@ async def test_greedy_output_does_not_depend_on_staggered_neighbours(tiny_model_
             assert _first_divergence_is_a_near_tie(refs[0], outs[0])
     finally:
         eng.shutdown()
+
+
+def test_seed_outside_the_generator_range_is_refused_up_front():
+    for seed in (-1, 2**64, 2**70):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1

@@ -1,0 +1,31 @@
+"""bench/engine_throughput.py runs end to end (tiny model, smoke scale) and reports every key."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from bench.engine_throughput import main_async, mixed_requests, parse_args, pct, table
+
+
+def test_percentiles_interpolate_and_handle_edges():
+    assert pct([], 0.5) == 0.0
+    assert pct([3.0], 0.99) == 3.0
+    assert pct([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert pct(list(range(101)), 0.99) == 99.0
+
+
+def test_engine_throughput_smoke_run_reports_all_keys(tiny_model_dir):
+    a = parse_args(["--model", str(tiny_model_dir), "--smoke", "--num-blocks", "512"])
+    r = asyncio.run(main_async(a))
+    # ignore_eos: every request produces exactly the tokens it asked for
+    asked = mixed_requests(a.mixed_requests, random.Random(0), 49152, a.max_prompt, a.max_out)
+    assert r["mixed"]["ours"]["output_tokens"] == sum(n for _, n in asked)
+    for key in ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50"):
+        assert r["mixed"]["ours"][key] > 0
+    assert r["mixed"]["transformers"]["output_tok_s"] > 0
+    mt = r["multiturn"]
+    assert mt["ttft_turn1_ms"] > 0 and mt["ttft_turn8_ms_cache"] > 0 and mt["ttft_turn8_ms_nocache"] > 0
+    assert 0.5 < mt["cache_hit_ratio"] <= 1.0  # turns 2-3 reuse turn 1's prompt and reply
+    assert r["kv"]["waste_tokens_per_request_max"] < 16  # under one block per request
+    assert "mixed: output tokens/s" in table(r)
