@@ -1,0 +1,320 @@
+"""Where an OpenAI-API reply comes from, and how a dropped HTTP client stops it.
+
+A reply is read as batches of events (``Delta``, then one ``Finished`` or ``Failed``)
+from one of two sources:
+
+* ``EngineReply``: a stateless request, sent straight to an engine over the internal
+  protocol (no Redis: the HTTP API has no resume, DESIGN.md). It fails over to another
+  engine while nothing was produced, and reports to the ``GenerationEvents`` hooks
+  itself (the browser's replies report through ``GenerationManager``).
+* ``SessionReply``: a request linked to a stored chat. The turn runs through
+  ``GenerationManager`` exactly like a browser turn (chat lock, limits, token segments,
+  events) and is read back from its reply stream, so the UI sees it live too.
+
+``DisconnectWatcher`` listens for ``http.disconnect`` while the reply runs; every wait
+on the source is raced against it, so a client that leaves during the prefill, the
+queue or the decode is noticed at once and its reply aborted (ACCEPTANCE C23).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, TypeVar, Union
+
+from gateway.engines import EngineClient, EngineRequest, EngineRouter
+from gateway.errors import GatewayError
+from gateway.events import GenerationEvents
+from gateway.generation import PASSTHROUGH_CODES, GenerationManager, StartedTurn
+from gateway.streams import ReplyStreams, done_payload
+
+log = logging.getLogger("gateway.openai")
+
+T = TypeVar("T")
+TAIL_BATCH = 64  # reply-stream entries read at once
+TAIL_BLOCK_MS = 5000
+USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+@dataclass
+class Delta:
+    """New reply text; ``n_tokens`` engine tokens (0 when the source does not know)."""
+
+    text: str
+    n_tokens: int = 0
+
+
+@dataclass
+class Finished:
+    """The reply ended: ``finish_reason`` "stop", "length" or "abort"; ``usage`` in tokens
+    (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``); ``timings`` in ms."""
+
+    finish_reason: str
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Failed:
+    """The reply failed with a gateway/engine error ``code`` (``gateway.errors.HTTP_STATUS``)."""
+
+    code: str
+    message: str
+
+
+ReplyEvent = Union[Delta, Finished, Failed]
+
+
+def _usage(frame: dict[str, Any]) -> dict[str, int]:
+    return {k: int((frame.get("usage") or {}).get(k, 0)) for k in USAGE_KEYS}
+
+
+def _timings(frame: dict[str, Any]) -> dict[str, float]:
+    return {k: float((frame.get("timings") or {}).get(k, 0.0)) for k in TIMING_KEYS}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+class DisconnectWatcher:
+    """Waits for the request's ``http.disconnect`` in a task (start it after the body
+    was read, so it only ever sees the disconnect); ``race`` waits for something else
+    unless the client leaves first."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self._task = asyncio.create_task(self._listen(receive), name="http-disconnect")
+
+    @staticmethod
+    async def _listen(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    @property
+    def gone(self) -> bool:
+        """True once the client disconnected."""
+        return self._task.done() and not self._task.cancelled()
+
+    async def race(self, aw: Awaitable[T]) -> T:
+        """The result of ``aw``, unless the client disconnects first.
+
+        Raises:
+            ClientGone: the client left (``aw`` is cancelled).
+        """
+        if self.gone:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise ClientGone()
+        task = asyncio.ensure_future(aw)
+        await asyncio.wait({task, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+
+    def close(self) -> None:
+        """Stop listening."""
+        self._task.cancel()
+
+
+class EngineReply:
+    """A stateless reply straight from an engine (see module doc).
+
+    Args:
+        router: the gateway's engines.
+        events: hooks to report the reply to (metrics).
+        request_id: the engine request id (unique on this gateway).
+        messages: the chat for the engine's template.
+        params: engine ``SamplingParams`` keys.
+        affinity_key: picks the engine (rendezvous hashing), so that the turns of one
+            conversation meet their own prefix cache.
+        model: only engines serving this model name, or None for any.
+        abort_grace_s: how long ``abort`` waits for the engine's final frame.
+    """
+
+    def __init__(self, router: EngineRouter, events: GenerationEvents, request_id: str,
+                 messages: list[dict[str, str]], params: dict[str, Any], affinity_key: str,
+                 model: str | None, abort_grace_s: float) -> None:
+        self.router = router
+        self.events = events
+        self.request_id = request_id
+        self.messages = messages
+        self.params = params
+        self.affinity_key = affinity_key
+        self.model = model
+        self.abort_grace_s = abort_grace_s
+        self.engine: EngineClient | None = None
+        self._req: EngineRequest | None = None
+        self._tried: list[EngineClient] = []
+        self._produced = False
+        self._ended = False
+
+    @property
+    def model_name(self) -> str:
+        """The model of the engine serving the reply."""
+        info = self.engine.info if self.engine else self.router.info()
+        return info.model if info else (self.model or "")
+
+    async def start(self) -> None:
+        """Send ``generate`` to the best healthy engine.
+
+        Raises:
+            GatewayError: ``engine_unavailable`` when no engine (serving ``model``) is up.
+        """
+        self.events.on_start(self.request_id, "", time.perf_counter())
+        try:
+            await self._send()
+        except GatewayError as e:
+            self._ended = True
+            self.events.on_error(self.request_id, e.code, time.perf_counter())
+            raise
+
+    async def _send(self) -> None:
+        others = [c for c in self.router.clients
+                  if self.model is not None and (c.info is None or c.info.model != self.model)]
+        self.engine = self.router.pick(self.affinity_key, exclude=self._tried + others)
+        self._tried.append(self.engine)
+        self._req = await self.engine.generate(self.request_id, self.messages, params=self.params)
+
+    async def next(self) -> list[ReplyEvent]:
+        """The events that arrived (at least one; waits for it). Never raises."""
+        while True:
+            assert self._req is not None
+            frames = [await self._req.next()] + self._req.ready()
+            text, n_tokens, end = [], 0, None
+            for f in frames:
+                if f.get("type") in ("delta", "done"):
+                    text.append(f.get("text") or "")
+                    n_tokens += len(f.get("token_ids") or [])
+                if f.get("type") in ("done", "error"):
+                    end = f
+                    break
+            if end is not None and end.get("type") == "error" and end.get("code") == "engine_unavailable" \
+                    and not self._produced and not text and await self._fail_over():
+                continue
+            events: list[ReplyEvent] = []
+            chunk = "".join(text)
+            if chunk or n_tokens:
+                self._produced = True
+                events.append(Delta(chunk, n_tokens))
+                self.events.on_delta(self.request_id, n_tokens, len(chunk), time.perf_counter())
+            if end is not None:
+                events.append(self._end(end))
+            if events:
+                return events
+
+    async def _fail_over(self) -> bool:
+        """Resend to the next engine after a connection loss before any output."""
+        assert self._req is not None
+        self._req.close()
+        try:
+            await self._send()
+            return True
+        except GatewayError:
+            return False
+
+    def _end(self, frame: dict[str, Any]) -> ReplyEvent:
+        self._ended = True
+        now = time.perf_counter()
+        if frame.get("type") == "error":
+            code = frame.get("code", "engine_error")
+            code = code if code in PASSTHROUGH_CODES else "internal_error"
+            self.events.on_error(self.request_id, code, now)
+            return Failed(code, str(frame.get("message") or "the engine refused the request"))
+        done = Finished(str(frame.get("finish_reason") or "stop"), _usage(frame), _timings(frame))
+        self.events.on_finish(self.request_id, done.finish_reason, done.usage, done.timings, now)
+        return done
+
+    async def abort(self) -> None:
+        """Abort in the engine (the client left) and wait, up to ``abort_grace_s``, for
+        its final frame, so that the engine has freed the request's KV blocks when
+        this returns. A no-op once the reply ended."""
+        if self._ended or self._req is None:
+            return
+        await self._req.abort()
+        deadline = time.monotonic() + self.abort_grace_s
+        try:
+            while not self._ended:
+                frame = await self._req.next(max(0.0, deadline - time.monotonic()))
+                if frame.get("type") in ("done", "error"):
+                    self._end(frame)
+        except asyncio.TimeoutError:
+            self._ended = True
+            self.events.on_error(self.request_id, "engine_unavailable", time.perf_counter())
+            log.warning("engine did not confirm the abort of %s", self.request_id)
+
+    def close(self) -> None:
+        """Unregister the request id from the engine connection."""
+        if self._req is not None:
+            self._req.close()
+
+
+class SessionReply:
+    """A reply to a stored chat, run by ``GenerationManager`` and read from its reply
+    stream (see module doc). Create it with ``started`` from ``GenerationManager.chat``;
+    ``created_chat`` says that the request created the chat for this turn."""
+
+    def __init__(self, gens: GenerationManager, streams: ReplyStreams, owner: str, started: StartedTurn,
+                 model: str, created_chat: bool = False) -> None:
+        self.gens = gens
+        self.created_chat = created_chat
+        self.streams = streams
+        self.owner = owner
+        self.request_id = started.request_id
+        self.session_id = started.session_id
+        self.model_name = model
+        self._cursor = 0
+        self._ended = False
+
+    async def next(self) -> list[ReplyEvent]:
+        """The entries that arrived, as events (waits for at least one). Never raises:
+        a store failure becomes ``Failed("store_unavailable")``."""
+        try:
+            while True:
+                entries = await self.streams.read(self.request_id, self._cursor, TAIL_BATCH, TAIL_BLOCK_MS)
+                if not entries and await self.streams.head(self.request_id) is None:
+                    self._ended = True
+                    return [Failed("not_found", "this reply is no longer available")]
+                events: list[ReplyEvent] = []
+                for e in entries:
+                    if e.kind == "delta":
+                        events.append(Delta(e.fields.get("x", "")))
+                        self._cursor = e.seq
+                    elif e.kind == "done":
+                        self._ended = True
+                        d = done_payload(e)
+                        err = d.get("error")
+                        if err:  # the reply broke after some text; that text is stored as partial
+                            events.append(Failed(err.get("code", "internal_error"), err.get("message", "")))
+                        else:
+                            events.append(Finished(d.get("finish_reason", "stop"), _usage(d), _timings(d)))
+                        break
+                    elif e.kind == "error":
+                        self._ended = True
+                        events.append(Failed(e.fields.get("code", "internal_error"), e.fields.get("message", "")))
+                        break
+                if events:
+                    return events
+        except GatewayError as e:
+            self._ended = True
+            return [Failed(e.code, e.message)]
+
+    async def abort(self) -> None:
+        """Stop the reply like the UI's Stop button (the partial reply is stored)."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            await self.gens.cancel(self.owner, self.request_id)
+        except GatewayError:
+            pass  # it ended meanwhile, or Redis is down (the engine still gets nothing more to do)
+
+    def close(self) -> None:
+        """Nothing to release (the reply task owns the engine request)."""
+
+
+ReplySource = Union[EngineReply, SessionReply]
