@@ -24,7 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.errors import EngineError, InvalidRequestError
-from engine.outputs import GenerateRequest, RequestOutput
+from engine.outputs import GenerateRequest, RequestOutput, Timings, Usage
 from engine.prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._cancelled: set[str] = set()  # aborted while their stream is registered
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -129,16 +130,23 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
-        ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
-        self.core.check_fits(len(ids), request.params)
         q: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
+        # Registered before the prompt is built, so an abort during tokenization is not lost.
         with self._lock:
             if rid in self._streams:
                 raise InvalidRequestError(f"request id {rid!r} is already running", "duplicate_request_id")
             self._streams[rid] = (loop, q)
         finished = False
         try:
+            ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
+            self.core.check_fits(len(ids), request.params)
+            with self._lock:
+                aborted_early = rid in self._cancelled
+            if aborted_early:
+                finished = True
+                yield _aborted_before_start(rid, ids, reused, arrival)
+                return
             self._inbox.put(("add", (rid, ids, request.params, request.cache_salt, reused, arrival)))
             self._wake.set()
             while True:
@@ -154,9 +162,15 @@ class AsyncEngine:
                 self.abort(rid)
             with self._lock:
                 self._streams.pop(rid, None)
+                self._cancelled.discard(rid)
 
     def abort(self, request_id: str) -> None:
-        """Ask the step thread to abort a request (no-op if unknown or finished)."""
+        """Abort a request (no-op if unknown or finished). A request still being
+        tokenized or queued for the step thread never starts; a running one is freed
+        before the next step."""
+        with self._lock:
+            if request_id in self._streams:
+                self._cancelled.add(request_id)
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
@@ -199,8 +213,12 @@ class AsyncEngine:
                 rid, ids, params, salt, reused, arrival = arg
                 with self._lock:
                     alive = rid in self._streams
+                    cancelled = rid in self._cancelled
                 if not alive:
                     continue  # the caller left before we started it
+                if cancelled:  # aborted between submission and now
+                    self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
+                    continue
                 try:
                     self.core.add_request(rid, ids, params, salt, reused, arrival)
                 except EngineError as e:
@@ -261,3 +279,11 @@ class AsyncEngine:
             except Exception:  # keep going: every caller must hear back
                 log.exception("abort after failed step")
             self._deliver(EngineError(f"engine step failed: {exc}"), rid)
+
+
+def _aborted_before_start(rid: str, ids: list[int], reused: bool, arrival: float) -> RequestOutput:
+    """The final output of a request aborted before it reached the scheduler."""
+    e2e = (time.monotonic() - arrival) * 1000
+    return RequestOutput(request_id=rid, finished=True, finish_reason="abort",
+                         usage=Usage(prompt_tokens=len(ids)), timings=Timings(e2e_ms=round(e2e, 3)),
+                         output_text="", output_token_ids=[], prompt_token_ids=list(ids), prefix_reused=reused)

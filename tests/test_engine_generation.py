@@ -243,3 +243,22 @@ def test_seed_outside_the_generator_range_is_refused_up_front():
         with pytest.raises(InvalidRequestError):
             SamplingParams(seed=seed)
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+async def test_abort_while_the_prompt_is_being_built_stops_the_request_before_it_runs(tiny_model_dir):
+    """ACCEPTANCE C23, the queued case: an abort that arrives during tokenization is not lost."""
+    eng = make_engine(tiny_model_dir)
+    eng.start()
+    try:
+        msgs = [{"role": "user", "content": "word " * 1400}]
+        req = GenerateRequest("early", messages=msgs, params=SamplingParams(max_tokens=500, ignore_eos=True))
+        task = asyncio.create_task(collect(eng, req))
+        await asyncio.sleep(0)  # registered, prompt building in the executor
+        eng.abort("early")
+        out = await asyncio.wait_for(task, 60)
+        assert out.final.finish_reason == "abort"
+        assert out.final.usage.completion_tokens == 0
+        s = await eng.stats()
+        assert s["running"] == 0 and s["waiting"] == 0 and s["blocks_held_by_requests"] == 0
+    finally:
+        eng.shutdown()
