@@ -1,0 +1,106 @@
+"""``python -m gateway``: serve the chat at http://127.0.0.1:8000 (the browser chat,
+``/api``, the OpenAI API under ``/v1`` and ``/metrics``).
+
+Options override environment variables (gateway.config.ENV_VARS), which override the
+defaults. With no ``--engine`` (and no ``ENGINE_URLS``) a local engine is started on
+``--model`` (default: the bundled SmolLM2) and stopped on exit; with no Redis at
+``--redis-url``, a private ``redis-server`` is started when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from gateway.extensions import create_app_with_extras
+from gateway.config import ConfigError, GatewayConfig, config_from_env
+from gateway.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis
+from gateway.serving import make_listen_socket, uvicorn_config
+
+
+def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConfig, str]:
+    """Apply command-line options on top of ``base``; returns the config and the log level.
+
+    Raises:
+        ConfigError: an option value is out of range.
+    """
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default=base.host, help="listen address (HOST)")
+    p.add_argument("--port", type=int, default=base.port, help="listen port (PORT)")
+    p.add_argument("--redis-url", default=base.redis_url, help="Redis URL (REDIS_URL)")
+    p.add_argument("--engine", action="append", default=None, metavar="URL",
+                   help="engine ws:// URL, repeatable (ENGINE_URLS); none starts a local engine")
+    p.add_argument("--model", default=base.model, help="model for the local engine (MODEL)")
+    p.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
+                   help="extra origins allowed to open /ws (ALLOWED_ORIGINS)")
+    p.add_argument("--session-ttl", type=int, default=base.session_ttl_s, metavar="SECONDS",
+                   help="expire idle chats after this long (SESSION_TTL_S; default: never)")
+    p.add_argument("--data-dir", type=Path, default=base.data_dir, help="data folder (DATA_DIR)")
+    p.add_argument("--max-frame-bytes", type=int, default=base.limits.max_frame_bytes,
+                   help="largest browser frame (LIMIT_MAX_FRAME_BYTES)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a = p.parse_args(argv)
+    hard = max(base.limits.hard_frame_bytes, 4 * a.max_frame_bytes)
+    cfg = base.with_overrides(
+        host=a.host, port=a.port, redis_url=a.redis_url, model=a.model, data_dir=a.data_dir,
+        engine_urls=tuple(a.engine) if a.engine else base.engine_urls,
+        allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else base.allowed_origins,
+        session_ttl_s=a.session_ttl if a.session_ttl and a.session_ttl > 0 else None,
+        limits={"max_frame_bytes": a.max_frame_bytes, "hard_frame_bytes": hard})
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return cfg, a.log_level
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, display: str) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(f"Chat is ready at {display}", flush=True)
+    await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the gateway until interrupted; returns the exit status."""
+    try:
+        cfg, log_level = parse_args(argv, config_from_env())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    local_redis: LocalRedis | None = None
+    engine: LocalEngine | None = None
+    try:
+        local_redis = ensure_redis(cfg.redis_url, cfg.data_dir)
+        if not cfg.engine_urls:
+            print(f"Starting a local engine ({cfg.model or 'bundled SmolLM2-135M-Instruct'})...", flush=True)
+            engine = LocalEngine(model=cfg.model, echo=lambda line: print(f"[engine] {line}", flush=True))
+            cfg = cfg.with_overrides(engine_urls=(engine.start(),))
+        sock = make_listen_socket(cfg.host, cfg.port, cfg.limits.ws_socket_sndbuf_bytes)
+        port = sock.getsockname()[1]
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        server = uvicorn.Server(uvicorn_config(create_app_with_extras(cfg), cfg, log_level))
+        asyncio.run(_serve(server, sock, f"http://{host}:{port}"))
+        return 0
+    except LocalStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if engine is not None:
+            engine.stop()
+        if local_redis is not None:
+            local_redis.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

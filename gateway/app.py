@@ -1,0 +1,161 @@
+"""The Starlette application factory (no globals: everything hangs off ``app.state``).
+
+Routes: ``GET /`` (the chat page from ``web/index.html``), ``/static``, ``WS /ws``,
+``/api/...`` (http_api), ``/healthz``, ``/readyz``, plus any ``extra_routes`` (the
+OpenAI API and ``/metrics`` plug in there) and ``events`` hooks on every reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Sequence
+
+import redis.asyncio as aioredis
+from markupsafe import Markup
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from gateway.auth import UserCookieMiddleware, UserIds
+from gateway.config import GatewayConfig
+from gateway.engines import EngineClient, EngineRouter
+from gateway.events import GenerationEvents
+from gateway.generation import GenerationManager
+from gateway.http_api import api_routes, config_body
+from gateway.sessions import Keys, SessionStore
+from gateway.streams import ReplyStreams
+from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint
+
+log = logging.getLogger("gateway")
+
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+    (b"x-frame-options", b"DENY"),
+]
+
+
+class SecurityHeadersMiddleware:
+    """Adds ``SECURITY_HEADERS`` to every HTTP response."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = list(message.get("headers", [])) + SECURITY_HEADERS
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def script_safe_json(obj: Any) -> Markup:
+    """JSON that can sit inside a ``<script>`` element as is: ``<``, ``>`` and ``&``
+    are escaped as ``\\u003c`` etc. (valid JSON, and no ``</script>`` can appear)."""
+    text = json.dumps(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return Markup(text)
+
+
+FALLBACK_PAGE = """<!doctype html><meta charset="utf-8"><title>chat</title>
+<p>The chat UI (web/index.html) is not installed. The API is at /api and the socket at /ws.</p>"""
+
+
+def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
+               events: Sequence[GenerationEvents] = ()) -> Starlette:
+    """Build the gateway application.
+
+    Args:
+        config: settings (``engine_urls`` must name at least one engine for replies).
+        extra_routes: more routes (e.g. ``/v1/...``, ``/metrics``); they see the same
+            ``app.state`` (config, store, streams, router, generations, ws_stats).
+        events: hooks called on every reply (see ``gateway.events``).
+    Raises:
+        OSError: the cookie secret cannot be read or created under ``data_dir``.
+    """
+    ids = UserIds(config.resolve_secret())
+    templates = Jinja2Templates(directory=str(config.web_dir))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        """Open Redis and the engine connections; close them (stopping replies) at exit."""
+        redis = aioredis.from_url(config.redis_url, decode_responses=True, socket_connect_timeout=2,
+                                  socket_timeout=10, health_check_interval=30)
+        # blocking stream reads hold a connection each while they wait
+        tail_pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, decode_responses=True, socket_connect_timeout=2,
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10, max_connections=4096, timeout=30)
+        tail_redis = aioredis.Redis(connection_pool=tail_pool)
+        keys = Keys(config.key_prefix)
+        lim = config.limits
+        store = SessionStore(redis, keys, config.session_ttl_s, config.lock_lease_ms,
+                             lim.max_sessions_per_user, lim.max_generations_per_user)
+        streams = ReplyStreams(redis, tail_redis, keys, config.stream_ttl_s, config.stream_maxlen)
+        router = EngineRouter(EngineClient(u) for u in config.engine_urls)
+        gens = GenerationManager(config, store, streams, router, redis, list(events))
+        s = app.state
+        s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
+        s.ws_stats = WsStats()
+        await router.start()
+        await gens.start()
+        try:
+            yield
+        finally:
+            await gens.close()
+            await router.close()
+            await redis.aclose()
+            await tail_redis.aclose()
+
+    async def index(request: Request) -> Response:
+        """GET /: the chat page (web/index.html with model_name, config_json, static_url)."""
+        body = config_body(request.app)
+        if not (config.web_dir / "index.html").exists():
+            return HTMLResponse(FALLBACK_PAGE)
+        return templates.TemplateResponse(request, "index.html", {
+            "model_name": body["model"], "config_json": script_safe_json(body), "static_url": "/static"})
+
+    async def healthz(request: Request) -> Response:
+        """GET /healthz: 200 while the process serves."""
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        """GET /readyz: 200 when Redis answers and an engine is connected, else 503."""
+        state = request.app.state
+        try:
+            redis_ok = bool(await asyncio.wait_for(state.redis.ping(), 2.0))
+        except Exception:
+            redis_ok = False
+        engines = len(state.router.healthy)
+        ok = redis_ok and engines > 0
+        return JSONResponse({"status": "ready" if ok else "unavailable", "redis": redis_ok, "engines": engines},
+                            status_code=200 if ok else 503)
+
+    routes: list[BaseRoute] = [
+        Route("/", index, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        WebSocketRoute("/ws", websocket_endpoint),
+        *api_routes(),
+        *extra_routes,
+        Mount("/static", app=StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
+    ]
+    middleware = [Middleware(SecurityHeadersMiddleware), Middleware(UserCookieMiddleware, ids=ids)]
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+def new_secret() -> str:
+    """A random cookie secret (for tests and throwaway gateways)."""
+    return secrets.token_urlsafe(32)

@@ -1,0 +1,247 @@
+"""Typed settings of the gateway, from defaults, environment variables and the command line.
+
+Every option has an environment variable (named in ``ENV_VARS``); the command line
+(``gateway/__main__.py``) overrides the environment, which overrides the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+MIB = 1 << 20
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """An option has an invalid value (raised on construction)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Documented limits (docs/protocol.md). Sizes in bytes, times in seconds.
+
+    Attributes:
+        max_frame_bytes: largest browser frame handled; a bigger one gets a
+            ``frame_too_large`` error frame and the socket stays open.
+        hard_frame_bytes: frames above this are refused by the WebSocket layer itself
+            (close 1009 with a reason) before the application sees them; must be above
+            ``max_frame_bytes`` so that the documented limit answers with an error frame.
+        max_http_body_bytes: largest ``/api`` request body (HTTP 413 above).
+        max_sessions_per_user: chats one user may keep (``too_many_sessions``).
+        max_generations_per_user: replies one user may have in progress at once.
+        max_messages_per_minute: ``chat``/``regenerate`` frames per user per clock minute.
+        max_title_chars, max_system_prompt_chars: text field caps (characters).
+        ws_send_timeout_s: a socket whose outbound frame cannot be written for this
+            long is closed as stalled (its generations go on and are stored).
+        ws_max_pending_frames: frames queued for one socket at most; producers wait
+            when it is full (so a slow reader slows only its own tail of Redis).
+        ws_max_inflight: frames of one socket processed concurrently at most.
+        ws_max_subscriptions: replies one socket may watch at once.
+        ws_socket_sndbuf_bytes: kernel send buffer of each accepted connection
+            (``SO_SNDBUF`` on the listening socket); None keeps the kernel's autotuning
+            (which can reach several MiB per connection).
+    """
+
+    max_frame_bytes: int = 4 * MIB
+    hard_frame_bytes: int = 16 * MIB
+    max_http_body_bytes: int = 1 * MIB
+    max_sessions_per_user: int = 500
+    max_generations_per_user: int = 4
+    max_messages_per_minute: int = 60
+    max_title_chars: int = 200
+    max_system_prompt_chars: int = 32_000
+    ws_send_timeout_s: float = 30.0
+    ws_max_pending_frames: int = 64
+    ws_max_inflight: int = 4
+    ws_max_subscriptions: int = 16
+    ws_socket_sndbuf_bytes: int | None = 256 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_frame_bytes < 1024:
+            raise ConfigError("max_frame_bytes must be >= 1024")
+        if self.hard_frame_bytes <= self.max_frame_bytes:
+            raise ConfigError("hard_frame_bytes must be above max_frame_bytes")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "ws_socket_sndbuf_bytes" and (v is None or v <= 0):
+                raise ConfigError(f"{f.name} must be > 0, got {v!r}")
+        if self.ws_socket_sndbuf_bytes is not None and self.ws_socket_sndbuf_bytes < 4096:
+            raise ConfigError("ws_socket_sndbuf_bytes must be >= 4096 or None")
+
+    def public(self) -> dict[str, Any]:
+        """The limits a client may need to know (sent by ``GET /api/config``)."""
+        return {
+            "max_frame_bytes": self.max_frame_bytes,
+            "max_sessions_per_user": self.max_sessions_per_user,
+            "max_generations_per_user": self.max_generations_per_user,
+            "max_messages_per_minute": self.max_messages_per_minute,
+            "max_title_chars": self.max_title_chars,
+            "max_system_prompt_chars": self.max_system_prompt_chars,
+        }
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Per-chat defaults shown to the UI and used when a chat stores none."""
+
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 512
+    system_prompt: str = "You are a helpful assistant."
+
+    def sampling(self) -> dict[str, Any]:
+        """The default sampling parameters as an engine ``params`` dict."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Settings of one gateway process.
+
+    Attributes:
+        host, port: where uvicorn listens.
+        redis_url: the Redis holding chats and reply streams.
+        engine_urls: internal engine WebSocket URLs; empty means "start a local engine"
+            (done by ``python -m gateway``, not by the app factory).
+        model: model path for that local engine (None: the bundled SmolLM2).
+        allowed_origins: extra origins allowed on the WebSocket handshake besides the
+            page's own.
+        secret_key: signs the user cookie; None means read (or create) ``data_dir/secret_key``.
+        api_key: when set, ``/v1`` requests must send ``Authorization: Bearer <key>``.
+        data_dir: the project's data folder (secret key, private Redis data).
+        key_prefix: prefix of every Redis key (tests use a unique one each).
+        session_ttl_s: TTL of every key of a chat, refreshed on each write; None = keep forever.
+        stream_ttl_s: how long a reply's Redis Stream is kept after its last write.
+        stream_maxlen: approximate cap on entries of one reply stream (a safety bound:
+            one entry per engine frame, so it is above any reply's token count).
+        lock_lease_ms: lease of a chat's generation lock (refreshed while generating).
+        cancel_grace_s: after an abort, how long to wait for the engine's final frame.
+        web_dir, static_dir: templates and static assets of the UI.
+        ws_per_message_deflate: compress browser frames (off: deltas are tiny).
+        defaults: per-chat defaults.
+        limits: documented limits.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    engine_urls: tuple[str, ...] = ()
+    model: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    secret_key: str | None = None
+    api_key: str | None = None
+    data_dir: Path = field(default_factory=lambda: PROJECT_ROOT / ".data")
+    key_prefix: str = ""
+    session_ttl_s: int | None = None
+    stream_ttl_s: int = 900
+    stream_maxlen: int = 100_000
+    lock_lease_ms: int = 30_000
+    cancel_grace_s: float = 5.0
+    web_dir: Path = field(default_factory=lambda: PROJECT_ROOT / "web")
+    static_dir: Path = field(default_factory=lambda: PROJECT_ROOT / "static")
+    ws_per_message_deflate: bool = False
+    defaults: Defaults = field(default_factory=Defaults)
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port < 65536):
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.session_ttl_s is not None and self.session_ttl_s <= 0:
+            raise ConfigError("session_ttl_s must be > 0 or None")
+        if self.stream_ttl_s <= 0 or self.lock_lease_ms < 1000 or self.stream_maxlen < 1000:
+            raise ConfigError("stream_ttl_s > 0, lock_lease_ms >= 1000 and stream_maxlen >= 1000 required")
+        for o in self.allowed_origins:
+            if not o.startswith(("http://", "https://")) or o.endswith("/"):
+                raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")
+
+    def with_overrides(self, **changes: Any) -> "GatewayConfig":
+        """A copy with some fields replaced; ``limits`` may be given as a dict of changes."""
+        lim = changes.pop("limits", None)
+        if isinstance(lim, Mapping):
+            changes["limits"] = replace(self.limits, **lim)
+        elif lim is not None:
+            changes["limits"] = lim
+        return replace(self, **changes)
+
+    def resolve_secret(self) -> str:
+        """The cookie-signing secret: ``secret_key``, or the one persisted under
+        ``data_dir/secret_key`` (created with mode 0600 on first use).
+
+        Raises:
+            OSError: the data folder cannot be written.
+        """
+        if self.secret_key:
+            return self.secret_key
+        path = Path(self.data_dir) / "secret_key"
+        if path.exists():
+            return path.read_text().strip()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+        return key
+
+
+# option name -> environment variable
+ENV_VARS: dict[str, str] = {
+    "host": "HOST",
+    "port": "PORT",
+    "redis_url": "REDIS_URL",
+    "engine_urls": "ENGINE_URLS",
+    "model": "MODEL",
+    "allowed_origins": "ALLOWED_ORIGINS",
+    "secret_key": "SECRET_KEY",
+    "api_key": "API_KEY",
+    "data_dir": "DATA_DIR",
+    "key_prefix": "KEY_PREFIX",
+    "session_ttl_s": "SESSION_TTL_S",
+    "stream_ttl_s": "STREAM_TTL_S",
+}
+LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(p for p in value.replace(",", " ").split() if p)
+
+
+def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | None = None) -> GatewayConfig:
+    """Build a config from environment variables (``ENV_VARS``; limits as
+    ``LIMIT_<FIELD>``, e.g. ``LIMIT_MAX_FRAME_BYTES``). Unset variables keep ``base``'s values.
+
+    Raises:
+        ConfigError: a variable does not parse or is out of range.
+    """
+    env = os.environ if env is None else env
+    cfg = base or GatewayConfig()
+    changes: dict[str, Any] = {}
+    try:
+        for name, var in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            if name in ("port", "stream_ttl_s"):
+                changes[name] = int(raw)
+            elif name == "session_ttl_s":
+                changes[name] = int(raw) if int(raw) > 0 else None
+            elif name in ("engine_urls", "allowed_origins"):
+                changes[name] = _split(raw)
+            elif name == "data_dir":
+                changes[name] = Path(raw)
+            else:
+                changes[name] = raw
+        limits: dict[str, Any] = {}
+        for f in fields(Limits):
+            raw = env.get(LIMIT_ENV_PREFIX + f.name.upper())
+            if raw:
+                limits[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
+    except ValueError as e:
+        raise ConfigError(f"bad environment variable: {e}") from None
+    if limits:
+        changes["limits"] = limits
+    return cfg.with_overrides(**changes)

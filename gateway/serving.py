@@ -1,0 +1,107 @@
+"""Running the app under uvicorn with the gateway's socket limits.
+
+* ``ws_max_size`` is the hard frame cap (``limits.hard_frame_bytes``), set above the
+  documented ``max_frame_bytes``: a frame between the two reaches the app and gets a
+  ``frame_too_large`` error frame; only a bigger one is refused by the WebSocket layer
+  (close 1009 with a reason) before it is buffered whole.
+* The listening socket is ours, with ``SO_SNDBUF`` set (``limits.ws_socket_sndbuf_bytes``):
+  Linux copies it to every accepted connection, bounding the kernel's share of a slow
+  reader's outbound bytes (autotuning would allow several MiB per connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+
+from gateway.config import GatewayConfig
+
+
+def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket.socket:
+    """A bound (not yet listening) TCP socket; ``port`` 0 picks a free one.
+
+    Raises:
+        OSError: the address is in use or not available.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_config(app: Any, config: GatewayConfig, log_level: str = "info") -> uvicorn.Config:
+    """The uvicorn settings for ``app`` under ``config`` (see module doc)."""
+    return uvicorn.Config(
+        app, host=config.host, port=config.port, lifespan="on", log_level=log_level,
+        ws="websockets-sansio", ws_max_size=config.limits.hard_frame_bytes,
+        ws_per_message_deflate=config.ws_per_message_deflate,
+        ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=10,
+    )
+
+
+def bound_port(server: uvicorn.Server) -> int:
+    """The port a started server listens on."""
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+class ThreadedServer:
+    """A uvicorn server on its own thread and event loop (tests, embedding).
+
+    ``start()`` returns once the app's startup finished and the socket listens.
+    """
+
+    def __init__(self, app: Any, config: GatewayConfig, log_level: str = "warning") -> None:
+        self.app = app
+        self.config = config
+        self.server = uvicorn.Server(uvicorn_config(app, config, log_level))
+        self.sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        try:
+            self.loop = asyncio.new_event_loop()
+            self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+        except BaseException as e:  # reported by start()
+            self.error = e
+        finally:
+            if self.loop is not None:
+                self.loop.close()
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Start serving; returns the port.
+
+        Raises:
+            RuntimeError: the server did not start within ``timeout`` seconds.
+        """
+        self.thread = threading.Thread(target=self._main, name="gateway-server", daemon=True)
+        self.thread.start()
+        pause = threading.Event()  # never set: a sleep that reads as one
+        for _ in range(int(timeout * 50)):
+            if self.server.started or self.error is not None or not self.thread.is_alive():
+                break
+            pause.wait(0.02)
+        if not self.server.started:
+            raise RuntimeError(f"gateway did not start: {self.error!r}")
+        return self.sock.getsockname()[1]
+
+    def run_coro(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the server's loop and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down (closing sockets, stopping replies) and join the thread."""
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout)
+        self.sock.close()

@@ -1,0 +1,168 @@
+"""Lua scripts of the session store: each one multi-key change is one atomic script.
+
+Every script takes the same KEYS, in this order (``SessionKeys.all()``):
+
+    KEYS[1] chat:session:{sid}            hash: id, owner, title, system_prompt, params, times, active
+    KEYS[2] chat:session:{sid}:messages   list of message JSON, oldest first
+    KEYS[3] chat:session:{sid}:tokens     hash: message id -> {"ids": [...], "base": bool}
+    KEYS[4] chat:session:{sid}:cmids      hash: client_msg_id -> the turn it started (JSON)
+    KEYS[5] chat:user:{uid}:sessions      sorted set: sid by update time
+    KEYS[6] chat:session:{sid}:lock       string: request id of the reply in progress (PX lease)
+    KEYS[7] chat:user:{uid}:gens          sorted set: request id by lease expiry (ms)
+
+Writes refresh the TTL of KEYS[1..5] in the same script (ACCEPTANCE C29: a TTL is
+never lost by a rewrite, and active chats slide forward); the lock has its own lease.
+Message JSON is written with ``"role"`` first and ``"id"`` second (compact separators)
+so a script can read both without decoding a possibly multi-MiB message.
+"""
+
+from __future__ import annotations
+
+_PRELUDE = r"""
+local function touch(ttl)
+  if ttl > 0 then
+    for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl) end
+  end
+end
+local function release(rid)
+  if redis.call('GET', KEYS[6]) == rid then redis.call('DEL', KEYS[6]) end
+  redis.call('ZREM', KEYS[7], rid)
+end
+local function clear_active(rid)
+  local act = redis.call('HGET', KEYS[1], 'active') or ''
+  if act ~= '' and string.find(act, rid, 1, true) then redis.call('HSET', KEYS[1], 'active', '') end
+end
+"""
+
+# ARGV: owner, sid, title, system_prompt, params_json, now, max_sessions, ttl
+CREATE = _PRELUDE + r"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'exists' end
+if redis.call('ZCARD', KEYS[5]) >= tonumber(ARGV[7]) then return 'too_many_sessions' end
+redis.call('HSET', KEYS[1], 'id', ARGV[2], 'owner', ARGV[1], 'title', ARGV[3], 'system_prompt', ARGV[4],
+           'params', ARGV[5], 'created_at', ARGV[6], 'updated_at', ARGV[6], 'active', '')
+redis.call('ZADD', KEYS[5], ARGV[6], ARGV[2])
+touch(tonumber(ARGV[8]))
+return 'ok'
+"""
+
+# ARGV: owner, sid, now, ttl, field1, value1, ...
+UPDATE = _PRELUDE + r"""
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 'not_found' end
+local kv = {}
+for i = 5, #ARGV do kv[#kv + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[3], unpack(kv))
+redis.call('ZADD', KEYS[5], ARGV[3], ARGV[2])
+touch(tonumber(ARGV[4]))
+return 'ok'
+"""
+
+# ARGV: owner, sid. Returns {'ok', active_json} or {'not_found'}.
+DELETE = r"""
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {'not_found'} end
+local active = redis.call('HGET', KEYS[1], 'active') or ''
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+redis.call('ZREM', KEYS[5], ARGV[2])
+return {'ok', active}
+"""
+
+# ARGV: 1 owner, 2 sid, 3 request_id, 4 mode ('chat'|'regenerate'), 5 user_msg_json,
+#       6 user_msg_id, 7 client_msg_id, 8 assistant_msg_id, 9 title, 10 now, 11 now_ms,
+#       12 lease_ms, 13 max_generations, 14 ttl
+# Returns {'ok', user_msg_id, popped_json, popped_tokens, title_set} or {code[, previous]}.
+BEGIN = _PRELUDE + r"""
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {'not_found'} end
+if ARGV[7] ~= '' then
+  local prev = redis.call('HGET', KEYS[4], ARGV[7])
+  if prev then return {'duplicate', prev} end
+end
+if redis.call('EXISTS', KEYS[6]) == 1 then return {'busy'} end
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', ARGV[11])
+if redis.call('ZCARD', KEYS[7]) >= tonumber(ARGV[13]) then return {'too_many_generations'} end
+local user_id = ARGV[6]
+local popped, popped_tokens = '', ''
+if ARGV[4] == 'chat' then
+  redis.call('RPUSH', KEYS[2], ARGV[5])
+else
+  local last = redis.call('LINDEX', KEYS[2], -1)
+  if not last then return {'empty'} end
+  local aid = string.match(last, '^{"role":"assistant","id":"([%w_%-]+)"')
+  local before = last
+  if aid then before = redis.call('LINDEX', KEYS[2], -2) or '' end
+  user_id = string.match(before, '^{"role":"user","id":"([%w_%-]+)"')
+  if not user_id then return {'empty'} end
+  if aid then
+    redis.call('RPOP', KEYS[2])
+    popped = last
+    popped_tokens = redis.call('HGET', KEYS[3], aid) or ''
+    redis.call('HDEL', KEYS[3], aid)
+  end
+end
+local lease = tonumber(ARGV[12])
+redis.call('SET', KEYS[6], ARGV[3], 'PX', lease)
+redis.call('ZADD', KEYS[7], tonumber(ARGV[11]) + lease, ARGV[3])
+redis.call('PEXPIRE', KEYS[7], 4 * lease)
+local title = ''
+if ARGV[9] ~= '' and (redis.call('HGET', KEYS[1], 'title') or '') == '' then
+  redis.call('HSET', KEYS[1], 'title', ARGV[9])
+  title = ARGV[9]
+end
+local active = cjson.encode({request_id = ARGV[3], message_id = ARGV[8], user_message_id = user_id})
+redis.call('HSET', KEYS[1], 'active', active, 'updated_at', ARGV[10])
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[4], ARGV[7], active) end
+redis.call('ZADD', KEYS[5], ARGV[10], ARGV[2])
+touch(tonumber(ARGV[14]))
+return {'ok', user_id, popped, popped_tokens, title}
+"""
+
+# ARGV: 1 sid, 2 request_id, 3 assistant_json ('' = none), 4 assistant_id, 5 user_id,
+#       6 user_tokens_json, 7 assistant_tokens_json, 8 now, 9 ttl
+# The reply is stored only right after its own user message (never out of order).
+FINISH = _PRELUDE + r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then release(ARGV[2]); return 'gone' end
+local last = redis.call('LINDEX', KEYS[2], -1) or ''
+local last_id = string.match(last, '^{"role":"user","id":"([%w_%-]+)"')
+local status = 'ok'
+if last_id ~= ARGV[5] then
+  status = 'conflict'
+else
+  if ARGV[6] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
+  if ARGV[3] ~= '' then
+    redis.call('RPUSH', KEYS[2], ARGV[3])
+    if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], ARGV[4], ARGV[7]) end
+  end
+end
+clear_active(ARGV[2])
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[8])
+redis.call('ZADD', KEYS[5], ARGV[8], ARGV[1])
+release(ARGV[2])
+touch(tonumber(ARGV[9]))
+return status
+"""
+
+# A refused turn (nothing generated): take back what BEGIN did.
+# ARGV: 1 request_id, 2 user_json ('' for regenerate), 3 client_msg_id, 4 restore_json,
+#       5 restore_id, 6 restore_tokens, 7 ttl
+FAIL = _PRELUDE + r"""
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if ARGV[2] ~= '' then redis.call('LREM', KEYS[2], -1, ARGV[2]) end
+  if ARGV[3] ~= '' then redis.call('HDEL', KEYS[4], ARGV[3]) end
+  if ARGV[4] ~= '' then
+    redis.call('RPUSH', KEYS[2], ARGV[4])
+    if ARGV[6] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
+  end
+  clear_active(ARGV[1])
+  touch(tonumber(ARGV[7]))
+end
+release(ARGV[1])
+return 'ok'
+"""
+
+# Extend a reply's lock and generation slot. ARGV: request_id, lease_ms, now_ms.
+LEASE = r"""
+if redis.call('GET', KEYS[6]) ~= ARGV[1] then return 0 end
+local lease = tonumber(ARGV[2])
+redis.call('PEXPIRE', KEYS[6], lease)
+redis.call('ZADD', KEYS[7], 'XX', tonumber(ARGV[3]) + lease, ARGV[1])
+redis.call('PEXPIRE', KEYS[7], 4 * lease)
+return 1
+"""

@@ -1,0 +1,112 @@
+"""Reply streams: one Redis Stream per reply (``chat:gen:{request_id}``) that the
+generation task writes and any socket (on any gateway) tails at its own pace.
+
+Entry ids are chosen, not generated, so that a ``seq`` is its own cursor:
+
+    0-1          start  {t: "start", owner, session_id, message_id, user_message_id}
+    n-1          delta  {t: "delta", x: text}       seq n = 1, 2, ... without gaps
+    last-2       end    {t: "done", d: done JSON} or {t: "error", code, message}
+
+Reading from id ``{k}-1`` returns exactly the deltas with seq > k and then the end.
+Every write refreshes the key's TTL (``stream_ttl_s``), so a reply whose gateway died
+expires on its own; ``MAXLEN ~`` is a safety cap far above any reply's frame count.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.sessions import Keys, dumps, redis_errors
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    """One decoded entry: ``kind`` is "start", "delta", "done" or "error"; ``seq`` the
+    delta's seq (for start 0, for the end the last delta's seq)."""
+
+    kind: str
+    seq: int
+    fields: dict[str, str]
+
+    @property
+    def terminal(self) -> bool:
+        """True for the entry that ends the reply."""
+        return self.kind in ("done", "error")
+
+
+def _decode(entry_id: str, fields: dict[str, str]) -> StreamEntry:
+    major, _, _minor = entry_id.partition("-")
+    return StreamEntry(fields.get("t", ""), int(major), fields)
+
+
+class ReplyStreams:
+    """Writes and reads reply streams (see module doc).
+
+    Raises (every async method):
+        GatewayError: ``store_unavailable`` when Redis is unreachable.
+    """
+
+    def __init__(self, redis: aioredis.Redis, tail_redis: aioredis.Redis, keys: Keys, ttl_s: int, maxlen: int) -> None:
+        """``tail_redis`` serves blocking reads (each holds a connection while it waits)."""
+        self.redis = redis
+        self.tail_redis = tail_redis
+        self.keys = keys
+        self.ttl = ttl_s
+        self.maxlen = maxlen
+
+    async def _add(self, rid: str, entry_id: str, fields: dict[str, Any]) -> None:
+        key = self.keys.gen(rid)
+        async with redis_errors():
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(key, fields, id=entry_id, maxlen=self.maxlen, approximate=True)
+            pipe.expire(key, self.ttl)
+            await pipe.execute()
+
+    async def open(self, rid: str, owner: str, session_id: str, message_id: str, user_message_id: str) -> None:
+        """Write the start entry (before any socket subscribes)."""
+        await self._add(rid, "0-1", {"t": "start", "owner": owner, "session_id": session_id,
+                                     "message_id": message_id, "user_message_id": user_message_id})
+
+    async def delta(self, rid: str, seq: int, text: str) -> None:
+        """Append delta ``seq`` (>= 1, one more than the previous)."""
+        await self._add(rid, f"{seq}-1", {"t": "delta", "x": text})
+
+    async def done(self, rid: str, last_seq: int, done: dict[str, Any]) -> None:
+        """End the reply with its ``done`` payload (written after the reply is stored)."""
+        await self._add(rid, f"{last_seq}-2", {"t": "done", "d": dumps(done)})
+
+    async def error(self, rid: str, last_seq: int, code: str, message: str) -> None:
+        """End the reply with an error (nothing was stored for it)."""
+        await self._add(rid, f"{last_seq}-2", {"t": "error", "code": code, "message": message})
+
+    async def head(self, rid: str) -> StreamEntry | None:
+        """The start entry, or None when the stream does not exist (any more)."""
+        async with redis_errors():
+            rows = await self.redis.xrange(self.keys.gen(rid), "0-1", "0-1")
+        return _decode(*rows[0]) if rows else None
+
+    async def last(self, rid: str) -> StreamEntry | None:
+        """The newest entry, or None when the stream does not exist."""
+        async with redis_errors():
+            rows = await self.redis.xrevrange(self.keys.gen(rid), "+", "-", count=1)
+        return _decode(*rows[0]) if rows else None
+
+    async def read(self, rid: str, after_seq: int, count: int, block_ms: int) -> list[StreamEntry]:
+        """Entries after delta ``after_seq`` (at most ``count``), waiting up to
+        ``block_ms`` for the first one; [] on timeout."""
+        async with redis_errors():
+            res = await self.tail_redis.xread({self.keys.gen(rid): f"{after_seq}-1"}, count=count, block=block_ms)
+        if not res:
+            return []
+        # redis-py returns [[key, [(id, fields), ...]]] (RESP2) or {key: [[...]]} (RESP3)
+        rows = next(iter(res.values()))[0] if isinstance(res, dict) else res[0][1]
+        return [_decode(eid, f) for eid, f in rows]
+
+
+def done_payload(entry: StreamEntry) -> dict[str, Any]:
+    """The ``done`` JSON of a terminal "done" entry."""
+    return json.loads(entry.fields["d"])

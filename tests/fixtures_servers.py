@@ -1,0 +1,137 @@
+"""Server fixtures: real engines as subprocesses, and real gateways in a thread.
+
+* ``engine_url`` (session): ``python -m engine serve`` on the tiny random model
+  (``--num-blocks 512 --block-size 16``), HF_HUB_OFFLINE=1; yields its ``ws://`` URL.
+* ``smollm2_engine_url`` (session): the same on the bundled SmolLM2 (no ``--model``).
+* ``gateway_factory`` (function): ``gateway_factory(engine_urls=None, **overrides)``
+  starts the real gateway app (as ``python -m gateway`` builds it: with the OpenAI API
+  and metrics) under uvicorn on a free port (a background thread with
+  its own event loop), on the test's Redis key prefix, and returns a
+  ``RunningGateway`` once an engine is connected (``wait_for_engine=False`` skips
+  that); ``engine_urls`` defaults to ``[engine_url]``; ``overrides`` are
+  ``GatewayConfig`` fields (``limits`` as a dict of changes). All are stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+
+from gateway.app import new_secret
+from gateway.auth import COOKIE_NAME
+from gateway.config import GatewayConfig
+from gateway.extensions import create_app_with_extras
+from gateway.local import LocalEngine
+from gateway.serving import ThreadedServer
+
+ENGINE_ARGS = ["--num-blocks", "512", "--block-size", "16"]
+
+
+def _start_engine(model: Path | None, extra: list[str]) -> Iterator[str]:
+    engine = LocalEngine(model=str(model) if model else None, extra_args=extra, env={"HF_HUB_OFFLINE": "1"})
+    url = engine.start(timeout_s=600)
+    try:
+        yield url
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    """A real engine on the tiny random Llama (512 blocks of 16 tokens)."""
+    yield from _start_engine(tiny_model_dir, ENGINE_ARGS + ["--threads", "1"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_url() -> Iterator[str]:
+    """A real engine on the bundled SmolLM2-135M-Instruct."""
+    yield from _start_engine(None, ENGINE_ARGS + ["--threads", "2"])
+
+
+@dataclass
+class RunningGateway:
+    """A gateway serving on ``base_url`` (HTTP) and ``ws_url`` (WebSocket).
+
+    ``app.state`` holds its parts (``store``, ``streams``, ``router``, ``generations``,
+    ``ws_stats``); ``run(coro)`` runs a coroutine on the gateway's own event loop.
+    """
+
+    config: GatewayConfig
+    server: ThreadedServer
+    base_url: str
+    ws_url: str
+
+    @property
+    def app(self) -> Any:
+        """The Starlette app (its ``state`` holds the gateway's parts)."""
+        return self.server.app
+
+    @property
+    def origin(self) -> str:
+        """The Origin a page served by this gateway sends."""
+        return self.base_url
+
+    def new_cookie(self) -> str:
+        """A fresh anonymous user: the signed cookie value set by ``GET /api/config``."""
+        r = httpx.get(f"{self.base_url}/api/config", timeout=10)
+        r.raise_for_status()
+        return r.cookies[COOKIE_NAME]
+
+    def cookie_header(self, cookie: str) -> dict[str, str]:
+        """The ``Cookie`` header for a user cookie value."""
+        return {"Cookie": f"{COOKIE_NAME}={cookie}"}
+
+    def connect(self, cookie: str | None, origin: str | None = "", **kwargs: Any) -> Any:
+        """``websockets`` connect to ``/ws`` as that user; ``origin=""`` sends the
+        gateway's own origin, None sends none."""
+        headers = self.cookie_header(cookie) if cookie else {}
+        kwargs.setdefault("max_size", None)
+        kwargs.setdefault("open_timeout", 10)
+        return connect(self.ws_url, origin=(self.origin if origin == "" else origin),  # type: ignore[arg-type]
+                       additional_headers=headers, **kwargs)
+
+    def http(self, cookie: str | None) -> httpx.AsyncClient:
+        """An async HTTP client for the API as that user."""
+        return httpx.AsyncClient(base_url=self.base_url, cookies={COOKIE_NAME: cookie} if cookie else None,
+                                 timeout=30)
+
+    def run(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run ``coro`` on the gateway's loop (for reading its Redis-backed state)."""
+        return self.server.run_coro(coro, timeout)
+
+    def stop(self) -> None:
+        """Shut the gateway down (its replies are stopped and stored)."""
+        self.server.stop()
+
+
+@pytest.fixture
+def gateway_factory(request: pytest.FixtureRequest, redis_url: str, key_prefix: str,
+                    tmp_path: Path) -> Iterator[Callable[..., RunningGateway]]:
+    """Start real gateways for this test (see module doc); stopped at teardown."""
+    running: list[RunningGateway] = []
+
+    def make(engine_urls: list[str] | None = None, wait_for_engine: bool = True, **overrides: Any) -> RunningGateway:
+        """Start one gateway (see the module doc)."""
+        urls = engine_urls if engine_urls is not None else [request.getfixturevalue("engine_url")]
+        fields: dict[str, Any] = dict(host="127.0.0.1", port=0, redis_url=redis_url, key_prefix=key_prefix,
+                                      engine_urls=tuple(urls), secret_key=new_secret(), data_dir=tmp_path / "data")
+        fields.update(overrides)
+        config = GatewayConfig().with_overrides(**fields)
+        server = ThreadedServer(create_app_with_extras(config), config)
+        port = server.start()
+        gw = RunningGateway(config, server, f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws")
+        running.append(gw)
+        deadline = time.monotonic() + 60
+        while wait_for_engine and urls and not gw.app.state.router.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)  # wait for the engine connection so a first chat is not refused
+        return gw
+
+    yield make
+    for gw in running:
+        gw.stop()

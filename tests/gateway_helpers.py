@@ -1,0 +1,140 @@
+"""Helpers for gateway tests: read browser-protocol frames off a ``websockets`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import base64
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+DEFAULT_TIMEOUT = 120.0
+
+
+async def recv(ws: Any, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """The next frame as a dict (fails the test after ``timeout`` seconds)."""
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def send(ws: Any, frame: dict[str, Any]) -> None:
+    """Send one frame as JSON text."""
+    await ws.send(json.dumps(frame))
+
+
+@dataclass
+class Reply:
+    """What one socket saw of one reply."""
+
+    start: dict[str, Any] | None = None
+    deltas: list[dict[str, Any]] = field(default_factory=list)
+    done: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    others: list[dict[str, Any]] = field(default_factory=list)  # frames of other requests / pongs
+
+    @property
+    def text(self) -> str:
+        """The deltas' text joined."""
+        return "".join(d["text"] for d in self.deltas)
+
+    @property
+    def seqs(self) -> list[int]:
+        """The deltas' seq numbers in arrival order."""
+        return [d["seq"] for d in self.deltas]
+
+    @property
+    def request_id(self) -> str | None:
+        """The reply's id (from its start frame)."""
+        return (self.start or {}).get("request_id")
+
+
+async def read_reply(ws: Any, request_id: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                     on_frame: Callable[[dict[str, Any], Reply], Awaitable[None] | None] | None = None,
+                     reply: Reply | None = None) -> Reply:
+    """Read frames until the reply ``request_id`` (or the first one started) ends with
+    ``done`` or an ``error``; other frames are kept in ``others``."""
+    r = reply or Reply()
+    deadline = time.monotonic() + timeout
+    while True:
+        f = await recv(ws, max(0.1, deadline - time.monotonic()))
+        rid = f.get("request_id")
+        kind = f["type"]
+        if kind == "start" and (request_id is None or rid == request_id) and r.start is None:
+            r.start, request_id = f, rid
+        elif kind == "delta" and rid == request_id and request_id is not None:
+            r.deltas.append(f)
+        elif kind == "done" and rid == request_id and request_id is not None:
+            r.done = f
+        elif kind == "error" and (rid is None or rid == request_id):
+            r.error = f
+        else:
+            r.others.append(f)
+        if on_frame is not None:
+            res = on_frame(f, r)
+            if asyncio.iscoroutine(res):
+                await res
+        if r.done is not None or r.error is not None:
+            return r
+
+
+async def chat(ws: Any, content: str, session_id: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+               **params: Any) -> Reply:
+    """Send a ``chat`` frame (greedy unless ``temperature`` is given) and read its reply."""
+    params.setdefault("temperature", 0)
+    frame: dict[str, Any] = {"type": "chat", "content": content, "params": params}
+    if session_id:
+        frame["session_id"] = session_id
+    await send(ws, frame)
+    return await read_reply(ws, timeout=timeout)
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool] | bool], timeout: float = 60.0,
+                   interval: float = 0.05) -> None:
+    """Poll until ``predicate()`` is true (fails with AssertionError after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        res = predicate()
+        if asyncio.iscoroutine(res):
+            res = await res
+        if res:
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError("condition not reached in time")
+
+
+def masked_frame(payload: bytes, opcode: int = 0x1) -> bytes:
+    """A client-to-server WebSocket frame (RFC 6455 section 5.2: clients mask)."""
+    mask = os.urandom(4)
+    n = len(payload)
+    if n < 126:
+        head = bytes([0x80 | opcode, 0x80 | n])
+    elif n < 1 << 16:
+        head = bytes([0x80 | opcode, 0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head = bytes([0x80 | opcode, 0x80 | 127]) + n.to_bytes(8, "big")
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def raw_ws_connect(host: str, port: int, cookie_header: str, origin: str, rcvbuf: int | None = None) -> socket.socket:
+    """A WebSocket handshake on a plain socket (so the test controls reading); the
+    101 response is consumed. ``rcvbuf`` shrinks the receive window before connecting."""
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(10)
+    s.connect((host, port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    s.sendall((f"GET /ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nOrigin: {origin}\r\n"
+               f"Cookie: {cookie_header}\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(1)
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        head += chunk
+    if not head.startswith(b"HTTP/1.1 101"):
+        raise ConnectionError(head.decode(errors="replace"))
+    return s

@@ -1,0 +1,133 @@
+"""The one-command local default and the terminal client, as real subprocesses:
+``python -m gateway`` (with an engine URL, and starting its own engine), a private
+``redis-server`` when none answers, and ``python -m gateway.client``."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from gateway.auth import COOKIE_NAME
+from gateway.local import LocalStartError, ensure_redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_private_redis_is_started_when_none_answers(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    said: list[str] = []
+    local = ensure_redis(url, tmp_path, say=said.append)
+    assert local is not None
+    try:
+        client = redis.Redis.from_url(url)
+        client.set("k", "v")
+        assert client.get("k") == b"v" and client.config_get("appendonly")["appendonly"] == "yes"
+        client.close()
+        assert said and "private Redis" in said[0] and str(tmp_path / "redis") in said[0]
+        assert ensure_redis(url, tmp_path) is None  # now one answers: nothing else is started
+    finally:
+        local.stop()
+    assert any((tmp_path / "redis").iterdir())  # its append-only data stays in the data folder
+
+
+def test_without_redis_or_redis_server_the_message_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on PATH
+    with pytest.raises(LocalStartError) as e:
+        ensure_redis(f"redis://127.0.0.1:{free_port()}/0", tmp_path)
+    assert "apt-get install redis-server" in str(e.value) and "REDIS_URL" in str(e.value)
+
+
+def start_gateway(args: list[str], env: dict[str, str], timeout: float = 600) -> tuple[subprocess.Popen, str, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--port", "0", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        m = re.match(r"Chat is ready at (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            return proc, m.group(1), lines
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise AssertionError("gateway did not get ready:\n" + "\n".join(lines[-30:]))
+
+
+def stop_gateway(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def run_client(base: str, cookie_file: Path, *args: str) -> subprocess.CompletedProcess:
+    ws = base.replace("http://", "ws://") + "/ws"
+    return subprocess.run([sys.executable, "-m", "gateway.client", "--url", ws, "--cookie-file", str(cookie_file),
+                           "--max-tokens", "6", "--temperature", "0", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def gateway_env(redis_url: str, key_prefix: str, tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "REDIS_URL": redis_url, "KEY_PREFIX": key_prefix,
+            "DATA_DIR": str(tmp_path / "data")}
+
+
+def test_gateway_command_serves_the_chat_and_the_terminal_client_talks_to_it(engine_url, redis_url, key_prefix,
+                                                                              tmp_path):
+    proc, base, _ = start_gateway(["--engine", engine_url], gateway_env(redis_url, key_prefix, tmp_path))
+    try:
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        page = httpx.get(f"{base}/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        set_cookie = page.headers["set-cookie"]
+        assert set_cookie.startswith(f"{COOKIE_NAME}=") and "HttpOnly" in set_cookie and "SameSite=Lax" in set_cookie
+        cookie_file = tmp_path / "cookie"
+        first = run_client(base, cookie_file, "Hello!")
+        assert first.returncode == 0, first.stderr
+        sid = re.search(r"--session (\w+)", first.stderr).group(1)
+        second = run_client(base, cookie_file, "--session", sid, "And again?")
+        assert second.returncode == 0, second.stderr
+        assert sid in second.stderr
+        cookie = cookie_file.read_text().strip()
+        body = httpx.get(f"{base}/api/sessions/{sid}", cookies={COOKIE_NAME: cookie}).json()
+        assert [m["content"] for m in body["messages"][::2]] == ["Hello!", "And again?"]
+        assert body["messages"][1]["content"] == first.stdout.strip("\n")
+        bad = run_client(base, cookie_file, "--session", "0" * 32, "whose?")
+        assert bad.returncode == 1 and "not_found" in bad.stderr
+    finally:
+        assert stop_gateway(proc) == 0
+
+
+def test_gateway_with_no_engine_url_starts_and_stops_its_own_engine(tiny_model_dir, redis_url, key_prefix, tmp_path):
+    proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], gateway_env(redis_url, key_prefix, tmp_path))
+    engine_port = None
+    try:
+        for line in lines:
+            m = re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line)
+            engine_port = int(m.group(1)) if m else engine_port
+        assert engine_port is not None, lines
+        result = run_client(base, tmp_path / "cookie", "Hi from the one-command default")
+        assert result.returncode == 0, result.stderr
+    finally:
+        assert stop_gateway(proc) == 0
+    with pytest.raises(OSError):  # the engine went away with the gateway
+        socket.create_connection(("127.0.0.1", engine_port), timeout=2).close()
