@@ -10,6 +10,7 @@ within one step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import sys
@@ -140,14 +141,18 @@ class AsyncEngine:
         finished = False
         try:
             ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
-            self.core.check_fits(len(ids), request.params)
+            params = request.params
+            room = self.core.max_model_len - len(ids)
+            if request.clamp_max_tokens and 1 <= room < params.max_tokens:
+                params = dataclasses.replace(params, max_tokens=room)
+            self.core.check_fits(len(ids), params)
             with self._lock:
                 aborted_early = rid in self._cancelled
             if aborted_early:
                 finished = True
                 yield _aborted_before_start(rid, ids, reused, arrival)
                 return
-            self._inbox.put(("add", (rid, ids, request.params, request.cache_salt, reused, arrival)))
+            self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival)))
             self._wake.set()
             while True:
                 item = await q.get()

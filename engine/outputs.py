@@ -28,6 +28,9 @@ class GenerateRequest:
         params: sampling and stopping parameters.
         cache_salt: namespace for the prefix cache; requests with different salts never
             share KV (ACCEPTANCE C02). The engine also salts with its weights id.
+        clamp_max_tokens: when the prompt fits the context but prompt + max_tokens does
+            not, lower max_tokens to what is left (the reply then ends with "length")
+            instead of refusing. The prompt itself is never truncated.
     """
 
     request_id: str
@@ -36,6 +39,7 @@ class GenerateRequest:
     prefix_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
+    clamp_max_tokens: bool = False
 
 
 @dataclass

@@ -57,7 +57,8 @@ def parse_generate(frame: dict[str, Any], internal_id: str) -> GenerateRequest:
     Raises:
         InvalidRequestError: unknown or ill-typed fields, bad params.
     """
-    allowed = {"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params", "cache_salt"}
+    allowed = {"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params", "cache_salt",
+               "clamp_max_tokens"}
     unknown = sorted(set(frame) - allowed)
     if unknown:
         raise InvalidRequestError(f"unknown field(s) in generate: {', '.join(unknown)}")
@@ -71,6 +72,7 @@ def parse_generate(frame: dict[str, Any], internal_id: str) -> GenerateRequest:
         request_id=internal_id, prompt_token_ids=frame.get("prompt_token_ids"),
         messages=frame.get("messages"), prefix_token_ids=frame.get("prefix_token_ids"),
         params=SamplingParams.from_dict(params), cache_salt=salt,
+        clamp_max_tokens=bool(frame.get("clamp_max_tokens", False)),
     )
 
 
