@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -66,22 +67,43 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, display: str) -> N
     await task
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived: shut down like Ctrl-C (children stopped in ``main``)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the gateway until interrupted; returns the exit status."""
+    """Run the gateway until interrupted (SIGINT or SIGTERM); returns the exit status.
+
+    Children (the local engine, a private Redis) are stopped on the way out; they also
+    get SIGTERM from the kernel if this process is killed outright (``die_with_parent``).
+    """
     try:
         cfg, log_level = parse_args(argv, config_from_env())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # uvicorn handles SIGTERM while serving, then re-raises it once it stopped: this
+    # handler turns that (or one during start-up) into a clean exit through `finally`
+    signal.signal(signal.SIGTERM, _on_sigterm)
     local_redis: LocalRedis | None = None
     engine: LocalEngine | None = None
     try:
+        try:  # before the model loads: a taken port is reported at once
+            sock = make_listen_socket(cfg.host, cfg.port, cfg.limits.ws_socket_sndbuf_bytes)
+        except OSError as e:
+            print(f"error: cannot listen on {cfg.host}:{cfg.port} ({e.strerror or e}); choose another port with "
+                  f"--port 8001 (or PORT=8001; with make: make run ARGS=\"--port 8001\")", file=sys.stderr)
+            return 1
         local_redis = ensure_redis(cfg.redis_url, cfg.data_dir)
         if not cfg.engine_urls:
             print(f"Starting a local engine ({cfg.model or 'bundled SmolLM2-135M-Instruct'})...", flush=True)
             engine = LocalEngine(model=cfg.model, echo=lambda line: print(f"[engine] {line}", flush=True))
             cfg = cfg.with_overrides(engine_urls=(engine.start(),))
-        sock = make_listen_socket(cfg.host, cfg.port, cfg.limits.ws_socket_sndbuf_bytes)
+            engine.supervise(say=lambda line: print(line, flush=True))
         port = sock.getsockname()[1]
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         server = uvicorn.Server(uvicorn_config(create_app_with_extras(cfg), cfg, log_level))
@@ -90,12 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     except LocalStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:
-        print(f"error: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated):
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if engine is not None:
             engine.stop()
         if local_redis is not None:

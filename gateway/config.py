@@ -121,6 +121,8 @@ class GatewayConfig:
             one entry per engine frame, so it is above any reply's token count).
         lock_lease_ms: lease of a chat's generation lock (refreshed while generating).
         cancel_grace_s: after an abort, how long to wait for the engine's final frame.
+        store_retry_s: while Redis is unreachable, how long a reply task keeps its reply
+            in memory and retries storing it (and a socket keeps waiting for it).
         web_dir, static_dir: templates and static assets of the UI.
         ws_per_message_deflate: compress browser frames (off: deltas are tiny).
         defaults: per-chat defaults.
@@ -142,6 +144,7 @@ class GatewayConfig:
     stream_maxlen: int = 100_000
     lock_lease_ms: int = 30_000
     cancel_grace_s: float = 5.0
+    store_retry_s: float = 300.0
     web_dir: Path = field(default_factory=lambda: PROJECT_ROOT / "web")
     static_dir: Path = field(default_factory=lambda: PROJECT_ROOT / "static")
     ws_per_message_deflate: bool = False
@@ -155,6 +158,8 @@ class GatewayConfig:
             raise ConfigError("session_ttl_s must be > 0 or None")
         if self.stream_ttl_s <= 0 or self.lock_lease_ms < 1000 or self.stream_maxlen < 1000:
             raise ConfigError("stream_ttl_s > 0, lock_lease_ms >= 1000 and stream_maxlen >= 1000 required")
+        if self.store_retry_s <= 0:
+            raise ConfigError("store_retry_s must be > 0")
         for o in self.allowed_origins:
             if not o.startswith(("http://", "https://")) or o.endswith("/"):
                 raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")

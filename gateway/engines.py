@@ -210,8 +210,11 @@ class EngineClient:
 
     async def generate(self, request_id: str, messages: list[dict[str, str]] | None = None,
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
-                       prompt_token_ids: list[int] | None = None, cache_salt: str | None = None) -> EngineRequest:
-        """Start a generation; read its frames from the returned handle.
+                       prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
+                       clamp_max_tokens: bool = False) -> EngineRequest:
+        """Start a generation; read its frames from the returned handle. With
+        ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
+        (docs/protocol.md section 1) instead of refusing the request.
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected.
@@ -232,6 +235,8 @@ class EngineClient:
             frame["params"] = params
         if cache_salt:
             frame["cache_salt"] = cache_salt
+        if clamp_max_tokens:
+            frame["clamp_max_tokens"] = True
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
         try:

@@ -10,6 +10,7 @@ HTTP_STATUS: dict[str, int] = {
     "context_length_exceeded": 400,
     "not_found": 404,
     "busy": 409,
+    "conflict": 409,
     "frame_too_large": 413,
     "rate_limited": 429,
     "too_many_generations": 429,

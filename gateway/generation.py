@@ -13,15 +13,24 @@ producing anything (``context_length_exceeded``, ``invalid_request``, no engine)
 undone: its user message is removed (a regenerate puts the old reply back), the
 stream ends with an ``error``. A reply that breaks after some text is stored as
 "partial" with ``finish_reason`` "error" and ends with a ``done`` carrying ``error``.
+
+Redis going away mid-reply loses nothing: the task keeps generating, keeps the text
+it could not write to the reply stream in memory (``_Turn.unsent``, written later as
+one delta, so seqs stay gapless), and retries every store write with backoff for up to
+``store_retry_s`` seconds; the store's FINISH is idempotent by message id, so the reply
+is stored exactly once and ``done`` follows it. A turn is answered
+``store_unavailable`` only when it was not accepted (its begin is undone, in the
+background if Redis is still down).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -35,10 +44,13 @@ from gateway.sessions import History, SessionStore, TurnBegun
 from gateway.streams import ReplyStreams
 
 log = logging.getLogger("gateway.generation")
+T = TypeVar("T")
 
 # engine error codes shown to the user as they are; any other becomes internal_error
 PASSTHROUGH_CODES = {"context_length_exceeded", "invalid_request", "engine_unavailable"}
 ABORT_RESEND_S = 0.2  # seconds between repeated aborts until the engine confirms one
+STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (seconds)
+LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
 
 
 @dataclass
@@ -61,13 +73,23 @@ class _Turn:
     params: dict[str, Any]
     system_prompt: str
     client_msg_id: str | None
+    clamp_max_tokens: bool = True
     task: asyncio.Task[None] | None = None
     request: EngineRequest | None = None
     cancel_requested: bool = False
     cancel_deadline: float | None = None
     seq: int = 0
     parts: list[str] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)  # produced text not yet in the reply stream
+    store_retry_at: float = 0.0  # monotonic time before which stream writes are not tried
+    delta_uncertain: bool = False  # a delta write failed: it may or may not have been applied
+    store_warned: bool = False
     output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def produced(self) -> bool:
+        """True once the engine produced any text or token (shown or not)."""
+        return bool(self.parts or self.output_ids)
 
 
 def merge_params(*layers: dict[str, Any] | None) -> dict[str, Any]:
@@ -86,6 +108,17 @@ def merge_params(*layers: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+def _context_message(engine_message: str, info: Any) -> str:
+    """The user-facing reason for a clamped turn the engine still refused: the prompt
+    itself (history + new message) does not fit, whatever ``max_tokens`` is."""
+    m = re.search(r"prompt \((\d+) tokens\)", engine_message)
+    limit = getattr(info, "max_model_len", 0)
+    if m is None or not limit:
+        return engine_message
+    return (f"the conversation with this message is {int(m.group(1))} tokens, and the model's context holds "
+            f"{limit}: start a new chat or send a shorter message")
+
+
 class GenerationManager:
     """Starts, runs, cancels and tracks this gateway's replies."""
 
@@ -99,6 +132,12 @@ class GenerationManager:
         self.events = EventFanout(events or [])
         self.running: dict[str, _Turn] = {}
         self._listener: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a background store write gave up: %s", task.exception())
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -115,13 +154,21 @@ class GenerationManager:
             await asyncio.wait(tasks, timeout=timeout)
         if self._listener:
             self._listener.cancel()
+        for t in list(self._background):
+            t.cancel()
 
     async def _listen_cancels(self) -> None:
         channel = self.store.keys.cancel_channel()
+        down_since: float | None = None
+        last_log = 0.0
+        backoff = STORE_BACKOFF_S[0]
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
+                if down_since is not None:
+                    log.info("cancel listener: Redis is back after %.0f s", time.monotonic() - down_since)
+                    down_since, backoff = None, STORE_BACKOFF_S[0]
                 async for msg in pubsub.listen():
                     turn = self.running.get(str(msg.get("data")))
                     if turn is not None:
@@ -129,20 +176,54 @@ class GenerationManager:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("cancel listener: %s; retrying", e)
-                await asyncio.sleep(1.0)
+                now = time.monotonic()
+                if down_since is None or now - last_log >= LISTENER_LOG_EVERY_S:
+                    # once when Redis goes away, then at most once a minute (not per retry)
+                    log.warning("cancel listener: %s; retrying in the background", e)
+                    last_log = now
+                down_since = down_since if down_since is not None else now
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, STORE_BACKOFF_S[1])
             finally:
                 try:
                     await pubsub.aclose()
                 except Exception:
                     pass  # the connection is already gone
 
+    async def _store_retrying(self, rid: str, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run one store write, retrying while Redis is unreachable (exponential backoff
+        from 0.2 s to 5 s, for at most ``config.store_retry_s`` seconds).
+
+        ``op`` must be idempotent (it may have been applied when its answer was lost).
+        Raises:
+            GatewayError: ``store_unavailable`` once the time is up.
+        """
+        deadline = time.monotonic() + self.config.store_retry_s
+        backoff = STORE_BACKOFF_S[0]
+        failed = False
+        while True:
+            try:
+                res = await op()
+                if failed:
+                    log.info("reply %s: %s succeeded after Redis came back", rid, what)
+                return res
+            except GatewayError as e:
+                if e.code != "store_unavailable" or time.monotonic() + backoff > deadline:
+                    raise
+                if not failed:
+                    log.warning("reply %s: Redis unreachable; keeping the reply in memory and retrying %s "
+                                "for up to %.0f s", rid, what, self.config.store_retry_s)
+                    failed = True
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, STORE_BACKOFF_S[1])
+
     # ---- starting a reply ------------------------------------------------------------
 
     async def chat(self, owner: str, session_id: str | None, content: str, params: dict[str, Any],
-                   client_msg_id: str | None) -> StartedTurn:
+                   client_msg_id: str | None, clamp_max_tokens: bool = True) -> StartedTurn:
         """Append a user message (creating the chat when ``session_id`` is None) and
-        start its reply.
+        start its reply. ``clamp_max_tokens`` lets the engine lower ``max_tokens`` to the
+        context left (the browser chat); the OpenAI API passes False (strict check).
 
         Raises:
             GatewayError: ``not_found``, ``busy``, ``rate_limited``, ``too_many_*``,
@@ -160,7 +241,8 @@ class GenerationManager:
         try:
             begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
                                                 client_msg_id=client_msg_id)
-            return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id)
+            return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
+                                      clamp_max_tokens)
         except GatewayError:
             if session_id is None:  # refused before it began: leave no empty chat behind
                 try:
@@ -169,13 +251,15 @@ class GenerationManager:
                     pass
             raise
 
-    async def regenerate(self, owner: str, session_id: str, params: dict[str, Any]) -> StartedTurn:
-        """Drop the chat's last reply and generate a new one (same errors as ``chat``)."""
+    async def regenerate(self, owner: str, session_id: str, params: dict[str, Any],
+                         replaces: str | None = None) -> StartedTurn:
+        """Drop the chat's last reply and generate a new one (same errors as ``chat``,
+        and ``conflict`` when ``replaces`` is given and is not the last reply's id)."""
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         info = await self.store.get_session(owner, session_id)
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
         self._require_engine()
-        begun = await self.store.begin_turn(owner, info.id, mode="regenerate")
+        begun = await self.store.begin_turn(owner, info.id, mode="regenerate", replaces=replaces)
         return await self._launch(owner, info.id, begun, merged, info.system_prompt, None)
 
     def _require_engine(self) -> None:
@@ -183,18 +267,25 @@ class GenerationManager:
             self.router.pick("")  # raises engine_unavailable
 
     async def _launch(self, owner: str, sid: str, begun: TurnBegun, params: dict[str, Any],
-                      system_prompt: str, client_msg_id: str | None) -> StartedTurn:
+                      system_prompt: str, client_msg_id: str | None, clamp_max_tokens: bool = True
+                      ) -> StartedTurn:
         started = StartedTurn(begun.request_id, sid, begun.message_id, begun.user_message_id, begun.duplicate)
         if begun.duplicate:
             return started
-        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id)
+        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens)
         try:
             await self.streams.open(begun.request_id, owner, sid, begun.message_id, begun.user_message_id)
         except GatewayError:
             try:
                 await self.store.fail_turn(owner, sid, begun, client_msg_id)
             except GatewayError:
-                pass  # Redis is down: the lock's lease runs out on its own
+                # Redis is down: undo the turn once it is back, so that the answer
+                # store_unavailable stays true (no user message without its reply)
+                undo = asyncio.create_task(self._store_retrying(
+                    begun.request_id, "undoing the refused turn",
+                    lambda: self.store.fail_turn(owner, sid, begun, client_msg_id)))
+                self._background.add(undo)
+                undo.add_done_callback(self._background_done)
             raise
         self.running[begun.request_id] = turn
         turn.task = asyncio.create_task(self._run(turn), name=f"reply {begun.request_id}")
@@ -236,7 +327,8 @@ class GenerationManager:
         self.events.on_start(rid, turn.session_id, time.perf_counter())
         lease = asyncio.create_task(self._keep_lease(turn))
         try:
-            history = await self.store.history(turn.owner, turn.session_id, turn.system_prompt)
+            history = await self._store_retrying(
+                rid, "reading the chat", lambda: self.store.history(turn.owner, turn.session_id, turn.system_prompt))
             end = await self._generate(turn, history)
             await self._finish(turn, history, end)
         except asyncio.CancelledError:
@@ -270,8 +362,11 @@ class GenerationManager:
             engine = self.router.pick(turn.session_id, exclude=tried)  # raises when none is left
             tried.append(engine)
             try:
+                # browser turns clamp max_tokens to the context left, so a high per-chat
+                # max_tokens never makes every turn fail; the OpenAI API keeps the strict check
                 turn.request = await engine.generate(turn.begun.request_id, history.messages,
-                                                     history.prefix_token_ids, turn.params)
+                                                     history.prefix_token_ids, turn.params,
+                                                     clamp_max_tokens=turn.clamp_max_tokens)
             except GatewayError as e:
                 if e.code == "engine_unavailable" and not turn.cancel_requested:
                     continue  # it dropped between pick and send: try the next one
@@ -279,8 +374,8 @@ class GenerationManager:
             if turn.cancel_requested:
                 await turn.request.abort()
             end = await self._pump(turn)
-            if end.get("type") == "error" and end.get("code") == "engine_unavailable" and turn.seq == 0 \
-                    and not turn.output_ids and not turn.cancel_requested:
+            if end.get("type") == "error" and end.get("code") == "engine_unavailable" and not turn.produced \
+                    and not turn.cancel_requested:
                 turn.request.close()
                 if any(c.healthy and c not in tried for c in self.router.clients):
                     continue  # fail over: nothing was shown yet
@@ -324,19 +419,70 @@ class GenerationManager:
                     break
             chunk = "".join(text)
             if chunk:
-                turn.seq += 1
                 turn.parts.append(chunk)
-                await self.streams.delta(turn.begun.request_id, turn.seq, chunk)
+                turn.unsent.append(chunk)
+                await self._write_unsent(turn)
                 self.events.on_delta(turn.begun.request_id, n_tokens, len(chunk), time.perf_counter())
             if end is not None:
                 return end
+
+    async def _write_unsent(self, turn: _Turn) -> None:
+        """Append the text not yet in the reply stream as the next delta; while Redis
+        is unreachable, keep it (the generation goes on) and try again after a pause."""
+        if not turn.unsent or time.monotonic() < turn.store_retry_at:
+            return
+        rid = turn.begun.request_id
+        try:
+            if turn.delta_uncertain:
+                # the last failed write may have been applied with its answer lost: if
+                # so, its text is already delta seq+1 and only the rest is still unsent
+                written = await self.streams.delta_text(rid, turn.seq + 1)
+                turn.delta_uncertain = False
+                if written is not None:
+                    rest = "".join(turn.unsent)[len(written):]
+                    turn.seq += 1
+                    turn.unsent = [rest] if rest else []
+                    if not rest:
+                        turn.store_retry_at = 0.0
+                        return
+            turn.delta_uncertain = True
+            await self.streams.delta(rid, turn.seq + 1, "".join(turn.unsent))
+            turn.delta_uncertain = False
+        except GatewayError as e:
+            if e.code != "store_unavailable":
+                raise
+            if not turn.store_warned:
+                log.warning("reply %s: Redis unreachable; the reply goes on and is kept in memory", rid)
+                turn.store_warned = True
+            turn.store_retry_at = time.monotonic() + 1.0
+            return
+        turn.seq += 1
+        turn.unsent.clear()
+        turn.store_retry_at = 0.0
+
+    async def _flush_unsent(self, turn: _Turn) -> None:
+        """Write the kept text to the reply stream, retrying (before the reply is stored,
+        so that the stream's deltas add up to the stored content)."""
+        async def write() -> None:
+            turn.store_retry_at = 0.0
+            await self._write_unsent(turn)
+            if turn.unsent:
+                raise GatewayError("store_unavailable", "the chat store (Redis) is unreachable")
+        if turn.unsent:
+            await self._store_retrying(turn.begun.request_id, "writing the reply stream", write)
 
     async def _finish(self, turn: _Turn, history: History, end: dict[str, Any]) -> None:
         rid, begun = turn.begun.request_id, turn.begun
         if end.get("type") == "error":
             code = end.get("code", "engine_error")
             code = code if code in PASSTHROUGH_CODES else "internal_error"
-            await self._end_with_error(turn, code, str(end.get("message") or "the engine refused the request"))
+            message = str(end.get("message") or "the engine refused the request")
+            if code == "context_length_exceeded" and turn.clamp_max_tokens:
+                message = _context_message(message, self.router.info())
+            if code == "engine_unavailable" and turn.produced:
+                message = ("the model server stopped while writing this reply; what was written is kept. "
+                           "It is being restarted: try again in a moment")
+            await self._end_with_error(turn, code, message)
             return
         reason = end.get("finish_reason", "stop")
         usage = {k: int((end.get("usage") or {}).get(k, 0)) for k in ("prompt_tokens", "cached_tokens",
@@ -351,15 +497,29 @@ class GenerationManager:
         if "prompt_token_ids" in end:
             user_seg = history.user_segment(list(end["prompt_token_ids"]), bool(end.get("prefix_reused")))
             a_seg = {"ids": list(end.get("output_token_ids", turn.output_ids)), "base": False}
-        stored = await self.store.finish_turn(turn.owner, turn.session_id, begun, assistant, user_seg, a_seg)
-        if stored != "ok":
-            log.warning("reply %s not stored: %s", rid, stored)
-        done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,
-                "finish_reason": reason, "usage": usage, "timings": timings}
-        if begun.title:
-            done["title"] = begun.title
-        await self.streams.done(rid, turn.seq, done)
+        try:
+            await self._flush_unsent(turn)
+            stored = await self._store_retrying(rid, "storing the reply", lambda: self.store.finish_turn(
+                turn.owner, turn.session_id, begun, assistant, user_seg, a_seg))
+            if stored != "ok":
+                log.warning("reply %s not stored: %s", rid, stored)
+            done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,
+                    "finish_reason": reason, "usage": usage, "timings": timings}
+            if begun.title and await self._title_kept(turn):
+                done["title"] = begun.title  # not when the chat was renamed while the reply ran
+            await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
+        except GatewayError as e:
+            log.error("reply %s could not be stored within %.0f s (%s); it is lost",
+                      rid, self.config.store_retry_s, e.message)
         self.events.on_finish(rid, reason, usage, timings, time.perf_counter())
+
+    async def _title_kept(self, turn: _Turn) -> bool:
+        """True when the chat still has the title this turn gave it."""
+        try:
+            info = await self.store.get_session(turn.owner, turn.session_id)
+        except GatewayError:
+            return False  # deleted, or Redis blinked: announce nothing
+        return info.title == turn.begun.title
 
     async def _end_with_error(self, turn: _Turn, code: str, message: str) -> None:
         """End a reply that failed: undo it when nothing was shown, else store what was
@@ -367,18 +527,24 @@ class GenerationManager:
         rid, begun = turn.begun.request_id, turn.begun
         self.events.on_error(rid, code, time.perf_counter())
         try:
-            if turn.seq == 0:
-                await self.store.fail_turn(turn.owner, turn.session_id, begun, turn.client_msg_id)
-                await self.streams.error(rid, 0, code, message)
+            if not turn.produced:
+                await self._store_retrying(rid, "undoing the refused turn", lambda: self.store.fail_turn(
+                    turn.owner, turn.session_id, begun, turn.client_msg_id))
+                await self._store_retrying(rid, "ending the reply stream",
+                                           lambda: self.streams.error(rid, turn.seq, code, message))
                 return
+            await self._flush_unsent(turn)
             assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
+                         "error": {"code": code, "message": message},
                          "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
                          "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
                          "request_id": rid}
-            await self.store.finish_turn(turn.owner, turn.session_id, begun, assistant, None, None)
+            await self._store_retrying(rid, "storing the partial reply", lambda: self.store.finish_turn(
+                turn.owner, turn.session_id, begun, assistant, None, None))
             done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,
                     "finish_reason": "error", "usage": assistant["usage"], "timings": assistant["timings"],
                     "error": {"code": code, "message": message}}
-            await self.streams.done(rid, turn.seq, done)
+            await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
         except GatewayError as e:
-            log.warning("reply %s could not be closed in the store: %s", rid, e.message)
+            log.error("reply %s could not be closed in the store within %.0f s: %s",
+                      rid, self.config.store_retry_s, e.message)

@@ -140,7 +140,7 @@ async def create_session(request: Request) -> Response:
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 
-PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "usage", "timings", "created_at")
+PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "usage", "timings", "error", "created_at")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:

@@ -2,14 +2,19 @@
 
 ``ensure_redis`` uses Redis at the configured URL, or, when nothing answers there and
 ``redis-server`` is installed, starts a private one (append-only file under the data
-folder). ``LocalEngine`` runs ``python -m engine serve`` as a subprocess and learns its
-address from the ``ENGINE READY ws://HOST:PORT`` line it prints once listening.
+folder). ``LocalEngine`` runs ``python -m engine serve`` as a subprocess, learns its
+address from the ``ENGINE READY ws://HOST:PORT`` line it prints once listening, and
+(``supervise``) restarts it on the same port when it dies. Both children get SIGTERM
+when the gateway dies, even by ``kill -9`` (``die_with_parent``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,8 +37,67 @@ REDIS_HELP = (
 )
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes a child get ``sig`` when this process dies, even by
+    ``kill -9`` (Linux ``prctl(PR_SET_PDEATHSIG)``, through ctypes); None elsewhere.
+
+    The signal follows the death of the *thread* that started the child, so children
+    must be started by long-lived threads (the main thread, or the supervisor).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: no dlopen after fork
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), int(sig))
+
+    return preexec
+
+
 class LocalStartError(RuntimeError):
     """Redis or the local engine could not be found or started (message says why/how)."""
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_redis_url(url: str) -> tuple[str, int]:
+    """The host and port of a ``redis://HOST[:PORT][/DB]`` (or ``rediss://``) URL.
+
+    Raises:
+        LocalStartError: the URL is not of that shape (a one-line message naming it).
+    """
+    shape = "expected redis://HOST[:PORT][/DB], e.g. redis://127.0.0.1:6379/0"
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+        raise LocalStartError(f"bad Redis URL {url!r}: {shape}")
+    try:
+        port = parsed.port or 6379
+    except ValueError as e:  # e.g. a port over 65535
+        raise LocalStartError(f"bad Redis URL {url!r}: {e}") from None
+    db = parsed.path.strip("/")
+    if db and not db.isdigit():
+        raise LocalStartError(f"bad Redis URL {url!r}: the database must be a number ({shape})")
+    return parsed.hostname, port
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something accepts TCP connections at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
@@ -68,26 +132,33 @@ def ensure_redis(url: str, data_dir: Path, say: Callable[[str], None] = print,
     Returns:
         None when one already answered; the started ``LocalRedis`` otherwise.
     Raises:
-        LocalStartError: nothing answers and ``redis-server`` is missing (the message
-            says how to get Redis), or the started one did not come up.
+        LocalStartError: a malformed URL; nothing answers at a host that is not this
+            machine; nothing answers and ``redis-server`` is missing (the message says
+            how to get Redis) or the port is taken; or the started one did not come up.
     """
+    host, port = parse_redis_url(url)
     if redis_answers(url):
         return None
-    parsed = urlparse(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+    if host not in LOCAL_HOSTS:
+        raise LocalStartError(f"No Redis answered at {url}. {host} is not this machine, so no private Redis is "
+                              f"started: check the address, and that Redis runs there and accepts connections.")
     server = shutil.which("redis-server")
-    if server is None or host not in ("127.0.0.1", "localhost", "::1"):
+    if server is None:
         raise LocalStartError(REDIS_HELP.format(url=url))
+    if port_in_use(host, port):
+        raise LocalStartError(f"No Redis answered at {url}, and port {port} is taken by another program, so a "
+                              f"private Redis cannot start there. Point --redis-url (REDIS_URL) at another port.")
     rdir = Path(data_dir) / "redis"
     rdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [server, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(rdir), "--appendonly", "yes",
          "--save", "", "--daemonize", "no", "--protected-mode", "yes"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise LocalStartError(f"redis-server exited with code {proc.returncode} (is port {port} taken?)")
+            raise LocalStartError(f"redis-server exited with code {proc.returncode} at startup (port {port}, data "
+                                  f"folder {rdir}); run it by hand to see why: {server} --port {port}")
         if redis_answers(url, 0.5):
             say(f"Started a private Redis at {url} (data in {rdir}, append-only).")
             return LocalRedis(proc, url, rdir)
@@ -97,11 +168,13 @@ def ensure_redis(url: str, data_dir: Path, say: Callable[[str], None] = print,
 
 
 class LocalEngine:
-    """A ``python -m engine serve`` subprocess on 127.0.0.1 (a free port by default).
+    """A ``python -m engine serve`` subprocess on 127.0.0.1 (a free port by default),
+    optionally supervised: ``supervise()`` restarts it on the same port when it exits
+    unexpectedly, so the gateway's ``EngineClient`` reconnects to the same URL.
 
     Args:
         model: model folder or file; None uses the engine's default (bundled SmolLM2).
-        port: the port to listen on (0: a free one).
+        port: the port to listen on (0: a free one, kept for restarts once bound).
         extra_args: more ``engine serve`` options (e.g. ``["--num-blocks", "512"]``).
         env: extra environment variables (``HF_HUB_OFFLINE=1`` is always set).
         echo: where to copy the engine's other output lines (None: drop them).
@@ -118,6 +191,10 @@ class LocalEngine:
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
         self.output_tail: list[str] = []
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # orders stop() against a restart's Popen
+        self._watcher: threading.Thread | None = None
 
     def command(self) -> list[str]:
         """The command line that starts the engine."""
@@ -128,28 +205,39 @@ class LocalEngine:
 
     def start(self, timeout_s: float = 600.0) -> str:
         """Start the engine and wait for its READY line; returns its ``ws://`` URL.
+        The port it bound is kept, so a restart listens at the same URL.
 
         Raises:
             LocalStartError: it exited or did not get ready in ``timeout_s`` seconds
                 (the message holds its last output lines).
         """
-        self.process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, bufsize=1, env=self.env, cwd=self.cwd)
+        self._stopping.clear()
+        url = self._spawn(timeout_s)
+        self.port = urlparse(url).port or self.port
+        return url
+
+    def _spawn(self, timeout_s: float) -> str:
+        with self._lock:
+            if self._stopping.is_set():
+                raise LocalStartError("the local engine is being stopped")
+            self.process = proc = subprocess.Popen(
+                self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                env=self.env, cwd=self.cwd, preexec_fn=die_with_parent())
         found = threading.Event()
-        threading.Thread(target=self._drain, args=(found,), name="engine-output", daemon=True).start()
+        threading.Thread(target=self._drain, args=(proc, found), name="engine-output", daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while not found.wait(0.1):
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None or time.monotonic() > deadline or self._stopping.is_set():
                 tail = "\n".join(self.output_tail[-20:])
-                self.stop()
+                _terminate(proc, 10.0)
                 raise LocalStartError(f"the local engine did not start ({' '.join(self.command())}):\n{tail}")
         assert self.url is not None
         return self.url
 
-    def _drain(self, found: threading.Event) -> None:
+    def _drain(self, proc: subprocess.Popen, found: threading.Event) -> None:
         # Keeps reading after READY so the pipe never fills and blocks the engine.
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             line = line.rstrip("\n")
             self.output_tail = (self.output_tail + [line])[-50:]
             if not found.is_set() and line.startswith(READY_PREFIX):
@@ -158,10 +246,48 @@ class LocalEngine:
             elif self.echo is not None:
                 self.echo(line)
 
+    def supervise(self, say: Callable[[str], None] = print, backoff_s: tuple[float, float] = (1.0, 30.0),
+                  start_timeout_s: float = 600.0) -> None:
+        """Restart the engine whenever it exits without ``stop()`` (a crash, ``kill
+        -9``), on the same port, after a backoff that doubles from ``backoff_s[0]`` to
+        ``backoff_s[1]`` seconds while restarts fail (e.g. the port is still taken) and
+        resets after a successful one. Runs on a daemon thread; returns at once."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, args=(say, backoff_s, start_timeout_s),
+                                             name="engine-supervisor", daemon=True)
+            self._watcher.start()
+
+    def _watch(self, say: Callable[[str], None], backoff_s: tuple[float, float], start_timeout_s: float) -> None:
+        backoff = backoff_s[0]
+        while True:
+            proc = self.process
+            if proc is not None:
+                proc.wait()
+            if self._stopping.is_set():
+                return
+            code = proc.returncode if proc is not None else None
+            say(f"The local engine exited (code {code}); restarting it on port {self.port} in {backoff:.0f} s.")
+            if self._stopping.wait(backoff):
+                return
+            try:
+                url = self._spawn(start_timeout_s)
+            except LocalStartError as e:
+                if self._stopping.is_set():
+                    return
+                say(f"Restarting the local engine failed: {str(e).splitlines()[-1] if str(e) else e}")
+                backoff = min(backoff * 2, backoff_s[1])
+                continue
+            self.restarts += 1
+            backoff = backoff_s[0]
+            say(f"The local engine is back at {url}.")
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Terminate the engine (kill after ``timeout_s``)."""
-        if self.process is not None:
-            _terminate(self.process, timeout_s)
+        """Terminate the engine (kill after ``timeout_s``) and stop supervising it."""
+        with self._lock:
+            self._stopping.set()
+            proc = self.process
+        if proc is not None:
+            _terminate(proc, timeout_s)
 
 
 def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:

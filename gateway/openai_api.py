@@ -290,7 +290,8 @@ class OpenAIApi:
                 owner, system_prompt=system[0] if system else state.config.defaults.system_prompt)
             sid, created = info.id, True
         try:
-            started = await state.generations.chat(owner, sid, last["content"], creq.params, cmid)
+            started = await state.generations.chat(owner, sid, last["content"], creq.params, cmid,
+                                                   clamp_max_tokens=False)
         except GatewayError:
             if created:
                 await _delete_quietly(request, owner, sid)

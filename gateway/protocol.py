@@ -50,10 +50,13 @@ class CancelFrame:
 
 @dataclass(frozen=True)
 class RegenerateFrame:
-    """``regenerate``: replace the chat's last assistant reply."""
+    """``regenerate``: replace the chat's last assistant reply; ``message_id`` (when
+    given) names the reply the client shows, and the server refuses (``conflict``) when
+    the chat's last reply is another one."""
 
     session_id: str
     params: dict[str, Any] = field(default_factory=dict)
+    message_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ def parse_client_frame(obj: Any) -> ClientFrame:
         return CancelFrame(request_id=_id(obj, "request_id", required=True, ctx=ctx))  # type: ignore[arg-type]
     if kind == "regenerate":
         sid = _id(obj, "session_id", required=True, ctx=ctx)
-        return RegenerateFrame(session_id=sid, params=_params(obj, ctx))  # type: ignore[arg-type]
+        mid = _id(obj, "message_id", required=False, ctx=ctx)
+        return RegenerateFrame(session_id=sid, params=_params(obj, ctx), message_id=mid)  # type: ignore[arg-type]
     if kind == "resume":
         rid = _id(obj, "request_id", required=True, ctx=ctx)
         last_seq = obj.get("last_seq", 0)

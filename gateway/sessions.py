@@ -347,13 +347,16 @@ class SessionStore:
     # ---- turns (one reply at a time per chat) ---------------------------------------
 
     async def begin_turn(self, owner: str, sid: str, *, mode: str, content: str = "",
-                         client_msg_id: str | None = None, title_chars: int = 60) -> TurnBegun:
+                         client_msg_id: str | None = None, title_chars: int = 60,
+                         replaces: str | None = None) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
-        message (``mode="chat"``) or drop the last reply (``mode="regenerate"``).
+        message (``mode="chat"``) or drop the last reply (``mode="regenerate"``; with
+        ``replaces``, only when the last reply is the message of that id).
 
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
-                ``too_many_generations``, ``invalid_request`` (nothing to regenerate).
+                ``too_many_generations``, ``invalid_request`` (nothing to regenerate),
+                ``conflict`` (the last reply is not ``replaces``).
         """
         now = time.time()
         rid, aid = new_id(), new_id()
@@ -367,7 +370,7 @@ class SessionStore:
             res = await self._begin(
                 keys=self.keys.script_keys(sid, owner),
                 args=[owner, sid, rid, mode, user_json, uid_msg, client_msg_id or "", aid, title, now,
-                      int(now * 1000), self.lease_ms, self.max_generations, self.ttl])
+                      int(now * 1000), self.lease_ms, self.max_generations, self.ttl, replaces or ""])
         code = res[0]
         if code == "duplicate":
             prev = json.loads(res[1])
@@ -379,6 +382,8 @@ class SessionStore:
         if code == "too_many_generations":
             raise GatewayError("too_many_generations",
                                f"at most {self.max_generations} replies in progress per user")
+        if code == "conflict":
+            raise GatewayError("conflict", "the chat changed: its last reply is not the one shown; reload it")
         if code == "empty":
             raise GatewayError("invalid_request", "nothing to regenerate: the chat has no user message")
         return TurnBegun(rid, aid, res[1], user_json, res[2], res[3], res[4])
@@ -402,12 +407,13 @@ class SessionStore:
 
     async def fail_turn(self, owner: str, sid: str, turn: TurnBegun, client_msg_id: str | None) -> None:
         """Undo a turn that produced nothing (the engine refused it): remove its user
-        message (or put back the reply a regenerate dropped) and release the lock."""
+        message (or put back the reply a regenerate dropped), take back the title it
+        gave a new chat (unless renamed since) and release the lock."""
         popped_id = json.loads(turn.popped_json)["id"] if turn.popped_json else ""
         async with redis_errors():
             await self._fail(keys=self.keys.script_keys(sid, owner),
                              args=[turn.request_id, turn.user_json, client_msg_id or "", turn.popped_json,
-                                   popped_id, turn.popped_tokens, self.ttl])
+                                   popped_id, turn.popped_tokens, self.ttl, turn.title])
 
     async def renew_lease(self, owner: str, sid: str, request_id: str) -> bool:
         """Extend the chat lock and generation slot of a reply in progress; False when

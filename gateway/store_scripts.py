@@ -67,8 +67,9 @@ return {'ok', active}
 
 # ARGV: 1 owner, 2 sid, 3 request_id, 4 mode ('chat'|'regenerate'), 5 user_msg_json,
 #       6 user_msg_id, 7 client_msg_id, 8 assistant_msg_id, 9 title, 10 now, 11 now_ms,
-#       12 lease_ms, 13 max_generations, 14 ttl
-# Returns {'ok', user_msg_id, popped_json, popped_tokens, title_set} or {code[, previous]}.
+#       12 lease_ms, 13 max_generations, 14 ttl, 15 expected last reply id ('' = any)
+# Returns {'ok', user_msg_id, popped_json, popped_tokens, title_set} or {code[, previous]};
+# 'conflict' when a regenerate names a reply that is not the chat's last one.
 BEGIN = _PRELUDE + r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {'not_found'} end
 if ARGV[7] ~= '' then
@@ -86,6 +87,7 @@ else
   local last = redis.call('LINDEX', KEYS[2], -1)
   if not last then return {'empty'} end
   local aid = string.match(last, '^{"role":"assistant","id":"([%w_%-]+)"')
+  if ARGV[15] and ARGV[15] ~= '' and aid ~= ARGV[15] then return {'conflict'} end
   local before = last
   if aid then before = redis.call('LINDEX', KEYS[2], -2) or '' end
   user_id = string.match(before, '^{"role":"user","id":"([%w_%-]+)"')
@@ -116,13 +118,17 @@ return {'ok', user_id, popped, popped_tokens, title}
 
 # ARGV: 1 sid, 2 request_id, 3 assistant_json ('' = none), 4 assistant_id, 5 user_id,
 #       6 user_tokens_json, 7 assistant_tokens_json, 8 now, 9 ttl
-# The reply is stored only right after its own user message (never out of order).
+# The reply is stored only right after its own user message (never out of order), and
+# at most once: a retry whose first try was applied (its answer lost with the
+# connection) finds the reply already last and changes nothing more.
 FINISH = _PRELUDE + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then release(ARGV[2]); return 'gone' end
 local last = redis.call('LINDEX', KEYS[2], -1) or ''
 local last_id = string.match(last, '^{"role":"user","id":"([%w_%-]+)"')
 local status = 'ok'
-if last_id ~= ARGV[5] then
+if ARGV[3] ~= '' and string.match(last, '^{"role":"assistant","id":"([%w_%-]+)"') == ARGV[4] then
+  status = 'ok'
+elseif last_id ~= ARGV[5] then
   status = 'conflict'
 else
   if ARGV[6] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
@@ -141,10 +147,14 @@ return status
 
 # A refused turn (nothing generated): take back what BEGIN did.
 # ARGV: 1 request_id, 2 user_json ('' for regenerate), 3 client_msg_id, 4 restore_json,
-#       5 restore_id, 6 restore_tokens, 7 ttl
+#       5 restore_id, 6 restore_tokens, 7 ttl, 8 title BEGIN set ('' = none; taken back
+#       unless the chat was renamed since)
 FAIL = _PRELUDE + r"""
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if ARGV[2] ~= '' then redis.call('LREM', KEYS[2], -1, ARGV[2]) end
+  if ARGV[8] and ARGV[8] ~= '' and redis.call('HGET', KEYS[1], 'title') == ARGV[8] then
+    redis.call('HSET', KEYS[1], 'title', '')
+  end
   if ARGV[3] ~= '' then redis.call('HDEL', KEYS[4], ARGV[3]) end
   if ARGV[4] ~= '' then
     redis.call('RPUSH', KEYS[2], ARGV[4])

@@ -8,7 +8,8 @@ Entry ids are chosen, not generated, so that a ``seq`` is its own cursor:
     last-2       end    {t: "done", d: done JSON} or {t: "error", code, message}
 
 Reading from id ``{k}-1`` returns exactly the deltas with seq > k and then the end.
-Every write refreshes the key's TTL (``stream_ttl_s``), so a reply whose gateway died
+Writes are idempotent (re-adding a taken entry id is a no-op), so the generation
+task can retry them while Redis is away. Every write refreshes the key's TTL (``stream_ttl_s``), so a reply whose gateway died
 expires on its own; ``MAXLEN ~`` is a safety cap far above any reply's frame count.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions as rexc
 
 from gateway.sessions import Keys, dumps, redis_errors
 
@@ -64,7 +66,13 @@ class ReplyStreams:
             pipe = self.redis.pipeline(transaction=True)
             pipe.xadd(key, fields, id=entry_id, maxlen=self.maxlen, approximate=True)
             pipe.expire(key, self.ttl)
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except rexc.ResponseError as e:
+                # a retried write whose first try was applied (its answer was lost):
+                # the entry id is taken, so it is already there (writes are idempotent)
+                if "equal or smaller" not in str(e):
+                    raise
 
     async def open(self, rid: str, owner: str, session_id: str, message_id: str, user_message_id: str) -> None:
         """Write the start entry (before any socket subscribes)."""
@@ -82,6 +90,13 @@ class ReplyStreams:
     async def error(self, rid: str, last_seq: int, code: str, message: str) -> None:
         """End the reply with an error (nothing was stored for it)."""
         await self._add(rid, f"{last_seq}-2", {"t": "error", "code": code, "message": message})
+
+    async def delta_text(self, rid: str, seq: int) -> str | None:
+        """The text of delta ``seq``, or None when it was never written (used after a
+        write whose answer was lost, to learn whether it was applied)."""
+        async with redis_errors():
+            rows = await self.redis.xrange(self.keys.gen(rid), f"{seq}-1", f"{seq}-1")
+        return rows[0][1].get("x", "") if rows else None
 
     async def head(self, rid: str) -> StreamEntry | None:
         """The start entry, or None when the stream does not exist (any more)."""

@@ -18,20 +18,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 from starlette.websockets import WebSocket
 
 from gateway.auth import origin_allowed, request_user
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
-from gateway.generation import GenerationManager
+from gateway.generation import GenerationManager, StartedTurn
 from gateway.protocol import (PONG, CancelFrame, ChatFrame, ClientFrame, PingFrame, ProtocolError, RegenerateFrame,
                               ResumeFrame, decode_json, error_frame, error_from, parse_client_frame)
 from gateway.streams import ReplyStreams, StreamEntry, done_payload
 
 log = logging.getLogger("gateway.ws")
+T = TypeVar("T")
 
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are decoded in a worker thread
 TAIL_BATCH = 32  # stream entries read at once per tail
@@ -77,6 +79,7 @@ class Connection:
         self.ws = ws
         self.uid = uid
         self.limits = config.limits
+        self.store_retry_s = config.store_retry_s
         self.gens = gens
         self.streams = streams
         self.stats = stats
@@ -157,10 +160,11 @@ class Connection:
                 # shielded: a socket that goes away must not cut a turn half-begun
                 started = await asyncio.shield(self.gens.chat(self.uid, frame.session_id, frame.content,
                                                               frame.params, frame.client_msg_id))
-                await self.subscribe(started.request_id, 0)
+                await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, RegenerateFrame):
-                started = await asyncio.shield(self.gens.regenerate(self.uid, frame.session_id, frame.params))
-                await self.subscribe(started.request_id, 0)
+                started = await asyncio.shield(self.gens.regenerate(self.uid, frame.session_id, frame.params,
+                                                                    frame.message_id))
+                await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, CancelFrame):
                 await asyncio.shield(self.gens.cancel(self.uid, frame.request_id))
             elif isinstance(frame, ResumeFrame):
@@ -173,14 +177,23 @@ class Connection:
 
     # ---- tails -------------------------------------------------------------------------
 
-    async def subscribe(self, rid: str, last_seq: int) -> None:
-        """Start sending reply ``rid`` from ``last_seq`` (replacing an older tail of it).
+    def _head_of(self, started: StartedTurn) -> StreamEntry:
+        """The start entry of a turn this socket just began (known without reading
+        Redis: an accepted turn is followed even if Redis blinks right now)."""
+        return StreamEntry("start", 0, {"owner": self.uid, "session_id": started.session_id,
+                                        "message_id": started.message_id,
+                                        "user_message_id": started.user_message_id})
+
+    async def subscribe(self, rid: str, last_seq: int, head: StreamEntry | None = None) -> None:
+        """Start sending reply ``rid`` from ``last_seq`` (replacing an older tail of it);
+        ``head`` is its start entry when the caller knows it (else it is read).
 
         Raises:
             GatewayError: ``not_found`` (unknown, expired or another user's reply),
                 ``rate_limited`` (too many replies watched on this socket).
         """
-        head = await self.streams.head(rid)
+        if head is None:
+            head = await self.streams.head(rid)
         if head is None or head.fields.get("owner") != self.uid:
             raise not_found("reply")
         old = self.tails.pop(rid, None)
@@ -198,12 +211,14 @@ class Connection:
             await self.send({"type": "start", "request_id": rid, "session_id": sid,
                              "message_id": head.fields.get("message_id"),
                              "user_message_id": head.fields.get("user_message_id") or None})
-            last = await self.streams.last(rid)
+            last = await self._patiently(lambda: self.streams.last(rid))
             if last is not None and last.seq < cursor:
                 cursor = last.seq  # the client claims more than exists: send the end only
             while True:
-                entries = await self.streams.read(rid, cursor, TAIL_BATCH, TAIL_BLOCK_MS)
-                if not entries and await self.streams.head(rid) is None:
+                entries = await self._patiently(lambda: self.streams.read(rid, cursor, TAIL_BATCH, TAIL_BLOCK_MS))
+                if not entries and await self._patiently(lambda: self.streams.head(rid)) is None:
+                    if rid in self.gens.running:
+                        continue  # its start entry is still waiting for Redis to come back
                     await self.send(error_frame("not_found", "this reply is no longer available", rid, sid))
                     return
                 for e in entries:
@@ -219,6 +234,25 @@ class Connection:
                         return
         except GatewayError as e:
             await self.send(error_from(e, request_id=rid, session_id=sid))
+
+    async def _patiently(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run a stream read, waiting out a Redis outage (backoff up to 5 s, at most
+        ``store_retry_s``): the reply task keeps the reply meanwhile, so the client
+        is not told it failed.
+
+        Raises:
+            GatewayError: ``store_unavailable`` once the time is up; other codes at once.
+        """
+        deadline = time.monotonic() + self.store_retry_s
+        backoff = 0.2
+        while True:
+            try:
+                return await op()
+            except GatewayError as e:
+                if e.code != "store_unavailable" or time.monotonic() + backoff > deadline:
+                    raise
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, 5.0)
 
     # ---- lifetime ----------------------------------------------------------------------
 

@@ -4,11 +4,17 @@
   clear message when Redis is not running.
 * ``key_prefix`` (function): ``test:{uuid}:``, unique per test; every key under it is
   deleted at teardown (SCAN + DEL).
+* ``private_redis`` (function): a ``redis-server`` of the test's own on a free port
+  that the test may kill and restart (see ``PrivateRedis``).
 """
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import time
 import uuid
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -55,3 +61,57 @@ def key_prefix(redis_url: str) -> Iterator[str]:
     prefix = f"test:{uuid.uuid4().hex}:"
     yield prefix
     delete_prefix(redis_url, prefix)
+
+
+class PrivateRedis:
+    """A ``redis-server`` of this test's own on a free port, which the test may kill
+    (``kill()``: SIGKILL) and start again (``start()``) on the same port. With
+    ``durable`` it keeps an append-only file fsynced on every write (what a killed
+    server had acknowledged comes back); else nothing is persisted."""
+
+    def __init__(self, data_dir: Path, durable: bool = True) -> None:
+        self.data_dir = data_dir
+        self.durable = durable
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start it (again) and wait until it answers PING."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        persist = ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
+        self.process = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
+             "--save", "", *persist], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+            try:
+                if client.ping():
+                    return
+            except (redis.RedisError, OSError):
+                time.sleep(0.05)
+            finally:
+                client.close()
+        raise RuntimeError(f"private redis-server did not answer on port {self.port}")
+
+    def kill(self) -> None:
+        """SIGKILL it (no shutdown save) and wait for it to be gone."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A started, durable ``PrivateRedis`` (never the shared one on 6379); killed at teardown."""
+    r = PrivateRedis(tmp_path / "private-redis")
+    r.start()
+    yield r
+    r.kill()

@@ -526,7 +526,11 @@ def test_second_tab_sending_to_a_busy_chat_gets_a_clear_message(
         b.wait_for_selector("#notice:not([hidden])", timeout=WAIT_MS)
         assert "still writing a reply" in (b.text_content("#notice-text") or "")
         assert b.input_value("#input") == "Hello from the other tab"  # nothing typed is lost
-        assert b.locator(".msg.user").count() == 0
+        # The busy tab re-reads the chat and follows the other tab's running turn ...
+        b.locator(".msg.user").first.wait_for(timeout=WAIT_MS)
+        assert b.locator(".msg.user").count() == 1
+        # ... and never shows its own refused message as sent.
+        assert b.locator(".msg.user", has_text="Hello from the other tab").count() == 0
         shot(b, "desktop-light-busy")
 
         a.click("#stop")

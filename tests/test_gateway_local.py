@@ -131,3 +131,134 @@ def test_gateway_with_no_engine_url_starts_and_stops_its_own_engine(tiny_model_d
         assert stop_gateway(proc) == 0
     with pytest.raises(OSError):  # the engine went away with the gateway
         socket.create_connection(("127.0.0.1", engine_port), timeout=2).close()
+
+
+# ---- supervision, signals, clear start-up errors --------------------------------------
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+async def test_a_killed_local_engine_is_restarted_on_the_same_port_and_chats_work_again(tiny_model_dir,
+                                                                                         gateway_factory):
+    from gateway.local import LocalEngine
+    from tests.gateway_helpers import chat, read_reply, send
+
+    said: list[str] = []
+    engine = LocalEngine(model=str(tiny_model_dir), extra_args=["--num-blocks", "256", "--threads", "1"])
+    url = engine.start()
+    engine.supervise(say=said.append, backoff_s=(0.2, 2.0))
+    try:
+        gw = gateway_factory(engine_urls=[url])
+        cookie = gw.new_cookie()
+        async with gw.connect(cookie) as ws:
+            await send(ws, {"type": "chat", "content": "Go on and on.",
+                            "params": {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}})
+            first_pid = engine.process.pid
+
+            def kill_on_first_delta(frame, reply):
+                if frame["type"] == "delta" and engine.process.pid == first_pid and engine.process.poll() is None:
+                    os.kill(first_pid, signal.SIGKILL)
+
+            cut = await read_reply(ws, on_frame=kill_on_first_delta)
+            # the cut reply ends as a stored partial with a reason, not a bare error
+            assert cut.done is not None and cut.done["finish_reason"] == "error", cut.error
+            assert cut.done["error"]["code"] == "engine_unavailable"
+            assert "restart" in cut.done["error"]["message"]
+            assert wait_until(lambda: engine.restarts == 1, 120), said
+            assert engine.url == url and engine.process.pid != first_pid
+            assert any("restarting it on port" in line for line in said), said
+            assert wait_until(lambda: bool(gw.app.state.router.healthy), 60)  # the client reconnected
+            again = await chat(ws, "Are you back?", cut.start["session_id"], max_tokens=6)
+            assert again.error is None and again.done["finish_reason"] in ("stop", "length"), again.error
+        async with gw.http(cookie) as c:
+            msgs = (await c.get(f"/api/sessions/{cut.start['session_id']}")).json()["messages"]
+        assert msgs[1]["status"] == "partial" and msgs[1]["error"]["code"] == "engine_unavailable"
+        assert msgs[1]["content"] == cut.text
+    finally:
+        engine.stop()
+    assert wait_until(lambda: not port_open(int(url.rsplit(":", 1)[1])), 20)  # stop() stops supervising
+
+
+def test_sigterm_stops_the_gateway_and_its_engine_and_private_redis(tiny_model_dir, key_prefix, tmp_path):
+    redis_port = free_port()
+    env = gateway_env(f"redis://127.0.0.1:{redis_port}/0", key_prefix, tmp_path)
+    proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], env)
+    try:
+        engine_port = next(int(m.group(1)) for line in lines
+                           if (m := re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line)))
+        assert port_open(engine_port) and port_open(redis_port)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert wait_until(lambda: not port_open(engine_port) and not port_open(redis_port), 20)
+
+
+def test_children_die_with_a_gateway_killed_by_sigkill(tiny_model_dir, key_prefix, tmp_path):
+    redis_port = free_port()
+    env = gateway_env(f"redis://127.0.0.1:{redis_port}/0", key_prefix, tmp_path)
+    proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], env)
+    try:
+        engine_port = next(int(m.group(1)) for line in lines
+                           if (m := re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line)))
+        assert port_open(engine_port) and port_open(redis_port)
+        proc.kill()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # PR_SET_PDEATHSIG: the kernel sends them SIGTERM when the gateway dies
+    assert wait_until(lambda: not port_open(engine_port) and not port_open(redis_port), 30)
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis://127.0.0.1:99999/0", "bad Redis URL 'redis://127.0.0.1:99999/0'"),
+    ("notaurl", "bad Redis URL 'notaurl': expected redis://HOST"),
+    ("redis://127.0.0.1:6379/x", "the database must be a number"),
+    ("redis://192.0.2.1:6379/0", "192.0.2.1 is not this machine"),
+])
+def test_bad_or_unreachable_redis_urls_give_one_clear_line(url, expected, tmp_path):
+    with pytest.raises(LocalStartError) as e:
+        ensure_redis(url, tmp_path)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert "not installed" not in str(e.value) and "taken" not in str(e.value)
+
+
+def test_a_redis_port_taken_by_something_else_is_named(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LocalStartError) as e:
+            ensure_redis(f"redis://127.0.0.1:{port}/0", tmp_path)
+    assert f"port {port} is taken by another program" in str(e.value)
+
+
+def test_a_taken_gateway_port_is_reported_before_the_engine_loads(redis_url, key_prefix, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "gateway", "--port", str(port), "--model", "/nonexistent"],
+                             cwd=ROOT, env=gateway_env(redis_url, key_prefix, tmp_path), capture_output=True,
+                             text=True, timeout=60)
+    assert res.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in res.stderr and "--port 8001" in res.stderr
+    assert "PORT=8001" in res.stderr and "Traceback" not in res.stderr
+    assert "Starting a local engine" not in res.stdout  # refused before any model is loaded

@@ -41,6 +41,10 @@ export class ChatController {
     /** @type {string|undefined} see restoreInput */
     this.restoreText = undefined;
     this.limits = { maxFrameBytes: Number((deps.config.limits || {}).max_frame_bytes) || 0 };
+    /** Chats renamed on this page (a later `done` title must not undo that). */
+    this.renamed = new Set();
+    /** Settings of the last new chat created here (restored if its first message fails). */
+    this.createdDraft = null;
   }
 
   // ---- navigation -------------------------------------------------------
@@ -139,6 +143,7 @@ export class ChatController {
     }
     this.notify("");
     let id = this.currentId;
+    let createdHere = false;
     if (!id) {
       // Untouched settings are left to the server, so its defaults apply.
       const body = this.draft ? { system_prompt: this.draft.system_prompt, params: this.draft.params } : {};
@@ -154,6 +159,8 @@ export class ChatController {
         this.creating = false;
       }
       id = s.id;
+      createdHere = true;
+      this.createdDraft = this.draft;
       this.draft = null;
       // Until `done` brings the server's title, the first line stands in for it.
       const provisional = content.trim().split("\n")[0].slice(0, 60);
@@ -168,7 +175,7 @@ export class ChatController {
     }
     const frame = { type: "chat", session_id: id, content, client_msg_id: randomId() };
     const userEl = id === this.currentId ? this.view.addUser(content, null) : null;
-    this.book.pending.set(id, { sessionId: id, kind: "chat", frame, sent: false, content, userEl, cancelRequested: false });
+    this.book.pending.set(id, { sessionId: id, kind: "chat", frame, sent: false, content, userEl, cancelRequested: false, createdHere });
     this.flushPending();
     this.changed();
     return true;
@@ -179,7 +186,11 @@ export class ChatController {
     const id = this.currentId;
     if (!id || this.isBusy()) return;
     this.notify("");
+    // Name the reply this page shows: the server refuses (conflict) if another tab
+    // changed the chat meanwhile, instead of replacing a reply never seen here.
+    const shown = this.view.lastAssistant();
     const frame = { type: "regenerate", session_id: id };
+    if (shown && shown.dataset.messageId) frame.message_id = shown.dataset.messageId;
     this.book.pending.set(id, { sessionId: id, kind: "regenerate", frame, sent: false, content: "", userEl: null, cancelRequested: false });
     this.flushPending();
     this.changed();
@@ -209,6 +220,7 @@ export class ChatController {
   async rename(id, title) {
     try {
       const s = await this.api.patchSession(id, { title });
+      this.renamed.add(id);
       this.sidebar.upsert({ id, title: s.title ?? title, updated_at: s.updated_at });
       if (id === this.currentId && this.session) this.session.title = s.title ?? title;
       this.changed();
@@ -339,7 +351,7 @@ export class ChatController {
     if (!p) return;
     this.book.pending.delete(f.session_id);
     const r = this.book.attach(f.request_id, f.session_id, f.message_id);
-    Object.assign(r, { kind: p.kind, content: p.content, userEl: p.userEl });
+    Object.assign(r, { kind: p.kind, content: p.content, userEl: p.userEl, createdHere: !!p.createdHere });
     if (p.userEl && f.user_message_id) p.userEl.dataset.messageId = f.user_message_id;
     if (f.session_id === this.currentId) {
       if (p.kind === "regenerate") {
@@ -369,13 +381,16 @@ export class ChatController {
         finish_reason: f.finish_reason,
         usage: f.usage,
         timings: f.timings,
+        error: f.error,
       });
-      this.announce(f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply failed." : "Reply finished.");
+      this.announce(f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply was interrupted." : "Reply finished.");
     }
     const summary = { id: r.sessionId, updated_at: Date.now() / 1000 };
-    if (f.title) summary.title = f.title;
+    // A title from `done` names a new chat, unless the user renamed it meanwhile.
+    const title = f.title && !this.renamed.has(r.sessionId) ? f.title : undefined;
+    if (title) summary.title = title;
     this.sidebar.upsert(summary);
-    if (f.title && r.sessionId === this.currentId && this.session) this.session.title = f.title;
+    if (title && r.sessionId === this.currentId && this.session) this.session.title = title;
     this.changed();
   }
 
@@ -386,6 +401,14 @@ export class ChatController {
     if (r) {
       this.book.replies.delete(r.requestId);
       if (r.sessionId === this.currentId) {
+        if (f.code === "store_unavailable") {
+          // The store stayed down longer than the gateway waits: keep what was
+          // shown (re-reading the chat now would only fail and empty the view).
+          if (r.el) this.view.finish(r.el, { content: r.text, status: "partial", finish_reason: "error", error: { code: f.code, message: f.message } });
+          this.notify(text);
+          this.changed();
+          return;
+        }
         // Either the reply's stream is gone (not_found on a resume) or the
         // engine refused the turn after `start`, in which case the gateway
         // removed the user message (or put the old reply back). Either way
@@ -396,22 +419,55 @@ export class ChatController {
           if (r.kind === "chat") this.restoreInput(r.content);
           this.notify(text);
         }
-        this.openChat(this.currentId);
+        if (r.createdHere && f.code !== "not_found" && this.view.isEmpty()) this.dropNewChat(r.sessionId);
+        else this.openChat(this.currentId);
       }
       this.changed();
       return;
     }
     const p = this.book.pendingForError(f);
+    if (p && (f.code === "busy" || f.code === "conflict")) {
+      // Another tab is writing in (or changed) this chat: show its reply live so
+      // that it can be followed and stopped here, and keep the message to resend.
+      this.book.pending.delete(p.sessionId);
+      if (p.userEl) p.userEl.remove();
+      if (p.sessionId === this.currentId) {
+        if (p.kind === "chat") this.restoreInput(p.content);
+        this.notify(f.code === "busy" ? "This chat is still writing a reply (started in another tab); it is shown below, where you can stop it." : text);
+        this.openChat(this.currentId);
+      }
+      this.changed();
+      return;
+    }
     if (p) {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
       if (p.kind === "chat" && p.sessionId === this.currentId) this.restoreInput(p.content);
       this.view.updateRegenerate(true);
       if (p.sessionId === this.currentId || !this.currentId) this.notify(text);
+      if (p.createdHere && p.sessionId === this.currentId && this.view.isEmpty()) this.dropNewChat(p.sessionId);
       this.changed();
       return;
     }
     this.notify(text);
+  }
+
+  /**
+   * The first message of a chat created on this page was refused: delete the
+   * (empty) chat and go back to the new-chat view with its settings, so no
+   * empty chat named after the refused text is left in the list.
+   * @private
+   * @param {string} id
+   */
+  dropNewChat(id) {
+    this.sidebar.remove(id);
+    this.api.deleteSession(id).catch(() => {}); // already gone is fine
+    this.draft = this.createdDraft;
+    this.win.history.replaceState(null, "", hashForChat(null));
+    this.currentId = null;
+    this.session = null;
+    this.loadToken++;
+    this.sidebar.setActive(null);
   }
 
   // ---- helpers ----------------------------------------------------------

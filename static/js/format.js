@@ -94,7 +94,7 @@ export function errorText(code, serverMessage, limits) {
     case "rate_limited":
       return "You are sending messages too quickly. Wait a few seconds and try again.";
     case "context_length_exceeded":
-      return "This conversation no longer fits in the model's context window. Start a new chat or send a shorter message.";
+      return `This conversation is too long for the model's context window${detail}. Start a new chat or send a shorter message.`;
     case "frame_too_large": {
       const max = limits && limits.maxFrameBytes;
       const size = max ? ` (the limit is ${formatBytes(max)})` : "";

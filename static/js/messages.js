@@ -194,7 +194,8 @@ export class MessageView {
   /**
    * Finish an assistant message: final text, badge, stats line.
    * @param {HTMLLIElement} li
-   * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object}} info
+   * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object,
+   *   error?:{code:string, message:string}}} info  `error` says why a reply was interrupted
    */
   finish(li, info) {
     const stick = this.isNearBottom();
@@ -216,13 +217,18 @@ export class MessageView {
     badge.hidden = status === "complete" && reason !== "length";
     badge.className = `badge badge-${status === "complete" ? "length" : status}`;
     badge.textContent = status === "partial" ? "partial" : status === "error" ? "error" : "max tokens";
+    const failure = info.error && info.error.message ? String(info.error.message) : "";
+    if (failure) badge.textContent = reason === "error" ? "interrupted" : badge.textContent;
     badge.title =
-      status === "partial" ? "Stopped before the end: this is what was written so far"
+      failure ? `Interrupted: ${failure}`
+      : status === "partial" ? "Stopped before the end: this is what was written so far"
       : status === "error" ? "The reply was interrupted by an error"
       : "The reply reached its max tokens limit";
     const stats = li.querySelector(".stats");
-    stats.textContent = formatStats(replyStats(info.usage, info.timings));
-    stats.title = describeStats(info.usage, info.timings);
+    // An interrupted reply has no engine timings: say why instead of "TTFT 0 ms".
+    const timed = info.timings && Number(info.timings.e2e_ms) > 0;
+    stats.textContent = failure ? `Interrupted: ${failure}` : timed || reason !== "error" ? formatStats(replyStats(info.usage, info.timings)) : "";
+    stats.title = failure || describeStats(info.usage, info.timings);
     li.querySelector(".msg-meta").hidden = false;
     if (!st.text && status === "error") {
       const p = this.doc.createElement("p");
@@ -247,6 +253,11 @@ export class MessageView {
   }
 
   /** @returns {HTMLLIElement|null} the last assistant message, if it is the last message */
+  /** @returns {boolean} whether no message is shown */
+  isEmpty() {
+    return !this.listEl.querySelector(".msg");
+  }
+
   lastAssistant() {
     const last = this.listEl.lastElementChild;
     return last && last.classList.contains("assistant") ? last : null;
