@@ -1,0 +1,371 @@
+"""Gateway overhead under many WebSocket clients, against a real engine.
+
+    python bench/gateway_load.py [--quick] [--json] [--write-docs] [--connected 200] [--streaming 32]
+                                 [--requests 256] [--max-tokens 64] [--engine ws://...]
+
+Starts an engine on the bundled SmolLM2 (unless ``--engine``) and the real gateway in a
+child process (``bench.serving_lib.gateway_proc --tap``), opens ``--connected`` browser
+WebSockets (each its own user, cookie and Origin, as the page does), and keeps
+``--streaming`` of them generating at once until ``--requests`` replies are done
+(``ignore_eos``, greedy, ``--max-tokens`` each).
+
+What the gateway adds per token is measured on one clock: the gateway process records
+``time.monotonic_ns()`` when each engine ``delta``/``done`` frame arrives on its engine
+connection (``EngineTap``, wrapped around ``EngineClient._dispatch`` without changing the
+gateway), and the clients record ``time.monotonic_ns()`` when each browser ``delta``
+arrives. CLOCK_MONOTONIC is shared by all processes of a machine, so the difference is
+the time spent in the gateway (engine socket -> reply task -> Redis Stream -> socket
+tail -> browser socket), plus the client's own scheduling delay (so it is an upper
+bound). The gateway may coalesce engine frames that waited into one browser delta; an
+engine frame is matched to the first browser delta whose cumulative text covers it.
+
+Nothing may be lost: every reply's concatenated deltas must equal the message stored in
+Redis (``GET /api/sessions/{id}``) and the engine's own text (from the tap); any
+mismatch or error frame counts as an error. Prints a table last; ``--json`` prints one
+JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+from websockets.asyncio.client import connect  # noqa: E402
+
+from bench.serving_lib.stats import fmt, summarize  # noqa: E402
+
+COOKIE_NAME = "chat_uid"  # gateway.auth.COOKIE_NAME (not imported: the clients are outside the gateway)
+
+TOPICS = ["rivers", "bread", "trains", "the moon", "gardens", "chess", "rain", "bicycles", "music", "clocks",
+          "owls", "maps", "glass", "winter", "bridges", "tea"]
+
+
+@dataclass
+class LoadConfig:
+    """Shape of one run: sockets open (``connected``), replies generating at once
+    (``streaming``), replies in all (``requests``), tokens per reply (``max_tokens``)."""
+
+    connected: int = 200
+    streaming: int = 32
+    requests: int = 256
+    max_tokens: int = 64
+    seed: int = 0
+
+
+@dataclass
+class Reply:
+    """What one client saw of one reply: browser deltas as ``(seq, t_ns, text)``, the
+    ``done`` frame, the stored content read back from the API, and the user's cookie."""
+
+    request_id: str = ""
+    session_id: str = ""
+    message_id: str = ""
+    deltas: list[tuple[int, int, str]] = field(default_factory=list)
+    done: dict[str, Any] | None = None
+    error: str | None = None
+    stored: str | None = None
+    cookie: str = field(default="", repr=False)
+
+
+def gateway_added_ns(engine_frames: Sequence[Sequence[Any]], deltas: Sequence[tuple[int, int, str]]) -> list[int]:
+    """Per engine frame with text, the time (ns) from its arrival at the gateway to the
+    client's receipt of the browser delta that delivered it.
+
+    Args:
+        engine_frames: ``(t_ns, text, n_tokens)`` per engine ``delta``/``done`` frame, in order.
+        deltas: ``(seq, t_ns, text)`` per browser delta, in order.
+    Returns:
+        One duration per engine frame with non-empty text that some delta covered
+        (frame ``i`` ends at character ``c_i`` of the reply; it is delivered by the first
+        delta whose cumulative text length reaches ``c_i``). Frames no delta covers
+        (lost text) are left out; the loss check counts them.
+    """
+    out: list[int] = []
+    ends: list[tuple[int, int]] = []  # (cumulative chars, receipt time) per browser delta
+    c = 0
+    for _seq, t, text in deltas:
+        c += len(text)
+        ends.append((c, t))
+    j, c = 0, 0
+    for t_engine, text, _n in engine_frames:
+        if not text:
+            continue  # a token that produced no text yet (held-back UTF-8 or stop prefix)
+        c += len(text)
+        while j < len(ends) and ends[j][0] < c:
+            j += 1
+        if j == len(ends):
+            break
+        out.append(ends[j][1] - int(t_engine))
+    return out
+
+
+def check_reply(r: Reply, engine_frames: Sequence[Sequence[Any]] | None) -> str | None:
+    """Why a finished reply is wrong, or None: an error frame, a gap in ``seq``, deltas
+    that differ from the stored message or from the engine's text."""
+    if r.error:
+        return r.error
+    if r.done is None:
+        return "no done frame"
+    seqs = [s for s, _t, _x in r.deltas]
+    if seqs != list(range(1, len(seqs) + 1)):
+        return f"seq not 1..n without gaps: {seqs[:5]}..."
+    text = "".join(x for _s, _t, x in r.deltas)
+    if r.stored is None or text != r.stored:
+        return "streamed text differs from the stored message"
+    if engine_frames is not None and text != "".join(f[1] for f in engine_frames):
+        return "streamed text differs from the engine's text"
+    return None
+
+
+async def _user_cookie(http: httpx.AsyncClient) -> str:
+    """A fresh anonymous user's signed cookie (``GET /api/config`` without a cookie)."""
+    http.cookies.clear()  # else the jar would send the previous user's cookie back
+    r = await http.get("/api/config")
+    r.raise_for_status()
+    http.cookies.clear()
+    return r.cookies[COOKIE_NAME]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, seconds) used so far by process ``pid`` (Linux
+    ``/proc/PID/stat`` fields 14 and 15).
+
+    Raises:
+        OSError: no such process.
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_load(base_url: str, cfg: LoadConfig,
+                   fetch_tap: Callable[[], Awaitable[dict[str, list[list[Any]]]]],
+                   gateway_pid: int | None = None) -> dict[str, Any]:
+    """Drive the gateway at ``base_url`` (see module doc) and return the results.
+
+    ``fetch_tap`` returns the engine-frame records by request id (``EngineTap.snapshot``
+    form). The result holds counts, ``wall_s``, ``deltas_per_s``, ``tokens_per_s``,
+    ``added_ms`` (summary of the gateway-added time per engine frame), ``errors`` and
+    the first few error reasons; with ``gateway_pid`` (a gateway in its own process) also
+    ``gateway_cpu_ms_per_token``: the gateway process's CPU time while the replies ran,
+    per token.
+
+    Raises:
+        httpx.HTTPError, OSError: the gateway cannot be reached at all.
+    """
+    ws_url = base_url.replace("http", "ws", 1) + "/ws"
+    replies: list[Reply] = []
+    errors: list[str] = []
+    todo = list(range(cfg.requests))
+    gate = asyncio.Semaphore(cfg.streaming)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        cookies = [await _user_cookie(http) for _ in range(cfg.connected)]
+
+        opened = asyncio.Event()  # set once every socket is open (or failed to open)
+        settled = 0
+
+        def settle() -> None:
+            nonlocal settled
+            settled += 1
+            if settled == cfg.connected:
+                opened.set()
+
+        async def client(cookie: str) -> None:
+            session_id: str | None = None
+            try:
+                ws = await connect(ws_url, origin=base_url, additional_headers={"Cookie": f"{COOKIE_NAME}={cookie}"},  # type: ignore[arg-type]
+                                   max_size=None, open_timeout=60, ping_interval=None, compression=None)
+            finally:
+                settle()  # opened or failed: either way the others need not wait for it
+            try:
+                await opened.wait()  # every socket is open before any reply starts
+                while todo:
+                    async with gate:
+                        if not todo:
+                            break
+                        n = todo.pop()
+                        frame: dict[str, Any] = {"type": "chat", "client_msg_id": uuid.uuid4().hex,
+                                                 "content": f"Tell me about {TOPICS[n % len(TOPICS)]} ({n}).",
+                                                 "params": {"max_tokens": cfg.max_tokens, "temperature": 0.0,
+                                                            "ignore_eos": True}}
+                        if session_id:
+                            frame["session_id"] = session_id
+                        r = Reply(cookie=cookie)
+                        replies.append(r)
+                        await ws.send(json.dumps(frame))
+                        while True:
+                            raw = await asyncio.wait_for(ws.recv(), 300)
+                            t = time.monotonic_ns()
+                            msg = json.loads(raw)
+                            kind = msg.get("type")
+                            if kind == "delta":
+                                r.deltas.append((int(msg["seq"]), t, msg["text"]))
+                            elif kind == "start":
+                                r.request_id, r.session_id = msg["request_id"], msg["session_id"]
+                                r.message_id = msg["message_id"]
+                                session_id = msg["session_id"]
+                            elif kind == "done":
+                                r.done = msg
+                                if msg.get("finish_reason") == "error":
+                                    r.error = f"done with error: {msg.get('error')}"
+                                break
+                            elif kind == "error":
+                                r.error = f"error frame {msg.get('code')}: {msg.get('message')}"
+                                break
+            finally:
+                await ws.close()
+
+        tasks = [asyncio.create_task(client(c)) for c in cookies]
+        await opened.wait()
+        cpu0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - t0
+        cpu = cpu_seconds(gateway_pid) - cpu0 if gateway_pid else None
+        errors += [f"client failed: {e!r}" for e in results if isinstance(e, BaseException)]
+
+        # read every stored reply back, as its owner (the user of the socket that sent it)
+        for r in replies:
+            if r.session_id:
+                body = (await http.get(f"/api/sessions/{r.session_id}",
+                                       headers={"Cookie": f"{COOKIE_NAME}={r.cookie}"})).json()
+                r.stored = next((m.get("content") for m in body.get("messages", [])
+                                 if m.get("id") == r.message_id), None)
+
+    tap = await fetch_tap()
+    added: list[float] = []
+    for r in replies:
+        frames = tap.get(r.request_id)
+        why = check_reply(r, frames)
+        if why:
+            errors.append(f"{r.request_id or '?'}: {why}")
+        if frames:
+            added += [ns / 1e6 for ns in gateway_added_ns(frames, r.deltas)]
+    n_deltas = sum(len(r.deltas) for r in replies)
+    n_tokens = sum(int((r.done or {}).get("usage", {}).get("completion_tokens", 0)) for r in replies)
+    n_frames = sum(len(tap.get(r.request_id, [])) for r in replies)
+    return {"config": asdict(cfg), "replies": len(replies), "wall_s": wall, "browser_deltas": n_deltas,
+            "engine_frames": n_frames, "tokens": n_tokens, "deltas_per_s": n_deltas / wall,
+            "tokens_per_s": n_tokens / wall, "added_ms": summarize(added),
+            "gateway_cpu_ms_per_token": cpu * 1000 / n_tokens if cpu is not None and n_tokens else None,
+            "errors": len(errors) + max(0, cfg.requests - len(replies)), "error_samples": errors[:5]}
+
+
+def table(res: dict[str, Any]) -> str:
+    """The result as a Markdown table (what is printed last and pasted into the docs)."""
+    c, a = res["config"], res["added_ms"]
+    rows = [("sockets connected / streaming at once", f"{c['connected']} / {c['streaming']}"),
+            ("replies x max tokens", f"{res['replies']} x {c['max_tokens']}"),
+            ("wall time (s)", fmt(res["wall_s"], 1)),
+            ("browser deltas/s", fmt(res["deltas_per_s"], 0)),
+            ("tokens/s through the gateway", fmt(res["tokens_per_s"], 0)),
+            ("engine frames / browser deltas", f"{res['engine_frames']} / {res['browser_deltas']}"),
+            ("gateway-added ms per token: p50", fmt(a["p50"], 2)),
+            ("gateway-added ms per token: p90", fmt(a["p90"], 2)),
+            ("gateway-added ms per token: p99", fmt(a["p99"], 2)),
+            ("gateway-added ms per token: max", fmt(a["max"], 2)),
+            ("gateway process CPU ms per token", fmt(res.get("gateway_cpu_ms_per_token"), 2)),
+            ("errors (incl. lost or altered text)", str(res["errors"]))]
+    return "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+async def _cleanup_redis(url: str, prefix: str) -> None:
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}*", count=1000)]
+        for i in range(0, len(keys), 500):
+            await r.delete(*keys[i:i + 500])
+    finally:
+        await r.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns 0, or 1 when any error was seen."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="50 sockets, 16 streaming, 64 replies of 32 tokens")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--write-docs", action="store_true", help="put the table into docs/benchmarks.md")
+    p.add_argument("--connected", type=int, default=None)
+    p.add_argument("--streaming", type=int, default=None)
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--engine", default=None, help="use this engine instead of starting one")
+    p.add_argument("--model", default=None, help="model folder for the started engine (default: SmolLM2)")
+    p.add_argument("--threads", type=int, default=2, help="engine torch threads")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    a = p.parse_args(argv)
+    base = LoadConfig(50, 16, 64, 32) if a.quick else LoadConfig()
+    cfg = LoadConfig(a.connected or base.connected, a.streaming or base.streaming,
+                     a.requests or base.requests, a.max_tokens or base.max_tokens)
+
+    from bench.serving_lib.procs import start_child
+
+    load_before = os.getloadavg()
+
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    prefix = f"bench-gwload-{uuid.uuid4().hex[:8]}:"
+    children = []
+    try:
+        engine_url = a.engine
+        if engine_url is None:
+            cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", "0",
+                   "--threads", str(a.threads)] + (["--model", a.model] if a.model else [])
+            eng = start_child(cmd, r"ENGINE READY (ws://\S+)", 600, env, str(ROOT))
+            children.append(eng)
+            engine_url = eng.match.group(1)
+        gw = start_child([sys.executable, "-m", "bench.serving_lib.gateway_proc", "--engine", engine_url,
+                          "--redis-url", a.redis_url, "--key-prefix", prefix, "--tap"],
+                         r"GATEWAY READY (http://\S+)", 120, env, str(ROOT))
+        children.append(gw)
+        base_url = gw.match.group(1)
+        with httpx.Client(base_url=base_url, timeout=30) as h:
+            for _ in range(600):  # wait for the gateway's engine connection
+                if h.get("/readyz").status_code == 200:
+                    break
+                time.sleep(0.1)
+            h.post("/_bench/tap/install").raise_for_status()
+
+        async def fetch_tap() -> dict[str, list[list[Any]]]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as h2:
+                return (await h2.get("/_bench/tap")).json()
+
+        res = asyncio.run(run_load(base_url, cfg, fetch_tap, gw.proc.pid))
+    finally:
+        for c in reversed(children):
+            c.stop()
+        asyncio.run(_cleanup_redis(a.redis_url, prefix))
+    if a.write_docs:
+        from bench.serving_lib.docs import replace_block
+
+        cmd = "python bench/gateway_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        load = " ".join(f"{x:.1f}" for x in load_before)
+        block = f"Command: `{cmd.strip()}` (load average before the run: {load}).\n\n{table(res)}"
+        doc = ROOT / "docs" / "benchmarks.md"
+        doc.write_text(replace_block(doc.read_text(), "## Gateway overhead", block, "gateway_load.py"))
+    if a.json:
+        print(json.dumps(res, indent=1))
+    else:
+        if res["error_samples"]:
+            print("errors:", *res["error_samples"], sep="\n  ")
+        print(table(res))
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

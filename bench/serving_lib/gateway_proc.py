@@ -1,0 +1,98 @@
+"""Run the real gateway (with the OpenAI API and metrics when available) for a benchmark.
+
+    python -m bench.serving_lib.gateway_proc --engine ws://... --redis-url redis://... \
+        --key-prefix bench-x: [--port 0] [--tap]
+
+Prints ``GATEWAY READY http://127.0.0.1:PORT`` once it serves. ``--tap`` adds two routes
+for bench/gateway_load.py: ``POST /_bench/tap/install`` (wrap the engine connections with
+``EngineTap``) and ``GET /_bench/tap`` (the records as JSON). The gateway is the product's
+own app (``gateway.extensions.create_app_with_extras``, else ``gateway.app.create_app``),
+served by uvicorn exactly as ``python -m gateway`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from bench.serving_lib.tap import EngineTap
+
+
+def tap_routes(tap: EngineTap) -> list[Route]:
+    """The two ``/_bench/tap`` routes (see module doc)."""
+
+    async def install(request: Request) -> JSONResponse:
+        return JSONResponse({"installed": tap.install(request.app.state.router)})
+
+    async def read(request: Request) -> JSONResponse:
+        return JSONResponse(tap.snapshot())
+
+    return [Route("/_bench/tap/install", install, methods=["POST"]), Route("/_bench/tap", read, methods=["GET"])]
+
+
+def build_app(config: Any, tap: EngineTap | None) -> Any:
+    """The gateway app for ``config`` (a ``GatewayConfig``), with the OpenAI API when the
+    gateway has it and the tap routes when ``tap`` is given."""
+    extra = tap_routes(tap) if tap is not None else []
+    try:
+        from gateway.extensions import default_extras
+
+        routes, events, middleware = default_extras(config)
+        from gateway.app import create_app
+
+        app = create_app(config, extra_routes=[*extra, *routes], events=events)
+        for m in middleware:
+            app.add_middleware(m.cls, *m.args, **m.kwargs)
+        return app
+    except ImportError:  # a gateway without the OpenAI API still serves /ws
+        from gateway.app import create_app
+
+        return create_app(config, extra_routes=extra)
+
+
+async def _serve(server: uvicorn.Server, sock: Any) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(f"GATEWAY READY http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until killed; returns the exit status."""
+    from gateway.app import new_secret
+    from gateway.config import GatewayConfig
+    from gateway.serving import make_listen_socket, uvicorn_config
+
+    p = argparse.ArgumentParser(prog="python -m bench.serving_lib.gateway_proc")
+    p.add_argument("--engine", action="append", required=True)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--key-prefix", required=True)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tap", action="store_true")
+    p.add_argument("--max-generations-per-user", type=int, default=4)
+    a = p.parse_args(argv)
+    config = GatewayConfig().with_overrides(
+        host="127.0.0.1", port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix,
+        engine_urls=tuple(a.engine), secret_key=new_secret(),
+        limits={"max_messages_per_minute": 100_000, "max_generations_per_user": a.max_generations_per_user})
+    app = build_app(config, EngineTap() if a.tap else None)
+    sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
+    server = uvicorn.Server(uvicorn_config(app, config, "warning"))
+    try:
+        asyncio.run(_serve(server, sock))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

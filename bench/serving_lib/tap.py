@@ -1,0 +1,52 @@
+"""A tap on the gateway's engine connections: when each engine frame arrived.
+
+``EngineTap.install(router)`` wraps ``_dispatch`` of every ``EngineClient`` of a running
+gateway (an instance attribute, so the gateway's code is unchanged) and records, per
+request id, ``(t_ns, text, n_tokens)`` for each ``delta``/``done`` frame at the moment the
+gateway's connection task hands it on, in ``time.monotonic_ns()`` (CLOCK_MONOTONIC on
+Linux: one clock for every process of the machine, so a client in another process can
+compare its own receipt times with these).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+class EngineTap:
+    """Receipt times of engine frames, by request id (see module doc)."""
+
+    def __init__(self) -> None:
+        self.frames: dict[str, list[tuple[int, str, int]]] = {}
+        self._installed: set[int] = set()
+
+    def install(self, router: Any) -> int:
+        """Wrap every client of ``router`` (a ``gateway.engines.EngineRouter``); returns
+        how many were newly wrapped. Idempotent."""
+        n = 0
+        for client in router.clients:
+            if id(client) in self._installed:
+                continue
+            self._installed.add(id(client))
+            client._dispatch = self._wrap(client._dispatch)
+            n += 1
+        return n
+
+    def _wrap(self, dispatch: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        def tapped(frame: dict[str, Any]) -> None:
+            if frame.get("type") in ("delta", "done"):
+                t = time.monotonic_ns()  # before the gateway's own handling of the frame
+                rid = str(frame.get("request_id"))
+                self.frames.setdefault(rid, []).append(
+                    (t, frame.get("text") or "", len(frame.get("token_ids") or [])))
+            dispatch(frame)
+        return tapped
+
+    def snapshot(self) -> dict[str, list[list[Any]]]:
+        """The records so far as JSON-ready lists ``[t_ns, text, n_tokens]``."""
+        return {rid: [list(f) for f in fs] for rid, fs in list(self.frames.items())}
+
+    def clear(self) -> None:
+        """Forget the records (the wrappers stay installed)."""
+        self.frames.clear()
