@@ -7,7 +7,6 @@ import random
 import pytest
 
 from engine.errors import ContextLengthError
-from engine.sampling_params import SamplingParams
 from tests.engine_helpers import greedy, make_engine, run_core
 
 
