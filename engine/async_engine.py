@@ -76,7 +76,8 @@ class AsyncEngine:
         """
         from engine.loader import load_model
 
-        torch.set_num_threads(config.resolved_threads())
+        if config.threads:
+            torch.set_num_threads(config.threads)
         return cls.from_loaded(load_model(config), config, verbose)
 
     @classmethod
@@ -246,8 +247,6 @@ class AsyncEngine:
                         fut.set_exception(e)
 
     def _loop(self) -> None:
-        # OpenMP keeps its thread count per calling thread: set it on the step thread too.
-        torch.set_num_threads(self.core.config.resolved_threads())
         was_busy = False
         while not self._stop:
             self._drain_inbox()

@@ -35,8 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"])
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: all cores but one, leaving one to stream tokens)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--engine-seed", type=int, default=0, help="seed of the shared generator for unseeded sampled requests")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,10 +107,7 @@ class EngineConfig:
         schedule_policy: "fcfs" or "lpm" (longest prefix match first).
         attention_backend: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton".
         cache_dir: where converted default-model weights are kept.
-        threads: torch intra-op threads on CPU. None: all cores but one (at least one),
-            leaving a core to the event loop that streams tokens; measured on 2 cores,
-            two OpenMP threads sharing the machine with the serving thread ran a batch
-            of 16 at 41 tokens/s, one thread at 69 (docs/benchmarks.md).
+        threads: torch intra-op threads on CPU (None leaves torch's default).
         seed: seed of the engine's generator for unseeded sampled requests.
     """
 
@@ -153,12 +149,6 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by ``dtype``."""
         return DTYPES[self.dtype]
-
-    def resolved_threads(self) -> int:
-        """Intra-op threads to use on CPU (see ``threads``)."""
-        if self.threads:
-            return self.threads
-        return max(1, (os.cpu_count() or 2) - 1)
 
     def resolved_device(self) -> torch.device:
         """``device`` with "auto" resolved (cuda when available, else cpu)."""
