@@ -225,9 +225,9 @@ async def run_multiturn(engine: AsyncEngine, chats: int, turns: int, rng: random
 
 async def main_async(a: argparse.Namespace) -> dict:
     rng = random.Random(0)
+    eng = build_engine(a)  # sets torch's thread count when --threads is given
     res: dict = {"dtype": a.dtype, "threads": torch.get_num_threads(), "device": a.device,
                  "model": a.model_config if a.random_weights else (a.model or "SmolLM2-135M-Instruct")}
-    eng = build_engine(a)
     eng.start()
     vocab = eng.core.model_config.vocab_size
     try:

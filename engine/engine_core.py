@@ -20,7 +20,7 @@ from engine.errors import ContextLengthError, InvalidRequestError
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, Timings, Usage
 from engine.radix_cache import RadixCache
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.sampler import PenaltyState
 from engine.scheduler import Scheduler, SchedulerConfig, cdiv
@@ -202,8 +202,7 @@ class EngineCore:
         if reason == "length" and req.detok.stopped:  # a stop string completed in the flushed tail
             reason, stop_reason = "stop", req.detok.stop_reason
         req.finish_reason, req.stop_reason = reason, stop_reason
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
+        self.scheduler.remove(req)  # also marks it FINISHED
         self.requests.pop(req.request_id, None)
         c = self.counters
         n_out = len(req.output_ids)

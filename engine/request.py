@@ -75,7 +75,6 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    abort_requested: bool = False
     arrival_s: float = field(default_factory=time.monotonic)
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
@@ -84,7 +83,6 @@ class Request:
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[Any] = field(default_factory=list)
-    output_text: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -108,8 +106,3 @@ class Request:
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model before the next sample (tokens)."""
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        """True once a finish reason is set."""
-        return self.status is RequestStatus.FINISHED

@@ -252,7 +252,8 @@ class Scheduler:
         """Longest-prefix-match policy: longest cached prefix first, arrival order on ties."""
         scored = []
         for n, req in enumerate(self.waiting):
-            m = self.cache.match_prefix(req.prompt_ids, req.namespace, max_tokens=len(req.prompt_ids) - 1)
+            tokens = req.all_ids()  # a preempted request is re-admitted with its output too
+            m = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1)
             scored.append((-m.num_tokens, n, req))
         scored.sort(key=lambda t: (t[0], t[1]))
         self.waiting = deque(r for _, _, r in scored)
