@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("MODEL") or None,
                    help="local Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 (per-row scales); on the CPU use it with --dtype bfloat16")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
@@ -48,6 +50,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_seqs=a.max_num_seqs, enable_prefix_cache=not a.no_prefix_cache,
         schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs, threads=a.threads, seed=a.engine_seed,
+        quantization=a.quantization,
     )
 
 

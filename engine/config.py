@@ -109,6 +109,9 @@ class EngineConfig:
         cache_dir: where converted default-model weights are kept.
         threads: torch intra-op threads on CPU (None leaves torch's default).
         seed: seed of the engine's generator for unseeded sampled requests.
+        quantization: None (weights in ``dtype``) or "int8": weight-only int8 with one
+            scale per output row (``engine.models.quant``); activations and KV stay in
+            ``dtype``, which must then be "bfloat16" or "float16".
     """
 
     model: str | None = None
@@ -128,6 +131,7 @@ class EngineConfig:
     threads: int | None = None
     seed: int = 0
     cuda_graphs: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -142,6 +146,13 @@ class EngineConfig:
             raise InvalidRequestError("schedule_policy must be 'fcfs' or 'lpm'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise InvalidRequestError("attention_backend must be 'auto', 'torch' or 'triton'")
+        if self.quantization not in (None, "int8"):
+            raise InvalidRequestError(f"quantization must be 'int8' or none, got {self.quantization!r}")
+        if self.quantization and self.dtype == "float32":
+            # The CPU int8 kernel is slow with float32 activations (2 GB/s measured):
+            # int8 would cost more than it saves.
+            raise InvalidRequestError("quantization 'int8' computes in bfloat16 or float16; "
+                                      "pass dtype 'bfloat16' (--dtype bfloat16)")
         if not (0 < self.gpu_memory_fraction <= 1):
             raise InvalidRequestError("gpu_memory_fraction must be in (0, 1]")
 

@@ -291,6 +291,18 @@ def _read_tokenizer(folder: Path) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer of {folder}: {exc}") from exc
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights (parameters and quantized buffers, each tensor
+    once; the rotary table excluded)."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):  # dedupes tied weights
+        if name.endswith("rope") or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load ``config.model`` in ``config.dtype`` on ``config.resolved_device()``.
 
@@ -310,8 +322,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model = model_cls(model_config, dtype, device)
         model.load_weights(iter_tensors(files))
         model.eval()
-    _log(f"{name}: {model_config.num_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
-         f"parameters, context {model_config.max_model_len} tokens; ready in {time.perf_counter() - start:.1f} s")
+        num_params = sum(p.numel() for p in model.parameters())
+    if config.quantization:
+        with _phase(f"quantize weights to {config.quantization}"):
+            model.quantize_(config.quantization)
+    _log(f"{name}: {model_config.num_layers} layers, {num_params / 1e6:.0f}M parameters, "
+         f"{model_weight_bytes(model) / 2**20:.0f} MiB of weights, context {model_config.max_model_len} tokens; "
+         f"ready in {time.perf_counter() - start:.1f} s")
     return LoadedModel(model=model, model_config=model_config, hf_config=hf_config, tokenizer=tokenizer,
-                       name=name, path=folder, weights_id=weights_fingerprint(files, dtype), dtype=dtype,
+                       name=name, path=folder, weights_id=weights_fingerprint(files, dtype, config.quantization), dtype=dtype,
                        device=device)

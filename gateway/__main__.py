@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shlex
 import signal
 import socket
 import sys
@@ -38,6 +39,9 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     p.add_argument("--engine", action="append", default=None, metavar="URL",
                    help="engine ws:// URL, repeatable (ENGINE_URLS); none starts a local engine")
     p.add_argument("--model", default=base.model, help="model for the local engine (MODEL)")
+    p.add_argument("--engine-args", default=None, metavar="'OPTIONS'",
+                   help="more options for the local engine, one quoted string (ENGINE_ARGS), e.g. "
+                        "'--dtype bfloat16 --quantization int8'")
     p.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="extra origins allowed to open /ws (ALLOWED_ORIGINS)")
     p.add_argument("--session-ttl", type=int, default=base.session_ttl_s, metavar="SECONDS",
@@ -51,6 +55,7 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     cfg = base.with_overrides(
         host=a.host, port=a.port, redis_url=a.redis_url, model=a.model, data_dir=a.data_dir,
         engine_urls=tuple(a.engine) if a.engine else base.engine_urls,
+        engine_args=tuple(shlex.split(a.engine_args)) if a.engine_args is not None else base.engine_args,
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else base.allowed_origins,
         session_ttl_s=a.session_ttl if a.session_ttl and a.session_ttl > 0 else None,
         limits={"max_frame_bytes": a.max_frame_bytes, "hard_frame_bytes": hard})
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         local_redis = ensure_redis(cfg.redis_url, cfg.data_dir)
         if not cfg.engine_urls:
             print(f"Starting a local engine ({cfg.model or 'bundled SmolLM2-135M-Instruct'})...", flush=True)
-            engine = LocalEngine(model=cfg.model, echo=lambda line: print(f"[engine] {line}", flush=True))
+            engine = LocalEngine(model=cfg.model, extra_args=cfg.engine_args,
+                                 echo=lambda line: print(f"[engine] {line}", flush=True))
             cfg = cfg.with_overrides(engine_urls=(engine.start(),))
             engine.supervise(say=lambda line: print(line, flush=True))
         port = sock.getsockname()[1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -109,6 +110,8 @@ class GatewayConfig:
         engine_urls: internal engine WebSocket URLs; empty means "start a local engine"
             (done by ``python -m gateway``, not by the app factory).
         model: model path for that local engine (None: the bundled SmolLM2).
+        engine_args: more ``python -m engine serve`` options for that local engine
+            (e.g. ``("--dtype", "bfloat16", "--quantization", "int8")``).
         allowed_origins: extra origins allowed on the WebSocket handshake besides the
             page's own.
         secret_key: signs the user cookie; None means read (or create) ``data_dir/secret_key``.
@@ -134,6 +137,7 @@ class GatewayConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     engine_urls: tuple[str, ...] = ()
     model: str | None = None
+    engine_args: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     secret_key: str | None = None
     api_key: str | None = None
@@ -200,6 +204,7 @@ ENV_VARS: dict[str, str] = {
     "redis_url": "REDIS_URL",
     "engine_urls": "ENGINE_URLS",
     "model": "MODEL",
+    "engine_args": "ENGINE_ARGS",
     "allowed_origins": "ALLOWED_ORIGINS",
     "secret_key": "SECRET_KEY",
     "api_key": "API_KEY",
@@ -236,6 +241,8 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = int(raw) if int(raw) > 0 else None
             elif name in ("engine_urls", "allowed_origins"):
                 changes[name] = _split(raw)
+            elif name == "engine_args":
+                changes[name] = tuple(shlex.split(raw))
             elif name == "data_dir":
                 changes[name] = Path(raw)
             else:

@@ -118,13 +118,17 @@ def test_gateway_command_serves_the_chat_and_the_terminal_client_talks_to_it(eng
 
 
 def test_gateway_with_no_engine_url_starts_and_stops_its_own_engine(tiny_model_dir, redis_url, key_prefix, tmp_path):
-    proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], gateway_env(redis_url, key_prefix, tmp_path))
+    """...with the options given in --engine-args (here: int8 weights)."""
+    proc, base, lines = start_gateway(["--model", str(tiny_model_dir), "--engine-args",
+                                       "--dtype bfloat16 --quantization int8"],
+                                      gateway_env(redis_url, key_prefix, tmp_path))
     engine_port = None
     try:
         for line in lines:
             m = re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line)
             engine_port = int(m.group(1)) if m else engine_port
         assert engine_port is not None, lines
+        assert any("quantize weights to int8" in line for line in lines), lines
         result = run_client(base, tmp_path / "cookie", "Hi from the one-command default")
         assert result.returncode == 0, result.stderr
     finally:

@@ -93,9 +93,11 @@ def test_cookie_header_parsing_tolerates_junk():
 def test_config_reads_environment_variables_and_validates():
     cfg = config_from_env({"PORT": "9001", "ENGINE_URLS": "ws://a:1, ws://b:2", "SESSION_TTL_S": "60",
                            "ALLOWED_ORIGINS": "https://x.example", "LIMIT_MAX_FRAME_BYTES": "2048",
-                           "LIMIT_WS_SEND_TIMEOUT_S": "1.5", "KEY_PREFIX": "p:"})
+                           "LIMIT_WS_SEND_TIMEOUT_S": "1.5", "KEY_PREFIX": "p:",
+                           "ENGINE_ARGS": "--dtype bfloat16 --quantization 'int8'"})
     assert cfg.port == 9001 and cfg.engine_urls == ("ws://a:1", "ws://b:2") and cfg.session_ttl_s == 60
     assert cfg.allowed_origins == ("https://x.example",) and cfg.key_prefix == "p:"
+    assert cfg.engine_args == ("--dtype", "bfloat16", "--quantization", "int8")
     assert cfg.limits.max_frame_bytes == 2048 and cfg.limits.ws_send_timeout_s == 1.5
     assert config_from_env({}).port == GatewayConfig().port
     with pytest.raises(ConfigError):

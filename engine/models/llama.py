@@ -27,6 +27,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
+from engine.models.quant import QUANTIZATIONS, Int8Weight, embedding, linear
 from engine.models.rope import apply_rotary, rotary_table
 
 # Checkpoint entries that hold no weights of ours (old Llama exports store the RoPE
@@ -93,11 +94,11 @@ class Attention(nn.Module):
             [T, hidden] in the model dtype.
         """
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, h + 2 * hkv, d)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, h + 2 * hkv, d)
         qk = apply_rotary(qkv[:, : h + hkv], cos, sin)  # Q and K heads rotated together
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
         out = attn.forward(q, k, v, k_cache, v_cache, batch, self.scale)
-        return F.linear(out.reshape(t, h * d), self.o_weight)
+        return linear(out.reshape(t, h * d), self.o_weight)
 
 
 class MLP(nn.Module):
@@ -110,8 +111,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -182,11 +183,42 @@ class LlamaForCausalLM(nn.Module):
         if batch.attn_metadata is None:
             attn.prepare(batch)
         cos, sin = self.rope[batch.positions].unbind(1)  # each [T, 1, head_dim / 2]
-        x = F.embedding(batch.input_ids, self.embed)
+        x = embedding(batch.input_ids, self.embed)
         for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
             x = layer(x, cos, sin, k_cache, v_cache, batch, attn)
         x = self.norm(x.index_select(0, batch.logits_indices))  # RMSNorm is per row
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
+
+    @torch.no_grad()
+    def quantize_(self, method: str) -> None:
+        """Replace every projection weight (QKV, O, gate/up, down, embedding and LM
+        head) by its ``Int8Weight`` (``engine.models.quant``), in place, after
+        ``load_weights``. Norms, biases and the rotary table stay in the model dtype;
+        a tied LM head stays the same object as the embedding.
+
+        Raises:
+            ValueError: an unknown ``method`` (only "int8").
+        """
+        if method not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {method!r}; expected one of {list(QUANTIZATIONS)}")
+
+        def swap(owner: nn.Module, name: str) -> Int8Weight:
+            q = Int8Weight.from_float(getattr(owner, name), self.dtype)
+            delattr(owner, name)  # a Parameter slot cannot take a Module
+            setattr(owner, name, q)
+            return q
+
+        for layer in self.layers:
+            for owner, name in ((layer.attn, "qkv_weight"), (layer.attn, "o_weight"),
+                                (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
+                swap(owner, name)
+        tied = self.lm_head is self.embed
+        embed = swap(self, "embed")
+        if tied:
+            delattr(self, "lm_head")
+            self.lm_head = embed
+        else:
+            swap(self, "lm_head")
 
     def _weight_slots(self) -> dict[str, tuple[torch.Tensor, slice]]:
         """HF tensor name -> (our parameter, the rows of it that tensor fills)."""

@@ -74,15 +74,17 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def weights_fingerprint(files: list[Path], dtype: torch.dtype) -> str:
+def weights_fingerprint(files: list[Path], dtype: torch.dtype, quantization: str | None = None) -> str:
     """A stable id of these weights: sha256 over each file's resolved path, size and
-    mtime (ns), and the load dtype; 16 hex digits.
+    mtime (ns), the load dtype and the quantization (None: none); 16 hex digits.
 
     Rewriting or replacing a file changes its mtime, so a reload of different weights
     under the same model name gets a new id (the prefix cache's namespace, ACCEPTANCE
     C02) without hashing gigabytes.
     """
     h = hashlib.sha256(str(dtype).encode())
+    if quantization:  # a quantized twin computes different logits: its own namespace
+        h.update(f"\0quantization={quantization}".encode())
     for path in files:
         st = path.stat()
         h.update(f"\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())

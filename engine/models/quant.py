@@ -1,0 +1,143 @@
+"""Weight-only int8 quantization: int8 weights with one scale per output row.
+
+Decode at small batch reads every weight once per step, so its time is the bytes of
+weights over memory bandwidth; int8 weights read a quarter of float32's bytes and half
+of bfloat16's. Activations, the KV cache and the norms stay in the model dtype.
+
+Scheme (symmetric, per output channel, as in gpt-fast's ``WeightOnlyInt8QuantHandler``
+and LLM.int8()'s vector-wise weights; Dettmers et al., 2022)::
+
+    scale[n] = max_k |W[n, k]| / 127              (float32, then the model dtype)
+    Q[n, k]  = round(W[n, k] / scale[n])          in [-127, 127], int8
+    y        = (x @ Q^T) * scale                  (the product accumulated before scaling)
+
+Two kernels compute ``y`` and agree up to accumulation order:
+
+* small batches on the CPU (at most ``SMALL_BATCH_ROWS`` rows, bfloat16/float16
+  activations): ``torch.ops.aten._weight_int8pack_mm``, which streams the int8 weight
+  once (measured on this project's 2-core dev machine, all of SmolLM2's projections at
+  batch 1: 11.5 ms against 23 ms for bfloat16 weights and 49 ms for float32);
+* otherwise: ``F.linear`` over ``Q`` in the activation dtype (exact: integers up to
+  256 are representable in bfloat16 and float16), then the scale. On the CPU that copy
+  of ``Q`` is kept (``wide``): converting it every step cost about 40 ms a step for
+  SmolLM2, more than the matmul at batch 16. So on the CPU int8 trades memory (1 + 2
+  bytes a weight in bfloat16, still below float32's 4) for small-batch speed; on CUDA
+  only the int8 copy is kept and converted per step (the memory saving is the point;
+  no int8 GPU kernel here).
+
+Both kernels multiply by the same integers and scale after accumulating, so their
+results differ only in summation order: a request decoded alone and one decoded in a
+large batch agree except at near-ties (ACCEPTANCE C06's minimum policy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows at or below which the CPU int8 kernel wins. Measured on SmolLM2 in bfloat16, a
+# whole decode step on 2 cores: batch 1 22.9 ms (wide path 38.8), 8: 53.6 (70.5),
+# 12: 63.8 (71.7); at 16 the wide path is faster (matmuls alone 32 vs 47 ms).
+SMALL_BATCH_ROWS = 12
+QUANTIZATIONS = ("int8",)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantization of a [N, K] weight.
+
+    Args:
+        weight: [N, K] float tensor (any float dtype).
+
+    Returns:
+        ``(q, scale)``: q [N, K] int8 (contiguous) and scale [N] float32, with
+        ``q * scale[:, None]`` within ``scale / 2`` of ``weight`` elementwise. All-zero
+        rows get scale 1 (their q is 0).
+
+    Raises:
+        ValueError: ``weight`` is not 2-D.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"int8 quantization needs a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
+class Int8Weight(nn.Module):
+    """A [N, K] weight held as int8 plus a [N] scale in the activation dtype.
+
+    Used in place of a float weight by ``linear`` and ``embedding`` below; built from
+    an already-loaded float weight by ``Int8Weight.from_float``.
+
+    Attributes:
+        qweight: [N, K] int8.
+        scale: [N] in ``dtype`` (the model's activation dtype).
+        wide: None, or [N, K] ``qweight`` in ``dtype`` (kept for large batches, see the
+            module docstring).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, keep_wide: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("wide", qweight.to(scale.dtype) if keep_wide else None)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> "Int8Weight":
+        """Quantize ``weight`` [N, K] (``quantize_int8``); the scale is stored in ``dtype``.
+        ``keep_wide`` None: keep the wide copy on the CPU only."""
+        q, scale = quantize_int8(weight)
+        if keep_wide is None:
+            keep_wide = weight.device.type == "cpu"
+        return cls(q.to(weight.device), scale.to(device=weight.device, dtype=dtype), keep_wide)
+
+    @property
+    def shape(self) -> torch.Size:
+        """[N, K], as the float weight's."""
+        return self.qweight.shape
+
+    def nbytes(self) -> int:
+        """Bytes held (int8 weight, scales and the wide copy if kept)."""
+        wide = 0 if self.wide is None else self.wide.numel() * self.wide.element_size()
+        return self.qweight.numel() + self.scale.numel() * self.scale.element_size() + wide
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` with W = qweight * scale.
+
+        Args:
+            x: [..., K] in the scale's dtype.
+            bias: optional [N], same dtype.
+
+        Returns:
+            [..., N] in x's dtype.
+        """
+        rows = x.numel() // x.shape[-1]
+        if (x.device.type == "cpu" and rows <= SMALL_BATCH_ROWS
+                and x.dtype in (torch.bfloat16, torch.float16)):
+            flat = x.reshape(rows, x.shape[-1]).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale).view(*x.shape[:-1], -1)
+        else:
+            wide = self.wide if self.wide is not None and self.wide.dtype == x.dtype else self.qweight.to(x.dtype)
+            y = F.linear(x, wide) * self.scale
+        return y if bias is None else y + bias
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W: ids [T] int64 -> [T, K] in the scale's dtype."""
+        return self.qweight.index_select(0, ids).to(self.scale.dtype) * self.scale.index_select(0, ids)[:, None]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a float weight, ``Int8Weight.linear`` for a quantized one."""
+    if isinstance(weight, Int8Weight):
+        return weight.linear(x, bias)
+    return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | Int8Weight) -> torch.Tensor:
+    """``F.embedding`` for a float table, ``Int8Weight.embedding`` for a quantized one."""
+    if isinstance(weight, Int8Weight):
+        return weight.embedding(ids)
+    return F.embedding(ids, weight)
