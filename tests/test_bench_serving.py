@@ -157,6 +157,8 @@ def test_the_docs_block_is_inserted_once_then_replaced_in_its_section():
     assert once.index("TABLE 1") < once.index("## GPU") and "(pending)" in once
     twice = serving.replace_block(once, "## Serving, side by side", "TABLE 2")
     assert "TABLE 1" not in twice and twice.count(serving.DOC_BEGIN) == 1 and twice.endswith("text\n")
+    both = serving.replace_block(twice, "## Serving, side by side", "QUICK", quick=True)
+    assert "TABLE 2" in both and "QUICK" in both and both.index("QUICK") < both.index("## GPU")
 
 
 def test_targets_say_met_or_missed_with_the_ratio():
