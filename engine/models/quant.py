@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows at or below which the CPU int8 kernel wins. Measured on SmolLM2 in bfloat16, a
-# whole decode step on 2 cores: batch 1 22.9 ms (wide path 38.8), 8: 53.6 (70.5),
-# 12: 63.8 (71.7); at 16 the wide path is faster (matmuls alone 32 vs 47 ms).
-SMALL_BATCH_ROWS = 12
+# Rows at or below which the CPU int8 kernel is used. bench/decode_step.py on SmolLM2, 2
+# cores, ms per decode step, int8 kernel vs bfloat16 weights: batch 1 23.0 vs 33.5, 4:
+# 32.4 vs 38.0, 8: 45-59 vs 45-48 (a tie within run-to-run noise), 12: 59.2 vs 52.0.
+SMALL_BATCH_ROWS = 8
 QUANTIZATIONS = ("int8",)
 
 
