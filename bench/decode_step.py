@@ -7,9 +7,9 @@ bfloat16 activations, at several batch sizes, through ``EngineCore.step``.
 Each format loads the model (default: the bundled SmolLM2-135M-Instruct), admits B
 requests with the same ``--context``-token prompt, prefills them, then times
 ``--steps`` pure decode steps (median ms per step; one step = schedule, forward over the
-B rows, sample, detokenize). Also prints each format's weight bytes and the memory
-bandwidth a batch-1 step implies (weight bytes / step time; the KV read is small
-beside it at this context). The float32 column is the peer: ratios are against it.
+B rows, sample, detokenize). Also prints each format's weight bytes held and read per
+batch-1 step, and the bandwidth a batch-1 step implies (bytes read / step time; the
+KV read is small beside it at this context). The float32 column is the peer: ratios are against it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,23 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 FORMATS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8+bf16": ("bfloat16", "int8")}
 
 
+def batch1_read_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes a batch-1 decode step reads: every weight once, int8 weights as their
+    int8 tensor and scales (their bfloat16 copy serves only batches above 8 rows)."""
+    from engine.models.quant import Int8Weight
+
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, Int8Weight) and id(m) not in seen:
+            seen.add(id(m))
+            total += m.qweight.numel() + m.scale.numel() * m.scale.element_size()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
 def time_format(model: str | None, dtype: str, quantization: str | None, batches: list[int], context: int,
                 steps: int) -> dict:
     """Median decode-step ms for each batch size, and the weight bytes, of one format."""
@@ -46,7 +63,8 @@ def time_format(model: str | None, dtype: str, quantization: str | None, batches
     engine = AsyncEngine.from_loaded(load_model(cfg), cfg, verbose=False)
     core = engine.core
     prompt = [100 + (i * 37) % 20000 for i in range(context)]
-    out = {"weight_bytes": model_weight_bytes(core.runner.model), "step_ms": {}}
+    model = core.runner.model
+    out = {"weight_bytes": model_weight_bytes(model), "read_bytes": batch1_read_bytes(model), "step_ms": {}}
     for b in batches:
         for i in range(b):
             core.add_request(f"{b}.{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
@@ -77,9 +95,11 @@ def table(results: dict, batches: list[int]) -> str:
         cells = [f"{results[n]['step_ms'][b]:.1f}" for n in names]
         ratios = [f"{base / results[n]['step_ms'][b]:.2f}x" for n in names[1:]]
         rows.append(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    rows.append("| weight MiB | " + " | ".join(f"{results[n]['weight_bytes'] / 2**20:.0f}" for n in names)
+    rows.append("| weight MiB held | " + " | ".join(f"{results[n]['weight_bytes'] / 2**20:.0f}" for n in names)
                 + " |" + " |" * (len(names) - 1))
-    bw = [results[n]["weight_bytes"] / (results[n]["step_ms"][batches[0]] / 1e3) / 1e9 for n in names]
+    rows.append("| weight MiB read per batch-1 step | " + " | ".join(
+        f"{results[n]['read_bytes'] / 2**20:.0f}" for n in names) + " |" + " |" * (len(names) - 1))
+    bw = [results[n]["read_bytes"] / (results[n]["step_ms"][batches[0]] / 1e3) / 1e9 for n in names]
     rows.append(f"| GB/s implied at batch {batches[0]} | " + " | ".join(f"{x:.1f}" for x in bw) + " |"
                 + " |" * (len(names) - 1))
     return "\n".join(rows)

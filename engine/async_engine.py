@@ -1,4 +1,5 @@
-"""The asyncio face of the engine: the step loop runs on its own thread.
+"""The asyncio face of the engine: the step loop runs on a thread other than the
+event loop's (its own via ``start()``, or the caller's via ``run_step_loop()``).
 
 ``generate`` builds the prompt off the event loop (chat templates and
 tokenization are CPU-heavy), hands the request to the step thread, and yields
@@ -43,13 +44,15 @@ class EngineInfo:
     device: str
     weights_id: str
     eos_token_ids: list[int]
+    quantization: str | None = None
 
 
 class AsyncEngine:
-    """Runs an ``EngineCore`` on a background thread and serves asyncio callers.
+    """Runs an ``EngineCore``'s step loop off the event loop and serves asyncio callers.
 
-    Use ``AsyncEngine.from_config(cfg)`` to load a model, then ``start()``;
-    ``shutdown()`` stops the thread.
+    Use ``AsyncEngine.from_config(cfg)`` to load a model, then ``start()`` (a step
+    thread) or ``run_step_loop()`` (the calling thread, e.g. the main one);
+    ``shutdown()`` stops the loop.
     """
 
     def __init__(self, core: EngineCore, info: EngineInfo, prompt_builder: PromptBuilder) -> None:
@@ -98,7 +101,8 @@ class AsyncEngine:
                           namespace=loaded.weights_id, device=device)
         info = EngineInfo(model=loaded.name, max_model_len=max_len, block_size=config.block_size,
                           num_blocks=plan.num_blocks, dtype=config.dtype, device=str(device),
-                          weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids))
+                          weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids),
+                          quantization=config.quantization)
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
         if verbose:
             for warning in prompts.lint_template():
@@ -261,6 +265,15 @@ class AsyncEngine:
                         fut.set_exception(e)
 
     def _loop(self) -> None:
+        try:
+            self._steps()
+        finally:  # also on KeyboardInterrupt in run_step_loop: every caller hears back
+            for rid in list(self.core.requests):
+                out = self.core.abort(rid)
+                if out is not None:
+                    self._deliver(out, rid)
+
+    def _steps(self) -> None:
         was_busy = False
         while not self._stop:
             self._drain_inbox()
@@ -285,10 +298,6 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._deliver(out, out.request_id)
-        for rid in list(self.core.requests):
-            out = self.core.abort(rid)
-            if out is not None:
-                self._deliver(out, rid)
 
     def _fail_all(self, exc: Exception) -> None:
         """After a failed step, end every live request with an engine error, freeing blocks."""

@@ -23,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="local Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight-only int8 (per-row scales); on the CPU use it with --dtype bfloat16")
+                   help="weight-only int8 (per-row scales); needs --dtype bfloat16")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")

@@ -326,6 +326,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.quantization:
         with _phase(f"quantize weights to {config.quantization}"):
             model.quantize_(config.quantization)
+        if device.type == "cuda":  # hand the float weights' memory back before KV sizing
+            torch.cuda.empty_cache()
     _log(f"{name}: {model_config.num_layers} layers, {num_params / 1e6:.0f}M parameters, "
          f"{model_weight_bytes(model) / 2**20:.0f} MiB of weights, context {model_config.max_model_len} tokens; "
          f"ready in {time.perf_counter() - start:.1f} s")

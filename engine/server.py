@@ -192,29 +192,43 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
 def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
     """Serve forever: the step loop on the calling (main) thread, the WebSocket server's
     asyncio loop on a second thread (``AsyncEngine.run_step_loop`` says why that way
-    round). Returns when the server thread ends; Ctrl-C raises KeyboardInterrupt here
-    after stopping both.
+    round). Returns when the server thread ends. On Ctrl-C the live requests end with
+    an ``abort`` done frame, the server closes, and KeyboardInterrupt is re-raised.
 
     Raises:
-        OSError: the address cannot be bound (raised here, from the server thread).
+        OSError: the server could not start (e.g. the address is taken), raised here
+            from the server thread.
     """
     failure: list[BaseException] = []
+    started = threading.Event()
+    control: dict[str, Any] = {}
+
+    async def main() -> None:
+        control["loop"], control["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        started.set()
+        await run_server(engine, host, port, stop=control["stop"], start_engine=False)
 
     def server_thread() -> None:
         try:
-            asyncio.run(run_server(engine, host, port, start_engine=False))
+            asyncio.run(main())
         except BaseException as e:  # hand it to the main thread, which is stepping
             failure.append(e)
         finally:
+            started.set()
             engine.shutdown()  # ends run_step_loop
 
     t = threading.Thread(target=server_thread, name="engine-server", daemon=True)
     t.start()
     try:
         engine.run_step_loop()
-    except BaseException:
+    finally:
         engine.shutdown()
-        raise
-    t.join(timeout=5)
+        started.wait(5)
+        if "stop" in control:
+            try:  # let the abort frames go out, then close the connections
+                control["loop"].call_soon_threadsafe(control["stop"].set)
+            except RuntimeError:  # the loop has already ended
+                pass
+        t.join(timeout=5)
     if failure:
         raise failure[0]

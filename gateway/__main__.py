@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     p.add_argument("--model", default=base.model, help="model for the local engine (MODEL)")
     p.add_argument("--engine-args", default=None, metavar="'OPTIONS'",
                    help="more options for the local engine, one quoted string (ENGINE_ARGS), e.g. "
-                        "'--dtype bfloat16 --quantization int8'")
+                        "--engine-args='--dtype bfloat16 --quantization int8' (write it with '=' when "
+                        "the string is a single option such as --engine-args=--no-prefix-cache)")
     p.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="extra origins allowed to open /ws (ALLOWED_ORIGINS)")
     p.add_argument("--session-ttl", type=int, default=base.session_ttl_s, metavar="SECONDS",
@@ -55,12 +56,24 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     cfg = base.with_overrides(
         host=a.host, port=a.port, redis_url=a.redis_url, model=a.model, data_dir=a.data_dir,
         engine_urls=tuple(a.engine) if a.engine else base.engine_urls,
-        engine_args=tuple(shlex.split(a.engine_args)) if a.engine_args is not None else base.engine_args,
+        engine_args=_split_args(a.engine_args) if a.engine_args is not None else base.engine_args,
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else base.allowed_origins,
         session_ttl_s=a.session_ttl if a.session_ttl and a.session_ttl > 0 else None,
         limits={"max_frame_bytes": a.max_frame_bytes, "hard_frame_bytes": hard})
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return cfg, a.log_level
+
+
+def _split_args(text: str) -> tuple[str, ...]:
+    """Shell-style split of ``--engine-args``.
+
+    Raises:
+        ConfigError: unbalanced quotes.
+    """
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as e:
+        raise ConfigError(f"--engine-args: {e}") from None
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket, display: str) -> None:
@@ -103,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {cfg.host}:{cfg.port} ({e.strerror or e}); choose another port with "
                   f"--port 8001 (or PORT=8001; with make: make run ARGS=\"--port 8001\")", file=sys.stderr)
             return 1
+        if cfg.engine_args and cfg.engine_urls:
+            print("note: --engine-args / ENGINE_ARGS apply to a local engine only; ignored with --engine",
+                  file=sys.stderr)
         local_redis = ensure_redis(cfg.redis_url, cfg.data_dir)
         if not cfg.engine_urls:
             print(f"Starting a local engine ({cfg.model or 'bundled SmolLM2-135M-Instruct'})...", flush=True)

@@ -242,7 +242,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
             elif name in ("engine_urls", "allowed_origins"):
                 changes[name] = _split(raw)
             elif name == "engine_args":
-                changes[name] = tuple(shlex.split(raw))
+                changes[name] = tuple(shlex.split(raw))  # ValueError (bad quotes) -> ConfigError below
             elif name == "data_dir":
                 changes[name] = Path(raw)
             else:

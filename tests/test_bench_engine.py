@@ -31,7 +31,7 @@ def test_engine_throughput_smoke_run_reports_all_keys(tiny_model_dir):
     assert "mixed: output tokens/s" in table(r)
 
 
-def test_decode_step_bench_times_every_format_and_int8_holds_fewer_bytes(tiny_model_dir, capsys):
+def test_decode_step_bench_times_every_format_and_int8_reads_the_fewest_bytes(tiny_model_dir, capsys):
     from bench import decode_step
 
     assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "1,3", "--steps", "2",
@@ -42,7 +42,10 @@ def test_decode_step_bench_times_every_format_and_int8_holds_fewer_bytes(tiny_mo
     assert set(r) == {"float32", "bfloat16", "int8+bf16"}
     for fmt in r.values():
         assert set(fmt["step_ms"]) == {"1", "3"} and all(ms > 0 for ms in fmt["step_ms"].values())
-    # float32 4 bytes a weight, bfloat16 2; int8 1 plus its bfloat16 copy for large batches (3)
+    # held: float32 4 bytes a weight, bfloat16 2, int8 1 plus its bfloat16 copy (3);
+    # read at batch 1: int8 1 byte, about half of bfloat16's 2
     assert r["bfloat16"]["weight_bytes"] < r["int8+bf16"]["weight_bytes"] < r["float32"]["weight_bytes"]
+    assert r["int8+bf16"]["read_bytes"] < 0.6 * r["bfloat16"]["read_bytes"]
+    assert r["bfloat16"]["read_bytes"] < 0.6 * r["float32"]["read_bytes"]
     assert "| 3 |" in decode_step.table({k: {**v, "step_ms": {int(b): ms for b, ms in v["step_ms"].items()}}
                                          for k, v in r.items()}, [1, 3])

@@ -138,3 +138,53 @@ def test_cli_reports_unknown_model_path_clearly(tmp_path):
                         "--prompt", "x"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 2
     assert "error" in r.stderr and "Traceback" not in r.stderr
+
+
+def _serve_process(model_dir, port: int) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--port", str(port),
+                             "--num-blocks", "128"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+
+
+def test_cli_serve_on_a_taken_port_says_so_without_a_traceback(tiny_model_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = _serve_process(tiny_model_dir, taken.getsockname()[1])
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "cannot serve on 127.0.0.1" in err and "Traceback" not in err
+
+
+async def test_ctrl_c_ends_live_requests_with_abort_and_the_server_exits(tiny_model_dir):
+    """``serve`` steps on the main thread: Ctrl-C there still sends every live request
+    its final ``abort`` frame before the process exits."""
+    import signal
+
+    proc = _serve_process(tiny_model_dir, 0)
+    try:
+        url = None
+        while url is None:
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line, proc.stderr.read()
+            if line.startswith("ENGINE READY"):
+                url = line.split()[-1]
+        async with connect(url) as ws:
+            json.loads(await ws.recv())  # hello
+            await ws.send(json.dumps({"type": "generate", "request_id": "long", "prompt_token_ids": [5, 6, 7],
+                                      "params": {"max_tokens": 1500, "ignore_eos": True}}))
+            first = json.loads(await ws.recv())
+            assert first["type"] == "delta"
+            proc.send_signal(signal.SIGINT)
+            last = first
+            while last["type"] != "done":
+                last = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            assert last["finish_reason"] == "abort" and last["usage"]["completion_tokens"] < 1500
+        assert await asyncio.to_thread(proc.wait, 30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

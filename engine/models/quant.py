@@ -1,4 +1,6 @@
-"""Weight-only int8 quantization: int8 weights with one scale per output row.
+"""Weight-only int8 quantization: int8 weights with one scale per output row, bfloat16
+activations (float16 is refused by ``EngineConfig``: the integer-valued matmul below
+could exceed float16's range before the scale brings it back).
 
 Decode at small batch reads every weight once per step, so its time is the bytes of
 weights over memory bandwidth; int8 weights read a quarter of float32's bytes and half
@@ -23,7 +25,7 @@ Two kernels compute ``y`` and agree up to accumulation order:
   SmolLM2, more than the matmul at batch 16. So on the CPU int8 trades memory (1 + 2
   bytes a weight in bfloat16, still below float32's 4) for small-batch speed; on CUDA
   only the int8 copy is kept and converted per step (the memory saving is the point;
-  no int8 GPU kernel here).
+  no int8 GPU kernel here, so on CUDA int8 is slower than bfloat16 weights).
 
 Both kernels multiply by the same integers and scale after accumulating, so their
 results differ only in summation order: a request decoded alone and one decoded in a
@@ -43,16 +45,21 @@ SMALL_BATCH_ROWS = 8
 QUANTIZATIONS = ("int8",)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 quantization of a [N, K] weight.
+
+    The scale is rounded to ``scale_dtype`` before ``Q`` is computed, so ``Q`` is
+    optimal for the scale actually used at inference.
 
     Args:
         weight: [N, K] float tensor (any float dtype).
+        scale_dtype: the dtype the scale will be stored in.
 
     Returns:
-        ``(q, scale)``: q [N, K] int8 (contiguous) and scale [N] float32, with
-        ``q * scale[:, None]`` within ``scale / 2`` of ``weight`` elementwise. All-zero
-        rows get scale 1 (their q is 0).
+        ``(q, scale)``: q [N, K] int8 (contiguous) and scale [N] in ``scale_dtype``, with
+        ``q * scale[:, None]`` within ``scale / 2`` of ``weight`` elementwise (plus, for
+        a row's largest weights, the scale's own rounding: under 2^-8 of that weight in
+        bfloat16). All-zero rows get scale 1 (their q is 0).
 
     Raises:
         ValueError: ``weight`` is not 2-D.
@@ -61,8 +68,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"int8 quantization needs a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.float()
     scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return q, scale
 
 
@@ -89,10 +96,10 @@ class Int8Weight(nn.Module):
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> "Int8Weight":
         """Quantize ``weight`` [N, K] (``quantize_int8``); the scale is stored in ``dtype``.
         ``keep_wide`` None: keep the wide copy on the CPU only."""
-        q, scale = quantize_int8(weight)
+        q, scale = quantize_int8(weight, dtype)
         if keep_wide is None:
             keep_wide = weight.device.type == "cpu"
-        return cls(q.to(weight.device), scale.to(device=weight.device, dtype=dtype), keep_wide)
+        return cls(q.to(weight.device), scale.to(weight.device), keep_wide)
 
     @property
     def shape(self) -> torch.Size:
@@ -118,7 +125,8 @@ class Int8Weight(nn.Module):
         if (x.device.type == "cpu" and rows <= SMALL_BATCH_ROWS
                 and x.dtype in (torch.bfloat16, torch.float16)):
             flat = x.reshape(rows, x.shape[-1]).contiguous()
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale).view(*x.shape[:-1], -1)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+            y = y.view(*x.shape[:-1], self.qweight.shape[0])  # also for 0 rows (a step that samples nothing)
         else:
             wide = self.wide if self.wide is not None and self.wide.dtype == x.dtype else self.qweight.to(x.dtype)
             y = F.linear(x, wide) * self.scale
