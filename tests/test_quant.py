@@ -223,3 +223,15 @@ async def test_int8_greedy_output_does_not_depend_on_its_neighbours(tiny_model_d
         assert first_divergence_is_a_near_tie(ref, outs[0], eps=0.05)
     finally:
         eng.shutdown()
+
+
+async def test_int8_engine_runs_a_prompt_longer_than_one_step(tiny_model_dir):
+    """A 300-token prompt with 64-token steps: the first steps only prefill (their LM head
+    sees no rows), then the request decodes to the end."""
+    eng = make_engine(tiny_model_dir, dtype="bfloat16", quantization="int8", max_num_batched_tokens=64)
+    eng.start()
+    try:
+        out = await collect(eng, GenerateRequest("long", list(range(300, 600)), params=greedy(5)))
+        assert out.final.finish_reason == "length" and len(out.token_ids) == 5
+    finally:
+        eng.shutdown()
