@@ -399,6 +399,7 @@ def test_graph_runner_static_path_matches_eager_decode(gen):
         t.normal_()  # a cache full of history: padding rows must not disturb it
     batch = decode_batch(gen, [9, 40, 17], block_size, num_blocks=40)
     eager_kv = KVCache([t.clone() for t in kv.k_caches], [t.clone() for t in kv.v_caches], 40, block_size)
+    before = [t.clone() for t in kv.k_caches + kv.v_caches]
 
     # Small splits, so the eager step (3 splits) and the runner's bound (4) differ.
     config = TritonBackendConfig(split_tokens=16, max_splits=4)
@@ -419,8 +420,14 @@ def test_graph_runner_static_path_matches_eager_decode(gen):
     assert runner.captured_sizes == [4]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    for mine, theirs in zip(kv.k_caches + kv.v_caches, eager_kv.k_caches + eager_kv.v_caches):
-        assert torch.equal(mine, theirs), "the padded step wrote other KV slots than the eager step"
+    for mine, theirs, old in zip(kv.k_caches + kv.v_caches, eager_kv.k_caches + eager_kv.v_caches, before):
+        # The same slots written (a padding row writes nowhere), with the same values up to
+        # rounding: a 4-row matmul may round differently from a 3-row one (seen with MKL).
+        written_mine = (mine != old).flatten(2).any(-1)  # [num_blocks, block_size] slots
+        written_theirs = (theirs != old).flatten(2).any(-1)
+        assert torch.equal(written_mine, written_theirs), "the padded step wrote other KV slots than the eager step"
+        assert int(written_mine.sum()) == len(batch.slot_mapping)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_graph_runner_refuses_a_backend_that_cannot_be_captured():
