@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 import uuid
 from dataclasses import asdict
@@ -123,7 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             from engine.async_engine import AsyncEngine
             from engine.server import serve_forever
 
-            engine = AsyncEngine.from_config(engine_config_from_args(a))
+            config = engine_config_from_args(a)
+            try:  # before the model loads: a taken port is reported at once
+                with socket.socket() as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    probe.bind((a.host, a.port))
+            except OSError as e:
+                print(f"error: cannot serve on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+                return 1
+            engine = AsyncEngine.from_config(config)
             try:
                 serve_forever(engine, a.host, a.port)
             except OSError as e:

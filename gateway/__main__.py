@@ -41,8 +41,7 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     p.add_argument("--model", default=base.model, help="model for the local engine (MODEL)")
     p.add_argument("--engine-args", default=None, metavar="'OPTIONS'",
                    help="more options for the local engine, one quoted string (ENGINE_ARGS), e.g. "
-                        "--engine-args='--dtype bfloat16 --quantization int8' (write it with '=' when "
-                        "the string is a single option such as --engine-args=--no-prefix-cache)")
+                        "--engine-args '--dtype bfloat16 --quantization int8'")
     p.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="extra origins allowed to open /ws (ALLOWED_ORIGINS)")
     p.add_argument("--session-ttl", type=int, default=base.session_ttl_s, metavar="SECONDS",
@@ -51,7 +50,7 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     p.add_argument("--max-frame-bytes", type=int, default=base.limits.max_frame_bytes,
                    help="largest browser frame (LIMIT_MAX_FRAME_BYTES)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    a = p.parse_args(argv)
+    a = p.parse_args(_glue_engine_args(sys.argv[1:] if argv is None else argv))
     hard = max(base.limits.hard_frame_bytes, 4 * a.max_frame_bytes)
     cfg = base.with_overrides(
         host=a.host, port=a.port, redis_url=a.redis_url, model=a.model, data_dir=a.data_dir,
@@ -62,6 +61,20 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
         limits={"max_frame_bytes": a.max_frame_bytes, "hard_frame_bytes": hard})
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return cfg, a.log_level
+
+
+def _glue_engine_args(argv: list[str]) -> list[str]:
+    """``--engine-args VALUE`` as ``--engine-args=VALUE``: argparse would take a VALUE
+    that starts with "-" (``--engine-args '--no-prefix-cache'``) for an option."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--engine-args" and i + 1 < len(argv):
+            out.append(f"--engine-args={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _split_args(text: str) -> tuple[str, ...]:

@@ -230,6 +230,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
     env = os.environ if env is None else env
     cfg = base or GatewayConfig()
     changes: dict[str, Any] = {}
+    var = ""
     try:
         for name, var in ENV_VARS.items():
             raw = env.get(var)
@@ -249,11 +250,12 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = raw
         limits: dict[str, Any] = {}
         for f in fields(Limits):
-            raw = env.get(LIMIT_ENV_PREFIX + f.name.upper())
+            var = LIMIT_ENV_PREFIX + f.name.upper()
+            raw = env.get(var)
             if raw:
                 limits[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
     except ValueError as e:
-        raise ConfigError(f"bad environment variable: {e}") from None
+        raise ConfigError(f"bad environment variable {var}: {e}") from None
     if limits:
         changes["limits"] = limits
     return cfg.with_overrides(**changes)

@@ -157,6 +157,7 @@ def test_cli_serve_on_a_taken_port_says_so_without_a_traceback(tiny_model_dir):
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert "cannot serve on 127.0.0.1" in err and "Traceback" not in err
+    assert "[loader]" not in err  # said before the model loads
 
 
 async def test_ctrl_c_ends_live_requests_with_abort_and_the_server_exits(tiny_model_dir):

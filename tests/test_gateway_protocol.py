@@ -100,8 +100,10 @@ def test_config_reads_environment_variables_and_validates():
     assert cfg.engine_args == ("--dtype", "bfloat16", "--quantization", "int8")
     assert cfg.limits.max_frame_bytes == 2048 and cfg.limits.ws_send_timeout_s == 1.5
     assert config_from_env({}).port == GatewayConfig().port
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="PORT"):
         config_from_env({"PORT": "eighty"})
+    with pytest.raises(ConfigError, match="ENGINE_ARGS"):
+        config_from_env({"ENGINE_ARGS": "--dtype 'bf"})
     with pytest.raises(ConfigError):
         Limits(max_frame_bytes=4096, hard_frame_bytes=4096)
     with pytest.raises(ConfigError):
@@ -114,3 +116,14 @@ def test_secret_is_created_once_and_kept(tmp_path):
     assert first and cfg.resolve_secret() == first
     assert (tmp_path / "secret_key").stat().st_mode & 0o077 == 0
     assert GatewayConfig(secret_key="given", data_dir=tmp_path).resolve_secret() == "given"
+
+
+def test_engine_args_take_a_single_option_and_refuse_bad_quotes():
+    from gateway.__main__ import parse_args
+
+    cfg, _ = parse_args(["--engine-args", "--no-prefix-cache"], GatewayConfig())
+    assert cfg.engine_args == ("--no-prefix-cache",)
+    cfg, _ = parse_args(["--engine-args", "--dtype bfloat16 --quantization int8", "--port", "8123"], GatewayConfig())
+    assert cfg.engine_args == ("--dtype", "bfloat16", "--quantization", "int8") and cfg.port == 8123
+    with pytest.raises(ConfigError, match="--engine-args"):
+        parse_args(["--engine-args", "--dtype 'bf"], GatewayConfig())
