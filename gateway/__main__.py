@@ -14,7 +14,6 @@ import asyncio
 import logging
 import shlex
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import uvicorn
 from gateway.extensions import create_app_with_extras
 from gateway.config import ConfigError, GatewayConfig, config_from_env
 from gateway.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis
-from gateway.serving import make_listen_socket, uvicorn_config
+from gateway.serving import make_listen_socket, serve_and_announce, uvicorn_config
 
 
 def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConfig, str]:
@@ -89,15 +88,6 @@ def _split_args(text: str) -> tuple[str, ...]:
         raise ConfigError(f"--engine-args: {e}") from None
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket, display: str) -> None:
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        print(f"Chat is ready at {display}", flush=True)
-    await task
-
-
 class _Terminated(Exception):
     """SIGTERM arrived: shut down like Ctrl-C (children stopped in ``main``)."""
 
@@ -142,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         port = sock.getsockname()[1]
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         server = uvicorn.Server(uvicorn_config(create_app_with_extras(cfg), cfg, log_level))
-        asyncio.run(_serve(server, sock, f"http://{host}:{port}"))
+        asyncio.run(serve_and_announce(server, sock, f"Chat is ready at http://{host}:{port}"))
         return 0
     except LocalStartError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -105,3 +105,14 @@ class ThreadedServer:
         if self.thread is not None:
             self.thread.join(timeout)
         self.sock.close()
+
+
+async def serve_and_announce(server: uvicorn.Server, sock: socket.socket, ready_line: str) -> None:
+    """Serve ``server`` on ``sock`` until it stops; print ``ready_line`` (flushed) once it
+    accepts connections, so a parent process or a user knows when to connect."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(ready_line, flush=True)
+    await task

@@ -57,20 +57,11 @@ def build_app(config: Any, tap: EngineTap | None) -> Any:
         return create_app(config, extra_routes=extra)
 
 
-async def _serve(server: uvicorn.Server, sock: Any) -> None:
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        print(f"GATEWAY READY http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    await task
-
-
 def main(argv: list[str] | None = None) -> int:
     """Serve until killed; returns the exit status."""
     from gateway.app import new_secret
     from gateway.config import GatewayConfig
-    from gateway.serving import make_listen_socket, uvicorn_config
+    from gateway.serving import make_listen_socket, serve_and_announce, uvicorn_config
 
     p = argparse.ArgumentParser(prog="python -m bench.serving_lib.gateway_proc")
     p.add_argument("--engine", action="append", required=True)
@@ -88,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
     server = uvicorn.Server(uvicorn_config(app, config, "warning"))
     try:
-        asyncio.run(_serve(server, sock))
+        asyncio.run(serve_and_announce(server, sock, f"GATEWAY READY http://127.0.0.1:{sock.getsockname()[1]}"))
     except KeyboardInterrupt:
         pass
     return 0
