@@ -22,6 +22,20 @@ def _plt() -> Any:
     return plt
 
 
+def _style(ax: Any) -> None:
+    """The grid and legend every panel gets."""
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write ``path`` as a PNG, free the figure; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def throughput_vs_concurrency(results: dict[str, Any], path: Path) -> Path | None:
     """Output tokens/s against concurrency, one line per system, one panel per workload
     (chat, mixed). Returns the path, or None when there is nothing to plot."""
@@ -39,12 +53,8 @@ def throughput_vs_concurrency(results: dict[str, Any], path: Path) -> Path | Non
         ax.set_xlabel("concurrent users / requests")
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{w}: throughput")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _style(ax)
+    return _save(plt, fig, path)
 
 
 def ttft_by_turn(results: dict[str, Any], level: str, path: Path) -> Path | None:
@@ -66,12 +76,8 @@ def ttft_by_turn(results: dict[str, Any], level: str, path: Path) -> Path | None
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_title(f"chat, {level} users: time to first token by turn")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _style(ax)
+    return _save(plt, fig, path)
 
 
 def latency_cdfs(results: dict[str, Any], workload: str, level: str, path: Path) -> Path | None:
@@ -95,10 +101,6 @@ def latency_cdfs(results: dict[str, Any], workload: str, level: str, path: Path)
         ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        _style(ax)
     fig.suptitle(f"{workload}, concurrency {level}: latency distributions")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
