@@ -117,6 +117,13 @@ def test_gateway_command_serves_the_chat_and_the_terminal_client_talks_to_it(eng
         assert stop_gateway(proc) == 0
 
 
+def local_engine_port(lines: list[str]) -> int | None:
+    """The port of the local engine, from the last ``[engine] ... ws://127.0.0.1:PORT``
+    line the gateway echoed (None when there is none)."""
+    ports = [int(m.group(1)) for line in lines if (m := re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line))]
+    return ports[-1] if ports else None
+
+
 def test_gateway_with_no_engine_url_starts_and_stops_its_own_engine(tiny_model_dir, redis_url, key_prefix, tmp_path):
     """...with the options given in --engine-args (here: int8 weights)."""
     proc, base, lines = start_gateway(["--model", str(tiny_model_dir), "--engine-args",
@@ -124,9 +131,7 @@ def test_gateway_with_no_engine_url_starts_and_stops_its_own_engine(tiny_model_d
                                       gateway_env(redis_url, key_prefix, tmp_path))
     engine_port = None
     try:
-        for line in lines:
-            m = re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line)
-            engine_port = int(m.group(1)) if m else engine_port
+        engine_port = local_engine_port(lines)
         assert engine_port is not None, lines
         assert any("quantize weights to int8" in line for line in lines), lines
         result = run_client(base, tmp_path / "cookie", "Hi from the one-command default")
@@ -203,8 +208,7 @@ def test_sigterm_stops_the_gateway_and_its_engine_and_private_redis(tiny_model_d
     env = gateway_env(f"redis://127.0.0.1:{redis_port}/0", key_prefix, tmp_path)
     proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], env)
     try:
-        engine_port = next(int(m.group(1)) for line in lines
-                           if (m := re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line)))
+        engine_port = local_engine_port(lines)
         assert port_open(engine_port) and port_open(redis_port)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -219,8 +223,7 @@ def test_children_die_with_a_gateway_killed_by_sigkill(tiny_model_dir, key_prefi
     env = gateway_env(f"redis://127.0.0.1:{redis_port}/0", key_prefix, tmp_path)
     proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], env)
     try:
-        engine_port = next(int(m.group(1)) for line in lines
-                           if (m := re.search(r"\[engine\].*ws://127\.0\.0\.1:(\d+)", line)))
+        engine_port = local_engine_port(lines)
         assert port_open(engine_port) and port_open(redis_port)
         proc.kill()
         proc.wait(30)

@@ -114,6 +114,22 @@ def test_int8_linear_of_zero_rows_is_empty():
     assert qw.linear(torch.randn(0, 16).bfloat16()).shape == (0, 8)
 
 
+def prompt_logits(folder, quantization: str | None, ids: list[int]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """Load ``folder`` in bfloat16 (int8 weights when ``quantization``), run one prefill of
+    ``ids`` and return its logits at every position ([len(ids), vocab] float32) and the model."""
+    from engine.forward_batch import ForwardBatch
+    from engine.kv_cache import KVCache
+    from engine.model_runner import make_attention_backend
+
+    lm = load_model(EngineConfig(model=str(folder), device="cpu", dtype="bfloat16", quantization=quantization))
+    blocks = max(8, -(-len(ids) // 16))
+    kv = KVCache.allocate(lm.model_config, blocks, 16, torch.bfloat16, torch.device("cpu"))
+    b = ForwardBatch.build(token_chunks=[ids], prefix_lens=[0], block_tables=[list(range(blocks))],
+                           sample_mask=[True], block_size=16, device=torch.device("cpu"))
+    b.logits_indices = torch.arange(len(ids))
+    return lm.model(b, kv, make_attention_backend("torch", torch.device("cpu"))).float(), lm.model
+
+
 @pytest.fixture(scope="module")
 def untied_dir(tmp_path_factory, smollm2_dir):
     from tests.fixtures_models import build_tiny_model
@@ -128,23 +144,10 @@ def test_quantized_model_replaces_every_projection_and_stays_close(which, tiny_m
     """Every projection becomes an Int8Weight (the tie kept, a separate LM head
     quantized on its own, biases and norms left in bfloat16), and the logits stay
     within int8's error of the bfloat16 model's."""
-    from engine.forward_batch import ForwardBatch
-    from engine.kv_cache import KVCache
-    from engine.model_runner import make_attention_backend
-
     folder = {"tied llama": tiny_model_dir, "qwen2 with biases": tiny_qwen2_dir, "untied llama": untied_dir}[which]
     ids = list(range(200, 260))
-
-    def logits(quantization):
-        lm = load_model(EngineConfig(model=str(folder), device="cpu", dtype="bfloat16", quantization=quantization))
-        kv = KVCache.allocate(lm.model_config, 8, 16, torch.bfloat16, torch.device("cpu"))
-        b = ForwardBatch.build(token_chunks=[ids], prefix_lens=[0], block_tables=[list(range(8))],
-                               sample_mask=[True], block_size=16, device=torch.device("cpu"))
-        b.logits_indices = torch.arange(len(ids))
-        return lm.model(b, kv, make_attention_backend("torch", torch.device("cpu"))).float(), lm.model
-
-    ref, _ = logits(None)
-    q8, m = logits("int8")
+    ref, _ = prompt_logits(folder, None, ids)
+    q8, m = prompt_logits(folder, "int8", ids)
     tied = which == "tied llama" or which == "qwen2 with biases"
     assert isinstance(m.embed, Int8Weight) and isinstance(m.lm_head, Int8Weight)
     assert (m.lm_head is m.embed) == tied
@@ -170,18 +173,6 @@ def test_int8_smollm2_scores_text_like_its_bfloat16_weights(smollm2_dir):
     """The real model's mean log-likelihood of a text moves by under 0.05 nats with int8
     weights (against the same bfloat16 activations without them; llama.cpp's Q4_1 is
     within 0.03 of float32 here) and its greedy next token agrees on most positions."""
-    from engine.forward_batch import ForwardBatch
-    from engine.kv_cache import KVCache
-    from engine.model_runner import make_attention_backend
-
-    def logits(quantization):
-        cfg = EngineConfig(model=str(smollm2_dir), device="cpu", dtype="bfloat16", quantization=quantization)
-        lm = load_model(cfg)
-        kv = KVCache.allocate(lm.model_config, 8, 16, torch.bfloat16, torch.device("cpu"))
-        b = ForwardBatch.build(token_chunks=[ids], prefix_lens=[0], block_tables=[list(range(8))],
-                               sample_mask=[True], block_size=16, device=torch.device("cpu"))
-        b.logits_indices = torch.arange(len(ids))
-        return lm.model(b, kv, make_attention_backend("torch", torch.device("cpu")))
 
     from transformers import AutoTokenizer
 
@@ -192,7 +183,7 @@ def test_int8_smollm2_scores_text_like_its_bfloat16_weights(smollm2_dir):
               "dioxide and water and, with the energy of sunlight, make sugar and release oxygen. The heart "
               "pumps blood through the body; the lungs bring oxygen into it. A triangle has three sides, a "
               "square has four, and the angles of a triangle add up to 180 degrees.")["input_ids"]
-    ref, q8 = logits(None), logits("int8")
+    ref, q8 = prompt_logits(smollm2_dir, None, ids)[0], prompt_logits(smollm2_dir, "int8", ids)[0]
     target = torch.tensor(ids[1:])[:, None]
     nll = [-torch.log_softmax(x[:-1].double(), -1).gather(1, target).mean().item() for x in (ref, q8)]
     assert abs(nll[0] - nll[1]) < 0.05
