@@ -2,7 +2,7 @@
 bfloat16 activations, at several batch sizes, through ``EngineCore.step``.
 
     python bench/decode_step.py [--batches 1,4,8,12,16,32] [--context 300] [--steps 20]
-                                [--threads 2] [--model PATH] [--json]
+                                [--threads 2] [--model PATH] [--step-thread main|other] [--json]
 
 Each format loads the model (default: the bundled SmolLM2-135M-Instruct), admits B
 requests with the same ``--context``-token prompt, prefills them, then times
@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,21 +43,16 @@ def batch1_read_bytes(model: torch.nn.Module) -> int:
     int8 tensor and scales (their bfloat16 copy serves only batches above 8 rows)."""
     from engine.models.quant import Int8Weight
 
-    seen, total = set(), 0
-    for m in model.modules():
-        if isinstance(m, Int8Weight) and id(m) not in seen:
-            seen.add(id(m))
-            total += m.qweight.numel() + m.scale.numel() * m.scale.element_size()
-    for name, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
+    # modules() and parameters() visit a tied (shared) weight once
+    total = sum(m.read_bytes() for m in model.modules() if isinstance(m, Int8Weight))
+    return total + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def time_format(model: str | None, dtype: str, quantization: str | None, batches: list[int], context: int,
-                steps: int) -> dict:
-    """Median decode-step ms for each batch size, and the weight bytes, of one format."""
+                steps: int, step_thread: str = "main") -> dict:
+    """Median decode-step ms for each batch size, and the weight bytes, of one format.
+    ``step_thread`` "other": the steps run on a second thread while the main one waits
+    (as ``AsyncEngine.start()`` runs them), instead of on the main thread."""
     cfg = EngineConfig(model=model, device="cpu", dtype=dtype, quantization=quantization, block_size=16,
                        num_blocks=max(batches) * (context + steps + 64) // 16 + 64,
                        max_num_batched_tokens=2048, max_num_seqs=max(batches))
@@ -72,11 +68,20 @@ def time_format(model: str | None, dtype: str, quantization: str | None, batches
         while any(r.num_computed_tokens < context for r in core.scheduler.running) or core.scheduler.waiting:
             core.step()  # prefill (the prefix cache makes all but the first cheap)
         core.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            core.step()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times: list[float] = []
+
+        def timed_steps() -> None:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                core.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+
+        if step_thread == "other":
+            worker = threading.Thread(target=timed_steps)
+            worker.start()
+            worker.join()
+        else:
+            timed_steps()
         out["step_ms"][b] = statistics.median(times)
         for i in range(b):
             core.abort(f"{b}.{i}")
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--model", default=None)
+    p.add_argument("--step-thread", choices=["main", "other"], default="main",
+                   help="run the timed steps on the main thread (as `engine serve` does) or a second one")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -121,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in a.formats.split(","):
         dtype, quant = FORMATS[name]
-        results[name] = time_format(a.model, dtype, quant, batches, a.context, a.steps)
+        results[name] = time_format(a.model, dtype, quant, batches, a.context, a.steps, a.step_thread)
         print(f"[{name}] " + ", ".join(f"B={b}: {ms:.1f} ms" for b, ms in results[name]["step_ms"].items()),
               file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps(results))
     else:
-        print(f"threads {a.threads}, context {a.context} tokens, median of {a.steps} decode steps")
+        print(f"threads {a.threads}, context {a.context} tokens, median of {a.steps} decode steps, "
+              f"stepping on the {a.step_thread} thread")
         print(table(results, batches))
     return 0
 

@@ -106,10 +106,14 @@ class Int8Weight(nn.Module):
         """[N, K], as the float weight's."""
         return self.qweight.shape
 
+    def read_bytes(self) -> int:
+        """Bytes a small-batch step reads: the int8 weight and the scales."""
+        return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+
     def nbytes(self) -> int:
-        """Bytes held (int8 weight, scales and the wide copy if kept)."""
+        """Bytes held: ``read_bytes`` plus the wide copy if kept."""
         wide = 0 if self.wide is None else self.wide.numel() * self.wide.element_size()
-        return self.qweight.numel() + self.scale.numel() * self.scale.element_size() + wide
+        return self.read_bytes() + wide
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W^T (+ bias)`` with W = qweight * scale.
