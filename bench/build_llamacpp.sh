@@ -8,10 +8,11 @@
 #
 # About 8-15 minutes on 2 cores; re-running rebuilds only what changed.
 #
-# CPU flags: not -march=native. On this project's machines the CPU reports AMX and
+# CPU flags: not -march=native. Some of this project's machines report AMX and
 # AVX512-FP16, and a native build dies with SIGILL ("Illegal instruction") at its first
-# matmul (the sandbox does not grant the AMX tile state). AVX2 + AVX512 (F/BW/DQ/VL,
-# VNNI, BF16) without AMX runs. Override with LLAMACPP_CPU_FLAGS.
+# matmul (the sandbox does not grant the AMX tile state); others have AVX2 only. So the
+# flags come from /proc/cpuinfo: AVX2/FMA/F16C, AVX-512 (F/BW/DQ/VL, VNNI, BF16) where
+# all are listed, never AMX. Override with LLAMACPP_CPU_FLAGS.
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -20,7 +21,12 @@ PIP="${PIP:-$(dirname "$0")/../.venv/bin/pip}"
 JOBS="${JOBS:-2}"
 BIN="$DIR/src/vendor/llama.cpp/build/bin/llama-server"
 
-CPU_FLAGS="${LLAMACPP_CPU_FLAGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}"
+has() { grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -qx "$1"; }
+AVX512=OFF
+if has avx512f && has avx512bw && has avx512dq && has avx512vl; then AVX512=ON; fi
+VNNI=OFF; if [[ $AVX512 = ON ]] && has avx512_vnni; then VNNI=ON; fi
+BF16=OFF; if [[ $AVX512 = ON ]] && has avx512_bf16; then BF16=ON; fi
+CPU_FLAGS="${LLAMACPP_CPU_FLAGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$AVX512 -DGGML_AVX512_VNNI=$VNNI -DGGML_AVX512_BF16=$BF16 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}"
 
 mkdir -p "$DIR"
 if [[ ! -d "$DIR/src/vendor/llama.cpp" ]]; then

@@ -45,6 +45,8 @@ class EngineInfo:
     weights_id: str
     eos_token_ids: list[int]
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
+    format: str = ""  # one line: weights, activations, KV cache, kernels (engine.formats)
 
 
 class AsyncEngine:
@@ -89,20 +91,25 @@ class AsyncEngine:
         and build the engine (not started). Prints what it sized when ``verbose``."""
         from engine.kv_cache import KVCache, plan_kv_blocks
 
+        from engine.formats import resolved_config
+
+        config, fmt = resolved_config(config)
         device = torch.device(loaded.device)
         mc = loaded.model_config
         max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         plan = plan_kv_blocks(mc, config, device)
-        kv = KVCache.allocate(mc, plan.num_blocks, config.block_size, config.torch_dtype, device)
+        kv = KVCache.allocate(mc, plan.num_blocks, config.block_size, config.kv_torch_dtype, device)
         if verbose:
-            print(f"engine: {plan.describe()}; max context {max_len} tokens", file=sys.stderr, flush=True)
+            print(f"engine: {fmt.describe()}; {plan.describe()}; max context {max_len} tokens",
+                  file=sys.stderr, flush=True)
         core = EngineCore(model=loaded.model, model_config=mc, kv=kv, tokenizer=loaded.tokenizer,
                           config=config, num_blocks=plan.num_blocks, max_model_len=max_len,
-                          namespace=loaded.weights_id, device=device)
+                          namespace=loaded.weights_id, device=device, cpu_kernels=loaded.cpu_kernels)
         info = EngineInfo(model=loaded.name, max_model_len=max_len, block_size=config.block_size,
                           num_blocks=plan.num_blocks, dtype=config.dtype, device=str(device),
                           weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids),
-                          quantization=config.quantization)
+                          quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+                          format=fmt.describe())
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
         if verbose:
             for warning in prompts.lint_template():

@@ -22,9 +22,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=os.environ.get("MODEL") or None,
                    help="local Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight-only int8 (per-row scales); needs --dtype bfloat16")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activations (and unquantized weights); auto: the fastest sound format for the device "
+                        "(docs/benchmarks.md); float32 alone is the exact mode, token for token as transformers "
+                        "(default: %(default)s)")
+    p.add_argument("--quantization", default=d.quantization, choices=["auto", "int8", "none"],
+                   help="weight-only int8 with one scale per output row, or none (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache element type (default: %(default)s: bfloat16 on the CPU kernels, else the dtype)")
+    p.add_argument("--no-cpu-kernels", action="store_true",
+                   help="run torch's ops instead of the engine's CPU kernels (slower; for comparisons)")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
@@ -36,7 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
     p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"])
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton", "cpu"],
+                   help="auto: Triton on CUDA, the CPU kernels on the CPU when they run the model, else torch "
+                        "(default: %(default)s)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--engine-seed", type=int, default=0, help="seed of the shared generator for unseeded sampled requests")
@@ -51,7 +60,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_seqs=a.max_num_seqs, enable_prefix_cache=not a.no_prefix_cache,
         schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs, threads=a.threads, seed=a.engine_seed,
-        quantization=a.quantization,
+        quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=not a.no_cpu_kernels,
     )
 
 

@@ -93,8 +93,9 @@ class EngineConfig:
     Attributes:
         model: a local Hugging Face folder, a ``.gguf`` file, or None for the bundled
             SmolLM2-135M-Instruct.
-        dtype: "float32", "bfloat16" or "float16": activations and KV, and the weights
-            unless ``quantization`` is set.
+        dtype: "auto", "float32", "bfloat16" or "float16": activations, and the weights
+            unless ``quantization`` is set. "auto" and the other "auto" formats are
+            resolved per device by ``engine.formats.resolve_format``.
         device: "cpu", "cuda" or "cuda:N"; "auto" picks cuda when torch sees one.
         block_size: tokens per KV block (>= 1).
         num_blocks: KV blocks in the pool; None sizes it from ``kv_cache_bytes`` (CPU)
@@ -110,13 +111,16 @@ class EngineConfig:
         cache_dir: where converted default-model weights are kept.
         threads: torch intra-op threads on CPU (None leaves torch's default).
         seed: seed of the engine's generator for unseeded sampled requests.
-        quantization: None (weights in ``dtype``) or "int8": weight-only int8 with one
-            scale per output row (``engine.models.quant``); activations and KV stay in
-            ``dtype``, which must then be "bfloat16".
+        quantization: "auto", None (or "none": weights in ``dtype``) or "int8": weight-only
+            int8 with one scale per output row (``engine.models.quant``).
+        kv_cache_dtype: "auto" or a dtype name: the KV cache's element type.
+        cpu_kernels: use the engine's CPU kernels (``engine/cpu``) where the format allows
+            (float32 activations over quantized weights); False keeps torch's ops (the
+            reference the kernels are tested against).
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
@@ -132,11 +136,16 @@ class EngineConfig:
     threads: int | None = None
     seed: int = 0
     cuda_graphs: bool = True
-    quantization: str | None = None
+    quantization: str | None = "auto"
+    kv_cache_dtype: str = "auto"
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be 'auto' or one of {list(DTYPES)}, "
+                                      f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise InvalidRequestError("block_size must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -145,22 +154,31 @@ class EngineConfig:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise InvalidRequestError("schedule_policy must be 'fcfs' or 'lpm'")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise InvalidRequestError("attention_backend must be 'auto', 'torch' or 'triton'")
-        if self.quantization not in (None, "int8"):
-            raise InvalidRequestError(f"quantization must be 'int8' or none, got {self.quantization!r}")
-        if self.quantization and self.dtype != "bfloat16":
-            # float32: the CPU int8 kernel is slow with float32 activations (2 GB/s
-            # measured). float16: x @ Q^T over integer-valued weights can pass 65504.
-            raise InvalidRequestError("quantization 'int8' computes in bfloat16; pass dtype 'bfloat16' "
-                                      "(--dtype bfloat16)")
+        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
+            raise InvalidRequestError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu'")
+        if self.quantization not in (None, "none", "auto", "int8"):
+            raise InvalidRequestError(f"quantization must be 'auto', 'int8' or 'none', got {self.quantization!r}")
+        if self.quantization == "int8" and self.dtype == "float16":
+            # x @ Q^T over integer-valued weights can pass float16's 65504 before the scale.
+            raise InvalidRequestError("int8 weights compute in bfloat16 or float32, not float16")
         if not (0 < self.gpu_memory_fraction <= 1):
             raise InvalidRequestError("gpu_memory_fraction must be in (0, 1]")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The torch dtype named by ``dtype``."""
+        """The torch dtype named by ``dtype``.
+
+        Raises:
+            InvalidRequestError: ``dtype`` is still "auto" (resolve the config first).
+        """
+        if self.dtype == "auto":
+            raise InvalidRequestError("dtype 'auto' is not resolved yet (engine.formats.resolved_config)")
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's torch dtype (``dtype``'s when ``kv_cache_dtype`` is "auto")."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
     def resolved_device(self) -> torch.device:
         """``device`` with "auto" resolved (cuda when available, else cpu)."""

@@ -15,6 +15,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu.ops import CpuKernels
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.model_runner import ModelRunner
@@ -52,6 +53,7 @@ class EngineCore:
         max_model_len: context limit in tokens.
         namespace: prefix-cache namespace of these weights (their weights id).
         device: where the model runs.
+        cpu_kernels: the CPU kernels the model was set up with (``LoadedModel.cpu_kernels``), or None.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class EngineCore:
         max_model_len: int,
         namespace: str,
         device: torch.device,
+        cpu_kernels: CpuKernels | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -80,7 +83,7 @@ class EngineCore:
                             config.schedule_policy),
             self.pool, self.cache,
         )
-        self.runner = ModelRunner(model, model_config, kv, config, device)
+        self.runner = ModelRunner(model, model_config, kv, config, device, cpu_kernels)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.eos_ids = set(model_config.eos_token_ids)

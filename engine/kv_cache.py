@@ -2,7 +2,7 @@
 
 Layout (per layer, for K and for V)::
 
-    [num_blocks, block_size, num_kv_heads, head_dim]   model dtype, model device
+    [num_blocks, block_size, num_kv_heads, head_dim]   KV dtype (``EngineConfig.kv_cache_dtype``), model device
 
 Token ``i`` of a request lives in block ``block_table[i // block_size]`` at offset
 ``i % block_size`` (flat slot ``block * block_size + offset``). Which blocks are
@@ -66,7 +66,7 @@ def plan_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, devic
         InvalidRequestError: the budget does not hold a single block.
     """
     device = torch.device(device)
-    dtype = engine_config.torch_dtype
+    dtype = engine_config.kv_torch_dtype
     per_block = bytes_per_block(model_config, engine_config.block_size, dtype)
     if engine_config.num_blocks is not None:
         num_blocks = engine_config.num_blocks
@@ -89,7 +89,7 @@ class KVCache:
     """Per-layer K and V caches, each [num_blocks, block_size, num_kv_heads, head_dim].
 
     Attributes:
-        k_caches, v_caches: one tensor per layer (model dtype and device).
+        k_caches, v_caches: one tensor per layer (the KV dtype, the model device).
         num_blocks, block_size: the pool's shape (blocks, tokens per block).
     """
 

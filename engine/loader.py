@@ -32,7 +32,9 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu.ops import CpuKernels, cpu_kernels
 from engine.errors import ModelLoadError
+from engine.formats import ServingFormat, resolved_config
 from engine.models import model_class_for
 from engine.models.weights import iter_tensors, weight_files, weights_fingerprint
 
@@ -58,7 +60,9 @@ class LoadedModel:
         path: the Hugging Face folder the weights came from.
         weights_id: 16 hex digits identifying these exact weights and dtype; the
             prefix cache's namespace (ACCEPTANCE C02).
-        dtype, device: of weights, activations and KV.
+        dtype, device: of the activations (and of unquantized weights).
+        format: the resolved serving format (weights, activations, KV cache, kernels).
+        cpu_kernels: the CPU kernels the model runs on, or None (torch ops).
     """
 
     model: nn.Module
@@ -70,6 +74,8 @@ class LoadedModel:
     weights_id: str
     dtype: torch.dtype
     device: torch.device
+    format: ServingFormat
+    cpu_kernels: CpuKernels | None = None
 
 
 def _log(message: str) -> None:
@@ -311,6 +317,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             tokenizer, unreadable weights, or missing/unexpected tensors (named).
     """
     start = time.perf_counter()
+    config, fmt = resolved_config(config)
     folder, name = _resolve(config)
     dtype, device = config.torch_dtype, config.resolved_device()
     with _phase(f"read config and tokenizer of {name}"):
@@ -328,9 +335,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
             model.quantize_(config.quantization)
         if device.type == "cuda":  # hand the float weights' memory back before KV sizing
             torch.cuda.empty_cache()
+    kernels = cpu_kernels() if fmt.cpu_kernels else None
+    if kernels is not None:
+        model.use_cpu_kernels(kernels)
     _log(f"{name}: {model_config.num_layers} layers, {num_params / 1e6:.0f}M parameters, "
-         f"{model_weight_bytes(model) / 2**20:.0f} MiB of weights, context {model_config.max_model_len} tokens; "
-         f"ready in {time.perf_counter() - start:.1f} s")
+         f"{model_weight_bytes(model) / 2**20:.0f} MiB of weights, context {model_config.max_model_len} tokens, "
+         f"{fmt.describe()}; ready in {time.perf_counter() - start:.1f} s")
+    weights_id = weights_fingerprint(files, dtype, config.quantization, config.kv_cache_dtype)
     return LoadedModel(model=model, model_config=model_config, hf_config=hf_config, tokenizer=tokenizer,
-                       name=name, path=folder, weights_id=weights_fingerprint(files, dtype, config.quantization), dtype=dtype,
-                       device=device)
+                       name=name, path=folder, weights_id=weights_id, dtype=dtype, device=device, format=fmt,
+                       cpu_kernels=kernels)

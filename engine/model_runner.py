@@ -12,6 +12,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu.ops import CpuKernels
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.sampler import Sampler, SamplerOutput
@@ -20,22 +21,30 @@ from engine.scheduler import ScheduledBatch
 log = logging.getLogger(__name__)
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" gives Triton on CUDA and torch elsewhere; "torch"/"triton" force one.
+def make_attention_backend(name: str, device: torch.device, cpu_kernels: CpuKernels | None = None) -> AttentionBackend:
+    """"auto" gives Triton on CUDA, the CPU kernels' backend on the CPU when ``cpu_kernels``
+    is given, and torch elsewhere; "torch"/"triton"/"cpu" force one.
 
     Raises:
-        ModelLoadError: Triton requested but not importable.
+        ModelLoadError: Triton requested but not importable, or "cpu" without kernels.
     """
     from engine.errors import ModelLoadError
 
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else ("cpu" if cpu_kernels is not None else "torch")
     if name == "triton":
         try:
             from engine.attention.triton_backend import TritonAttentionBackend
         except ImportError as e:  # triton missing
             raise ModelLoadError(f"attention backend 'triton' is unavailable: {e}") from None
         return TritonAttentionBackend()
+    if name == "cpu":
+        if cpu_kernels is None:
+            raise ModelLoadError("attention backend 'cpu' needs the CPU kernels (float32 activations over "
+                                 "quantized weights on the CPU, and a C compiler)")
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(cpu_kernels)
     from engine.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
@@ -50,6 +59,8 @@ class ModelRunner:
         kv: the paged KV cache.
         engine_config: block size, attention backend choice, CUDA graphs.
         device: where the model lives.
+        cpu_kernels: the CPU kernels the model runs on (its attention backend then uses
+            them too under "auto"), or None.
     """
 
     def __init__(
@@ -59,13 +70,14 @@ class ModelRunner:
         kv: KVCache,
         engine_config: EngineConfig,
         device: torch.device,
+        cpu_kernels: CpuKernels | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.kv = kv
         self.block_size = engine_config.block_size
         self.device = device
-        self.attn = make_attention_backend(engine_config.attention_backend, device)
+        self.attn = make_attention_backend(engine_config.attention_backend, device, cpu_kernels)
         self.sampler = Sampler(model_config.vocab_size, device, seed=engine_config.seed)
         self.graphs = None
         if device.type == "cuda" and engine_config.cuda_graphs and self.attn.name == "triton":

@@ -270,7 +270,8 @@ def test_kv_plan_fills_the_cpu_byte_budget(tiny_model_dir: Path) -> None:
     assert plan.num_blocks == 10 and plan.total_bytes <= engine_cfg.kv_cache_bytes
     assert re.fullmatch(r"KV cache: 10 blocks x 16 tokens = 160 tokens, \d+\.\d\d GiB bfloat16", plan.describe())
     with pytest.raises(InvalidRequestError, match="no block"):
-        plan_kv_blocks(cfg, EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_bytes=per_block - 1), "cpu")
+        plan_kv_blocks(cfg, EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16",
+                                      kv_cache_bytes=per_block - 1), "cpu")
 
 
 def test_gguf_file_path_is_converted_once_by_content_hash(tmp_path: Path, smollm2_dir: Path,

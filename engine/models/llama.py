@@ -11,24 +11,29 @@ Per layer, for the step's flat token batch ``x`` of shape [T, hidden]::
 
 Q, K and V come from one fused matmul (``qkv_weight`` rows: Q heads, then K heads,
 then V heads); gate and up from another (``gate_up_weight`` rows: gate, then up).
-A step runs a fixed number of torch ops per layer whatever the batch size.
+As in vLLM, a layer hands on its sublayer output and the residual stream separately,
+so that each residual add is fused into the next RMSNorm. The norms, rotary and
+gating run through ``self.ops`` (``engine.models.ops``: torch, or the CPU kernels);
+a step runs a fixed number of ops per layer whatever the batch size.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
+from engine.cpu.ops import CpuKernels
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
+from engine.models.ops import KernelOps, LayerOps, TorchOps
 from engine.models.quant import QUANTIZATIONS, Int8Weight, embedding, linear
-from engine.models.rope import apply_rotary, rotary_table
+from engine.models.rope import rotary_table
 
 # Checkpoint entries that hold no weights of ours (old Llama exports store the RoPE
 # frequencies); they are skipped, not reported as unexpected.
@@ -41,22 +46,35 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich, 2019), accumulated in float32.
-
-    ``y = weight * (x / sqrt(mean(x^2) + eps))``, the normalisation in float32 and the
-    result cast back to x's dtype before the weight is applied (as the HF port does).
-    """
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019), accumulated in float32,
+    with the residual add in front of it fused in (``LayerOps.add_rms_norm``)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param((size,), dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, size] in the model dtype -> [T, size], same dtype."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, size] in the model dtype -> (normed [T, size], residual + x)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+@dataclass
+class StepContext:
+    """What every layer of one forward step shares.
+
+    Attributes:
+        batch: the step's ``ForwardBatch``.
+        attn: the attention backend (already prepared for the batch).
+        ops: the small-op implementation (``engine.models.ops``).
+        rope: ``ops.rope_inputs`` for the batch's positions.
+    """
+
+    batch: ForwardBatch
+    attn: AttentionBackend
+    ops: LayerOps
+    rope: object
 
 
 class Attention(nn.Module):
@@ -71,33 +89,22 @@ class Attention(nn.Module):
         self.o_weight = _param((cfg.hidden_size, cfg.num_heads * cfg.head_dim), dtype, device)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Attention of the step's tokens over their cached context.
 
         Args:
             x: [T, hidden] normalised input, model dtype.
-            cos, sin: [T, 1, head_dim / 2] rotary factors at the tokens' positions.
             k_cache, v_cache: this layer's [num_blocks, block_size, Hkv, head_dim] caches,
-                written at ``batch.slot_mapping``.
-            batch, attn: the step and the backend that reads it.
+                written at ``step.batch.slot_mapping``.
+            step: the step's batch, backend, ops and rotary inputs.
 
         Returns:
             [T, hidden] in the model dtype.
         """
-        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, h + 2 * hkv, d)
-        qk = apply_rotary(qkv[:, : h + hkv], cos, sin)  # Q and K heads rotated together
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
-        out = attn.forward(q, k, v, k_cache, v_cache, batch, self.scale)
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = step.ops.rope_qkv(qkv, h, self.num_kv_heads, d, step.rope)
+        out = step.attn.forward(q, k, v, k_cache, v_cache, step.batch, self.scale)
         return linear(out.reshape(t, h * d), self.o_weight)
 
 
@@ -109,10 +116,9 @@ class MLP(nn.Module):
         self.gate_up_weight = _param((2 * cfg.intermediate_size, cfg.hidden_size), dtype, device)
         self.down_weight = _param((cfg.hidden_size, cfg.intermediate_size), dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
+        return linear(ops.silu_mul(linear(x, self.gate_up_weight)), self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -125,19 +131,15 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (arguments as in ``Attention.forward``)."""
-        h = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, batch, attn)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output [T, hidden] (the embeddings for the first
+        layer, with ``residual`` None); returns (this layer's MLP output, the residual
+        stream before it), both [T, hidden]."""
+        n, residual = self.attn_norm(x, residual, step.ops)
+        x = self.attn(n, k_cache, v_cache, step)
+        n, residual = self.mlp_norm(x, residual, step.ops)
+        return self.mlp(n, step.ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         table = rotary_table(cfg.max_model_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         self.register_buffer("rope", table, persistent=False)
+        self.ops: LayerOps = TorchOps()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
@@ -182,12 +185,21 @@ class LlamaForCausalLM(nn.Module):
         """
         if batch.attn_metadata is None:
             attn.prepare(batch)
-        cos, sin = self.rope[batch.positions].unbind(1)  # each [T, 1, head_dim / 2]
-        x = embedding(batch.input_ids, self.embed)
+        step = StepContext(batch, attn, self.ops, self.ops.rope_inputs(self.rope, batch.positions))
+        x, residual = embedding(batch.input_ids, self.embed), None
         for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, batch, attn)
-        x = self.norm(x.index_select(0, batch.logits_indices))  # RMSNorm is per row
+            x, residual = layer(x, residual, k_cache, v_cache, step)
+        rows = batch.logits_indices  # RMSNorm and the residual add are per row
+        x, _ = self.norm(x.index_select(0, rows), residual.index_select(0, rows), self.ops)
         return linear(x, self.lm_head).float()
+
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run the norms, rotary and gating on the engine's CPU kernels (``KernelOps``), or
+        on torch again with None. The model must be on the CPU in float32."""
+        self.ops = TorchOps() if kernels is None else KernelOps(kernels)
+        for m in self.modules():
+            if isinstance(m, Int8Weight):
+                m.use_kernels(kernels)
 
     @torch.no_grad()
     def quantize_(self, method: str) -> None:

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu.ops import CpuKernels
+
 # Rows at or below which the CPU int8 kernel is used. bench/decode_step.py on SmolLM2, 2
 # cores, ms per decode step, int8 kernel vs bfloat16 weights: batch 1 23.0 vs 33.5, 4:
 # 32.4 vs 38.0, 8: 45-59 vs 45-48 (a tie within run-to-run noise), 12: 59.2 vs 52.0.
@@ -84,6 +86,8 @@ class Int8Weight(nn.Module):
         scale: [N] in ``dtype`` (the model's activation dtype).
         wide: None, or [N, K] ``qweight`` in ``dtype`` (kept for large batches, see the
             module docstring).
+        kernels: None, or the CPU kernels that serve float32 activations.
+        packed: None, or ``qweight`` in the integer kernel's tile layout (``use_kernels``).
     """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, keep_wide: bool = False) -> None:
@@ -91,14 +95,18 @@ class Int8Weight(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.register_buffer("wide", qweight.to(scale.dtype) if keep_wide else None)
+        # Set by ``use_kernels`` when float32 activations run on the CPU kernels.
+        self.kernels: CpuKernels | None = None
+        self.packed: torch.Tensor | None = None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> "Int8Weight":
         """Quantize ``weight`` [N, K] (``quantize_int8``); the scale is stored in ``dtype``.
-        ``keep_wide`` None: keep the wide copy on the CPU only."""
+        ``keep_wide`` None: keep the wide copy on the CPU for bfloat16/float16 activations
+        only (float32 activations dequantize slices on the fly, see ``linear``)."""
         q, scale = quantize_int8(weight, dtype)
         if keep_wide is None:
-            keep_wide = weight.device.type == "cpu"
+            keep_wide = weight.device.type == "cpu" and dtype != torch.float32
         return cls(q.to(weight.device), scale.to(weight.device), keep_wide)
 
     @property
@@ -126,6 +134,9 @@ class Int8Weight(nn.Module):
             [..., N] in x's dtype.
         """
         rows = x.numel() // x.shape[-1]
+        if self.kernels is not None and x.dtype == torch.float32:
+            y = self._linear_kernels(self.kernels, x.reshape(rows, x.shape[-1]), bias)
+            return y.view(*x.shape[:-1], self.qweight.shape[0])
         if (x.device.type == "cpu" and rows <= SMALL_BATCH_ROWS
                 and x.dtype in (torch.bfloat16, torch.float16)):
             flat = x.reshape(rows, x.shape[-1]).contiguous()
@@ -136,8 +147,27 @@ class Int8Weight(nn.Module):
             y = F.linear(x, wide) * self.scale
         return y if bias is None else y + bias
 
+    def _linear_kernels(self, kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] on the CPU kernels: integer products over the packed
+        weight with x quantized to int16 blocks (``CpuKernels.linear_i8_packed``) when K is a
+        multiple of 32, else the float32 int8 kernel. One kernel for every M: a row's result
+        does not depend on how many rows share the call."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if self.packed is not None:
+            return kernels.linear_i8_packed(x, self.packed, self.scale, bias)
+        return kernels.linear_i8(x, self.qweight, self.scale, bias)
+
+    def use_kernels(self, kernels: CpuKernels | None) -> None:
+        """Serve float32 activations on ``kernels`` (None: torch again); packs the weight
+        for the integer kernel when K is a multiple of 32."""
+        self.kernels = kernels
+        k = self.qweight.shape[1]
+        self.packed = kernels.pack_i8x4(self.qweight) if kernels is not None and k % 32 == 0 else None
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W: ids [T] int64 -> [T, K] in the scale's dtype."""
+        if self.kernels is not None and self.scale.dtype == torch.float32:
+            return self.kernels.embed_i8(self.qweight, self.scale, ids.contiguous())
         return self.qweight.index_select(0, ids).to(self.scale.dtype) * self.scale.index_select(0, ids)[:, None]
 
 

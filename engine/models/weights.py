@@ -74,9 +74,11 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def weights_fingerprint(files: list[Path], dtype: torch.dtype, quantization: str | None = None) -> str:
+def weights_fingerprint(files: list[Path], dtype: torch.dtype, quantization: str | None = None,
+                        kv_cache_dtype: str | None = None) -> str:
     """A stable id of these weights: sha256 over each file's resolved path, size and
-    mtime (ns), the load dtype and the quantization (None: none); 16 hex digits.
+    mtime (ns), the load dtype, the quantization (None: none) and the KV cache's dtype
+    when it differs from the load dtype; 16 hex digits.
 
     Rewriting or replacing a file changes its mtime, so a reload of different weights
     under the same model name gets a new id (the prefix cache's namespace, ACCEPTANCE
@@ -85,6 +87,8 @@ def weights_fingerprint(files: list[Path], dtype: torch.dtype, quantization: str
     h = hashlib.sha256(str(dtype).encode())
     if quantization:  # a quantized twin computes different logits: its own namespace
         h.update(f"\0quantization={quantization}".encode())
+    if kv_cache_dtype and kv_cache_dtype != str(dtype).removeprefix("torch."):  # cached K/V differ too
+        h.update(f"\0kv={kv_cache_dtype}".encode())
     for path in files:
         st = path.stat()
         h.update(f"\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())

@@ -1,0 +1,648 @@
+/*
+ * CPU kernels of the engine's decode and prefill steps: fused small ops, weight-only
+ * int8 / int4 matrix-vector products, and paged attention that reads the KV cache in
+ * place. Built by engine/cpu/build.py (gcc -O3, -mavx2 -mfma -mf16c where the CPU has
+ * them, OpenMP from the libgomp that torch has already loaded) and called through
+ * ctypes by engine/cpu/ops.py, which checks shapes, dtypes and contiguity first:
+ * nothing here validates its arguments.
+ *
+ * Conventions: activations are float32, row-major, rows of `ld` floats; sizes are
+ * element counts; KV caches are [num_slots, num_kv_heads, head_dim] in float32 or
+ * bfloat16 (kv_bf16 = 1), slot = block_table[i / block_size] * block_size + i % block_size.
+ * `nt` is the number of OpenMP threads a kernel may use (torch's thread count).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CS_AVX2 1
+#else
+#define CS_AVX2 0
+#endif
+
+#define CS_EXPORT __attribute__((visibility("default")))
+
+/* ---------------------------------------------------------------- helpers ---- */
+
+/* bfloat16 <-> float32. Round to nearest even, as torch's .to(torch.bfloat16); NaN kept NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if CS_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* 8 bfloat16 at p -> 8 float32. */
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 8 int8 at p -> 8 float32. */
+static inline __m256 load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* exp(x) for 8 floats: Cephes' expf polynomial after a base-2 range reduction
+ * (relative error about 2e-7 on [-87, 88]); inputs below -87.3 give 0. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(underflow, y);
+}
+#endif
+
+/* exp of n floats in place. */
+static void exp_inplace(float *x, int64_t n) {
+    int64_t i = 0;
+#if CS_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) x[i] = expf(x[i]);
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+#if CS_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum256(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[i] += a * x[i] */
+static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
+    int64_t i = 0;
+#if CS_AVX2
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+static inline void scale_f32(float *y, float a, int64_t n) {
+    int64_t i = 0;
+#if CS_AVX2
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(va, _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] *= a;
+}
+
+/* n elements of a KV row (float32 or bfloat16) -> float32 dst. */
+static inline void kv_row_to_f32(float *dst, const void *src, int bf16, int64_t n) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+    int64_t i = 0;
+#if CS_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(s + i));
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+}
+
+static inline void f32_to_kv_row(void *dst, const float *src, int bf16, int64_t n) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+}
+
+CS_EXPORT int cs_simd_level(void) { return CS_AVX2 ? 2 : 0; }
+
+/* ------------------------------------------------------- elementwise, norms ---- */
+
+/* Residual add and RMSNorm (Zhang & Sennrich 2019), per row of T rows of H floats:
+ *   if delta: x += delta (x is the residual stream, updated in place)
+ *   out = w * x / sqrt(mean(x^2) + eps)
+ * out may not alias x. */
+CS_EXPORT void cs_add_rms_norm(float *x, const float *delta, const float *w, float eps, int64_t T, int64_t H,
+                               float *out, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (T >= 8)
+    for (int64_t t = 0; t < T; t++) {
+        float *xr = x + t * H, *o = out + t * H;
+        if (delta) axpy_f32(xr, 1.0f, delta + t * H, H);
+        float ss = dot_f32(xr, xr, H);
+        float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* SwiGLU's gating: gu is [T, 2I] (gate then up); out[t, i] = silu(gate) * up, [T, I]. */
+CS_EXPORT void cs_silu_mul(const float *gu, int64_t T, int64_t I, float *out, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (T >= 8)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+#if CS_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embeddings (Su et al. 2021, rotate-half layout), in place, on the first
+ * `heads` heads of each of T rows (the Q and K heads of fused QKV rows, `ld` floats
+ * apart; each head D floats). rope [max_len, 2, D/2] float32: cos then sin at each
+ * position; positions [T] int64. D <= 1024. */
+CS_EXPORT void cs_rope(float *qkv, int64_t ld, int64_t T, int64_t heads, int64_t D, const float *rope,
+                       const int64_t *positions, int nt) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nt) schedule(static) if (T >= 8)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = rope + positions[t] * D, *sn = cs + half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x = qkv + t * ld + h * D;
+            int64_t i = 0;
+#if CS_AVX2
+            for (; i + 8 <= half; i += 8) {
+                __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + i + half);
+                __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(sn + i);
+                _mm256_storeu_ps(x + i, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
+                _mm256_storeu_ps(x + i + half, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
+            }
+#endif
+            for (; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * cs[i] - x2 * sn[i];
+                x[i + half] = x2 * cs[i] + x1 * sn[i];
+            }
+        }
+    }
+}
+
+/* Write T tokens' K and V rows ([Hkv, D] each, rows ldk / ldv floats apart) to the
+ * cache slots slots[t] (caches [num_slots, Hkv, D], float32 or bfloat16). */
+static void store_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots, int64_t T,
+                     int64_t Hkv, int64_t D, void *k_cache, void *v_cache, int kv_bf16, int nt) {
+    const int64_t esz = kv_bf16 ? 2 : 4, row = Hkv * D;
+#pragma omp parallel for num_threads(nt) schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        f32_to_kv_row((char *)k_cache + slots[t] * row * esz, k + t * ldk, kv_bf16, row);
+        f32_to_kv_row((char *)v_cache + slots[t] * row * esz, v + t * ldv, kv_bf16, row);
+    }
+}
+
+/* ------------------------------------------------- weight-only int8 linear ---- */
+
+#if CS_AVX2
+/* MR activation rows x 4 weight rows, K a multiple of 8: sums[i][j] = x[i] . w[j]. With MR a
+ * constant after inlining, the 4 * MR accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile_i8(const float *x, int64_t ldx, const int MR,
+                                                          const int8_t *w, int64_t K, float sums[4][4]) {
+    __m256 a[4][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 w0 = load_i8x8(w + k), w1 = load_i8x8(w + K + k);
+        __m256 w2 = load_i8x8(w + 2 * K + k), w3 = load_i8x8(w + 3 * K + k);
+        for (int i = 0; i < MR; i++) {
+            __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+            a[i][0] = _mm256_fmadd_ps(w0, xv, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(w1, xv, a[i][1]);
+            a[i][2] = _mm256_fmadd_ps(w2, xv, a[i][2]);
+            a[i][3] = _mm256_fmadd_ps(w3, xv, a[i][3]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) sums[i][j] = hsum256(a[i][j]);
+}
+#endif
+
+/* y[m, n] = scale[n] * sum_k x[m, k] q[n, k] (+ bias[n]) for M rows of x (ldx floats apart)
+ * and N output features; y rows are ldy floats apart. Weights int8 [N, K], one scale per
+ * output row (weight-only, as in LLM.int8()'s vector-wise weights; Dettmers et al. 2022).
+ * Each weight is read once per call: tiles of 4 weight rows are converted to float32 in
+ * registers once and multiplied into up to 3 activation rows at a time. */
+CS_EXPORT void cs_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *q, const float *scale,
+                            const float *bias, int64_t N, float *y, int64_t ldy, int nt) {
+    const int64_t NR = 4, ntiles = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t tile = 0; tile < ntiles; tile++) {
+        const int64_t n0 = tile * NR, nn = (N - n0) < NR ? (N - n0) : NR;
+        const int8_t *w = q + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 3) {
+            const int64_t mm = (M - m0) < 3 ? (M - m0) : 3;
+            const float *xm = x + m0 * ldx;
+            float sums[4][4] = {{0}};
+            int fast = 0;
+#if CS_AVX2
+            if (nn == NR && K % 8 == 0) {
+                fast = 1;
+                if (mm == 1) tile_i8(xm, ldx, 1, w, K, sums);
+                else if (mm == 2) tile_i8(xm, ldx, 2, w, K, sums);
+                else tile_i8(xm, ldx, 3, w, K, sums);
+            }
+#endif
+            for (int64_t i = 0; i < mm; i++) {
+                for (int64_t j = 0; j < nn; j++) {
+                    float s = sums[i][j];
+                    if (!fast) {
+                        const float *xr = xm + i * ldx;
+                        const int8_t *wr = w + j * K;
+                        for (int64_t kk = 0; kk < K; kk++) s += xr[kk] * (float)wr[kk];
+                    }
+                    float v = s * scale[n0 + j];
+                    y[(m0 + i) * ldy + n0 + j] = bias ? v + bias[n0 + j] : v;
+                }
+            }
+        }
+    }
+}
+
+/* Activations quantized to int16 in blocks of 32 (one float32 scale a block):
+ * xq[m, k] = round(x[m, k] / d), d = max |x| over the block / 32767. */
+static void quantize_rows_q16(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *xd) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = x + m * ldx + b * 32;
+            int16_t *dst = xq + m * K + b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[i]));
+            const float d = amax / 32767.f, id = d > 0.f ? 1.f / d : 0.f;
+            xd[m * nb + b] = d;
+#if CS_AVX2
+            for (int i = 0; i < 32; i += 16) {
+                __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i), _mm256_set1_ps(id)));
+                __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8), _mm256_set1_ps(id)));
+                __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
+                _mm256_storeu_si256((__m256i *)(dst + i), packed);
+            }
+#else
+            for (int i = 0; i < 32; i++) dst[i] = (int16_t)lrintf(src[i] * id);
+#endif
+        }
+    }
+}
+
+#if CS_AVX2
+/* MR int16 activation rows x 4 int8 weight rows: sums[i][j] = sum over 32-blocks b of
+ * d[i, b] * (xq[i, block b] . w[j, block b]). Each weight block is widened to int16 once
+ * and multiplied into every row with _mm256_madd_epi16, pairs summed exactly in int32
+ * (|x| <= 32767, |w| <= 127: a block sum stays far inside int32). The 4 weight rows come
+ * packed block by block ([K / 32][4][32] bytes), so a tile is one sequential stream,
+ * prefetched 8 blocks ahead. */
+static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, const float *xd, int64_t K,
+                                                           const int MR, const int8_t *w, float sums[4][4]) {
+    const int64_t nb = K / 32;
+    __m256 a[3][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i lo[4], hi[4];
+        _mm_prefetch((const char *)(w + (b + 8) * 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + (b + 8) * 128 + 64), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) {
+            const int8_t *wb = w + (b * 4 + j) * 32;
+            lo[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
+            hi[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * 32));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * 32 + 16));
+            const __m256 d = _mm256_set1_ps(xd[i * nb + b]);
+            for (int j = 0; j < 4; j++) {
+                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo[j], x0), _mm256_madd_epi16(hi[j], x1));
+                a[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) sums[i][j] = hsum256(a[i][j]);
+}
+#endif
+
+/* y[m, n] = scale[n] * sum_k x[m, k] q[n, k] (+ bias[n]), as cs_linear_i8, over a weight
+ * packed by cs_pack_i8x4, with the activations first quantized to int16 in blocks of 32
+ * (one float32 scale a block: 15 bits of each block's range, a relative error near 2e-5
+ * against 5e-3 for int8 activations as in llama.cpp's Q8_0) so that the products run on
+ * integer instructions: a third of the float32 kernel's instructions per weight. Scratch
+ * xq [M, K] int16 and xd [M, K / 32] float32 come from the caller; K is a multiple of 32.
+ * Every row is computed alone: its result does not depend on M. */
+CS_EXPORT void cs_linear_i8_packed(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *q,
+                                const float *scale, const float *bias, int64_t N, float *y, int64_t ldy, int16_t *xq,
+                                float *xd, int nt) {
+    quantize_rows_q16(x, ldx, M, K, xq, xd);
+    const int64_t NR = 4, ntiles = (N + NR - 1) / NR, nb = K / 32;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t tile = 0; tile < ntiles; tile++) {
+        const int64_t n0 = tile * NR, nn = (N - n0) < NR ? (N - n0) : NR;
+        const int8_t *w = q + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 3) {
+            const int64_t mm = (M - m0) < 3 ? (M - m0) : 3;
+            float sums[4][4] = {{0}};
+#if CS_AVX2
+            if (mm == 1) tile_q16(xq + m0 * K, xd + m0 * nb, K, 1, w, sums);
+            else if (mm == 2) tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, sums);
+            else tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, sums);
+#else
+            for (int64_t i = 0; i < mm; i++)
+                for (int64_t j = 0; j < nn; j++)
+                    for (int64_t b = 0; b < nb; b++) {
+                        const int16_t *xr = xq + (m0 + i) * K + b * 32;
+                        const int8_t *wr = w + (b * 4 + j) * 32;
+                        int64_t acc = 0;
+                        for (int kk = 0; kk < 32; kk++) acc += (int32_t)xr[kk] * (int32_t)wr[kk];
+                        sums[i][j] += (float)acc * xd[(m0 + i) * nb + b];
+                    }
+#endif
+            for (int64_t i = 0; i < mm; i++)
+                for (int64_t j = 0; j < nn; j++) {
+                    float v = sums[i][j] * scale[n0 + j];
+                    y[(m0 + i) * ldy + n0 + j] = bias ? v + bias[n0 + j] : v;
+                }
+        }
+    }
+}
+
+/* Pack an int8 weight [N, K] (K a multiple of 32) for cs_linear_i8_packed: tiles of 4 rows,
+ * block by block, out [ceil(N / 4)][K / 32][4][32]; rows past N are zero. */
+CS_EXPORT void cs_pack_i8x4(const int8_t *q, int64_t N, int64_t K, int8_t *out) {
+    const int64_t nb = K / 32, ntiles = (N + 3) / 4;
+    for (int64_t t = 0; t < ntiles; t++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t j = 0; j < 4; j++) {
+                int8_t *dst = out + ((t * nb + b) * 4 + j) * 32;
+                if (t * 4 + j < N) memcpy(dst, q + (t * 4 + j) * K + b * 32, 32);
+                else memset(dst, 0, 32);
+            }
+}
+
+/* Embedding rows of an int8 table: out[t] = q[ids[t]] * scale[ids[t]], [T, K]. */
+CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *ids, int64_t T, int64_t K, float *out,
+                           int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const int8_t *w = q + ids[t] * K;
+        const float s = scale[ids[t]];
+        for (int64_t k = 0; k < K; k++) out[t * K + k] = (float)w[k] * s;
+    }
+}
+
+/* -------------------------------------------------------- paged attention ---- */
+
+/* One unit of attention work: the rows (query tokens x the query heads of one KV head)
+ * of request b over keys [k0, k1). Decode requests split their keys over several
+ * units (flash-decoding; Dao et al. 2023) whose partial results are merged after. */
+typedef struct {
+    int64_t b, g, q0, nq, k0, k1, part; /* part >= 0: index of the partial-result slot */
+} cs_unit;
+
+#define CS_KEYS 32 /* keys converted to float32 at a time */
+
+typedef struct {
+    const float *q;
+    int64_t ldq;
+    const void *k_cache, *v_cache;
+    int kv_bf16;
+    const int32_t *block_tables;
+    int64_t max_blocks;
+    const int32_t *seq_lens, *query_start;
+    int64_t H, Hkv, D, block_size;
+    float scale;
+    float *out;
+    float *part_acc, *part_ml; /* [parts, G, D] and [parts, G, 2] */
+} cs_attn_args;
+
+static inline const char *kv_row(const void *cache, int64_t slot, int64_t g, const cs_attn_args *a) {
+    int64_t esz = a->kv_bf16 ? 2 : 4;
+    return (const char *)cache + ((slot * a->Hkv + g) * a->D) * esz;
+}
+
+/* Attention of one unit with an online softmax (Milakov & Gimelshein 2018; the
+ * FlashAttention recurrence, Dao et al. 2022). Row r is query token q0 + r / G at head
+ * g * G + r % G; it sees key positions <= prefix + its token index (causal). Scratch:
+ * acc [R, D], m and l [R], kf and vf [CS_KEYS, D], s [R, CS_KEYS]. */
+static void attn_unit(const cs_attn_args *a, const cs_unit *u, float *acc, float *m, float *l, float *kf, float *vf,
+                      float *s) {
+    const int64_t G = a->H / a->Hkv, D = a->D, R = u->nq * G, bs = a->block_size;
+    const int64_t qs = a->query_start[u->b], qlen = a->query_start[u->b + 1] - qs;
+    const int64_t prefix = a->seq_lens[u->b] - qlen;
+    const int32_t *table = a->block_tables + u->b * a->max_blocks;
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(acc, 0, (size_t)(R * D) * 4);
+    /* the last key position any row of this unit may see */
+    int64_t kend = prefix + u->q0 + u->nq;
+    if (kend > u->k1) kend = u->k1;
+    for (int64_t j0 = u->k0; j0 < kend; j0 += CS_KEYS) {
+        const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t pos = j0 + j, slot = (int64_t)table[pos / bs] * bs + pos % bs;
+            kv_row_to_f32(kf + j * D, kv_row(a->k_cache, slot, u->g, a), a->kv_bf16, D);
+            kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slot, u->g, a), a->kv_bf16, D);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t t = u->q0 + r / G, h = u->g * G + r % G;
+            int64_t visible = prefix + t + 1 - j0; /* keys j < visible are causal for this row */
+            if (visible <= 0) continue;
+            if (visible > n) visible = n;
+            const float *qr = a->q + (qs + t) * a->ldq + h * D;
+            float *sr = s + r * CS_KEYS, mx = -INFINITY;
+            for (int64_t j = 0; j < visible; j++) {
+                sr[j] = dot_f32(qr, kf + j * D, D) * a->scale;
+                if (sr[j] > mx) mx = sr[j];
+            }
+            float mnew = mx > m[r] ? mx : m[r];
+            float corr = expf(m[r] - mnew); /* 0 on the first block (m = -inf) */
+            for (int64_t j = 0; j < visible; j++) sr[j] -= mnew;
+            exp_inplace(sr, visible);
+            float *ar = acc + r * D;
+            if (corr != 1.0f) scale_f32(ar, corr, D);
+            float sum = 0.f;
+            for (int64_t j = 0; j < visible; j++) {
+                sum += sr[j];
+                axpy_f32(ar, sr[j], vf + j * D, D);
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = mnew;
+        }
+    }
+}
+
+/* Paged attention over a flat varlen batch (decode rows and prefill chunks together).
+ * First the step's new keys and values (k_new, v_new: [T, Hkv, D] float32, rows ldk /
+ * ldv floats apart) are written to the cache at slots [T]; then
+ *   q [T, H, D] float32, token rows ldq floats apart (a view into the fused QKV rows)
+ *   block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys after this step),
+ *   query_start [B + 1] int32 (offsets of each request's query tokens in T)
+ *   out [T, H, D] float32, contiguous.
+ * Query token i of request b sits at position seq_len - qlen + i and sees keys 0..that
+ * position; query head h reads KV head h / (H / Hkv). Returns 0, or -1 if scratch
+ * memory could not be allocated. */
+CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new, int64_t ldk, const float *v_new,
+                                 int64_t ldv, const int64_t *slots, int64_t T, void *k_cache, void *v_cache,
+                                 int kv_bf16, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                 const int32_t *query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                                 int64_t block_size, float scale, float *out, int nt) {
+    const int64_t G = H / Hkv, QT = 16; /* prefill query tokens per unit */
+    if (nt < 1) nt = 1;
+    store_kv(k_new, ldk, v_new, ldv, slots, T, Hkv, D, k_cache, v_cache, kv_bf16, nt);
+    /* Decode requests get their keys split so that there are about 4 units per thread. */
+    int64_t ndec = 0;
+    for (int64_t b = 0; b < B; b++) ndec += (query_start[b + 1] - query_start[b]) == 1;
+    int64_t want = 4 * nt, per = ndec ? (want + ndec * Hkv - 1) / (ndec * Hkv) : 1;
+    int64_t nunits = 0, nparts = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
+        if (qlen == 1) {
+            int64_t chunk = (len + per - 1) / per;
+            if (chunk < 128) chunk = 128;
+            int64_t splits = (len + chunk - 1) / chunk;
+            nunits += Hkv * splits;
+            if (splits > 1) nparts += Hkv * splits;
+        } else {
+            nunits += Hkv * ((qlen + QT - 1) / QT);
+        }
+    }
+    cs_unit *units = (cs_unit *)malloc(sizeof(cs_unit) * (size_t)(nunits ? nunits : 1));
+    float *part_acc = nparts ? (float *)malloc(sizeof(float) * (size_t)(nparts * G * D)) : NULL;
+    float *part_ml = nparts ? (float *)malloc(sizeof(float) * (size_t)(nparts * G * 2)) : NULL;
+    if (!units || (nparts && (!part_acc || !part_ml))) {
+        free(units), free(part_acc), free(part_ml);
+        return -1;
+    }
+    int64_t u = 0, p = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
+        for (int64_t g = 0; g < Hkv; g++) {
+            if (qlen == 1) {
+                int64_t chunk = (len + per - 1) / per;
+                if (chunk < 128) chunk = 128;
+                int64_t splits = (len + chunk - 1) / chunk;
+                for (int64_t s = 0; s < splits; s++) {
+                    int64_t k1 = (s + 1) * chunk < len ? (s + 1) * chunk : len;
+                    units[u++] = (cs_unit){b, g, 0, 1, s * chunk, k1, splits > 1 ? p++ : -1};
+                }
+            } else {
+                for (int64_t q0 = 0; q0 < qlen; q0 += QT) {
+                    int64_t nq = (qlen - q0) < QT ? (qlen - q0) : QT;
+                    units[u++] = (cs_unit){b, g, q0, nq, 0, len, -1};
+                }
+            }
+        }
+    }
+    cs_attn_args a = {q, ldq, k_cache, v_cache, kv_bf16, block_tables, max_blocks, seq_lens, query_start,
+                      H, Hkv, D, block_size, scale, out, part_acc, part_ml};
+    const int64_t maxR = QT * G;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)(maxR * D + 2 * maxR + 2 * CS_KEYS * D + maxR * CS_KEYS));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            float *acc = scratch, *m = acc + maxR * D, *l = m + maxR, *kf = l + maxR, *vf = kf + CS_KEYS * D;
+            float *s = vf + CS_KEYS * D;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < nunits; i++) {
+                const cs_unit *un = &units[i];
+                attn_unit(&a, un, acc, m, l, kf, vf, s);
+                const int64_t R = un->nq * G, qs = query_start[un->b];
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t t = un->q0 + r / G, h = un->g * G + r % G;
+                    if (un->part >= 0) {
+                        memcpy(part_acc + (un->part * G + r) * D, acc + r * D, (size_t)D * 4);
+                        part_ml[(un->part * G + r) * 2] = m[r];
+                        part_ml[(un->part * G + r) * 2 + 1] = l[r];
+                    } else {
+                        float *o = out + ((qs + t) * H + h) * D;
+                        float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;
+                        for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
+                    }
+                }
+            }
+            free(scratch);
+        }
+    }
+    /* Merge the partial results of split decode units: a log-sum-exp weighted average. */
+    if (nparts && !failed) {
+        for (int64_t i = 0; i < nunits;) {
+            const cs_unit *first = &units[i];
+            if (first->part < 0) {
+                i++;
+                continue;
+            }
+            int64_t n = 1;
+            while (i + n < nunits && units[i + n].b == first->b && units[i + n].g == first->g) n++;
+            const int64_t qs = query_start[first->b];
+            for (int64_t r = 0; r < G; r++) {
+                float M = -INFINITY, L = 0.f;
+                for (int64_t s = 0; s < n; s++) {
+                    float ms = part_ml[(units[i + s].part * G + r) * 2];
+                    if (ms > M) M = ms;
+                }
+                float *o = out + (qs * H + first->g * G + r) * D;
+                memset(o, 0, (size_t)D * 4);
+                for (int64_t s = 0; s < n; s++) {
+                    const int64_t pi = units[i + s].part * G + r;
+                    float w = part_ml[pi * 2] == -INFINITY ? 0.f : expf(part_ml[pi * 2] - M);
+                    L += w * part_ml[pi * 2 + 1];
+                    axpy_f32(o, w, part_acc + pi * D, D);
+                }
+                scale_f32(o, L > 0.f ? 1.0f / L : 0.f, D);
+            }
+            i += n;
+        }
+    }
+    free(units), free(part_acc), free(part_ml);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,224 @@
+"""The engine's CPU kernels (engine/cpu/kernels.c) against torch and float64 references,
+on small shapes that reach every code path: vector bodies and scalar tails, row tiles
+of 1-3 activation rows, decode rows with split contexts, prefill tiles, grouped-query
+heads, block sizes 1 and 16, float32 and bfloat16 caches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.cpu.build import compile_flags
+from engine.cpu.ops import CpuKernels, cpu_kernels
+from engine.models.rope import apply_rotary, rotary_table
+
+
+@pytest.fixture(scope="module")
+def k() -> CpuKernels:
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.fail("the CPU kernels did not build (gcc missing?)", pytrace=False)
+    return kernels
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_kernels_build_with_the_cpus_vector_flags(k):
+    """Where the CPU has AVX2 and FMA the library is built for them and says so."""
+    flags = compile_flags({"avx2", "fma", "f16c"})
+    assert "-mavx2" in flags and "-mfma" in flags
+    assert "-mavx2" not in compile_flags(set())
+    assert k.simd_level in (0, 2)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (3, 17), (9, 64)])
+def test_add_rms_norm_adds_the_residual_in_place_and_normalises(k, rows, width):
+    g = gen(rows)
+    x, delta, w = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g), torch.randn(width, generator=g)
+    h = (x + delta).double()
+    ref = w.double() * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = k.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.allclose(x.double(), h, atol=1e-6)  # the residual stream now holds x + delta
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    alone = k.add_rms_norm(delta.clone(), None, w, 1e-5)
+    d = delta.double()
+    assert torch.allclose(alone.double(), w.double() * d / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5),
+                          rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [8, 13, 1536])
+def test_silu_mul_matches_torch(k, width):
+    gu = torch.randn(5, 2 * width, generator=gen(width)) * 6  # reach the exp's clamps
+    gate, up = gu.chunk(2, -1)
+    assert torch.allclose(k.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 20])
+def test_rope_rotates_q_and_k_heads_in_place_like_the_reference(k, head_dim):
+    h, hkv, t = 4, 2, 7
+    table = rotary_table(64, head_dim, 10000.0, None, torch.float32, "cpu")
+    qkv = torch.randn(t, (h + 2 * hkv) * head_dim, generator=gen(head_dim))
+    positions = torch.tensor([0, 3, 5, 63, 1, 1, 40])
+    cos, sin = table[positions].unbind(1)
+    heads = qkv.view(t, h + 2 * hkv, head_dim)
+    ref = apply_rotary(heads[:, : h + hkv], cos, sin)
+    v_before = heads[:, h + hkv:].clone()
+    k.rope_(qkv, h + hkv, head_dim, table, positions)
+    assert torch.allclose(heads[:, : h + hkv], ref, atol=1e-6)
+    assert torch.equal(heads[:, h + hkv:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 17])
+@pytest.mark.parametrize("n,width", [(48, 64), (37, 70)])
+def test_int8_linear_equals_the_float64_product_of_its_integers(k, rows, n, width):
+    """Every row tile (1-3 rows), full and partial 4-row weight tiles, K with and
+    without a tail past the vector width, with and without bias, strided x."""
+    g = gen(rows * n)
+    q = torch.randint(-127, 128, (n, width), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) + 0.01
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, width + 5, generator=g)[:, :width]  # rows width+5 floats apart
+    ref = (x.double() @ q.double().T) * scale.double()
+    assert torch.allclose(k.linear_i8(x, q, scale).double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(k.linear_i8(x, q, scale, bias).double(), ref + bias.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_embed_gives_the_scaled_rows(k):
+    q = torch.randint(-127, 128, (50, 24), dtype=torch.int8, generator=gen(1))
+    scale = torch.rand(50, generator=gen(2))
+    full = q.float() * scale[:, None]
+    ids = torch.tensor([3, 3, 49, 0])
+    assert torch.equal(k.embed_i8(q, scale, ids), full[ids])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 17])
+@pytest.mark.parametrize("n,width", [(48, 64), (37, 96)])
+def test_packed_int8_linear_is_within_int16_rounding_of_the_exact_product(k, rows, n, width):
+    """The packed kernel quantizes x to int16 per 32 values: each product term carries at
+    most half a step of 1/32767 of its block's largest |x|. Partial weight tiles (37 rows)
+    are padded with zero rows that never reach the output."""
+    g = gen(rows * n + 1)
+    q = torch.randint(-127, 128, (n, width), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) + 0.01
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, width + 3, generator=g)[:, :width] * torch.logspace(-2, 2, width)  # mixed magnitudes
+    packed = k.pack_i8x4(q)
+    assert packed.shape == ((n + 3) // 4, width // 32, 4, 32)
+    exact = (x.double() @ q.double().T) * scale.double() + bias.double()
+    blocks = x.abs().view(rows, width // 32, 32).amax(-1).double() / 32767  # one step per block
+    bound = (blocks.repeat_interleave(32, 1) / 2) @ q.double().abs().T * scale.double()
+    err = (k.linear_i8_packed(x, packed, scale, bias).double() - exact).abs()
+    assert (err <= bound * 1.01 + 1e-4 * exact.abs() + 1e-6).all()
+    # a row's result does not depend on the other rows of the call
+    assert torch.equal(k.linear_i8_packed(x[:1], packed, scale, bias), k.linear_i8_packed(x, packed, scale, bias)[:1])
+
+
+def test_kernel_arguments_of_the_wrong_kind_are_refused(k):
+    q = torch.zeros(4, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="float32"):
+        k.linear_i8(torch.zeros(1, 8, dtype=torch.float64), q, torch.ones(4))
+    with pytest.raises(ValueError, match="width"):
+        k.linear_i8(torch.zeros(1, 9), q, torch.ones(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        k.linear_i8(torch.zeros(1, 8), q.t().contiguous().t(), torch.ones(4))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        k.pack_i8x4(q)
+    packed = k.pack_i8x4(torch.zeros(4, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="does not fit"):
+        k.linear_i8_packed(torch.zeros(1, 32), packed, torch.ones(4))
+
+
+# ---- paged attention --------------------------------------------------------------
+
+
+def paged_case(qlens: list[int], prefixes: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+               cache_dtype: torch.dtype, seed: int):
+    """A step over a shuffled paged cache: returns the kernel's inputs and a float64
+    dense reference of its output. Unused cache slots hold NaN: any stray read shows."""
+    g = gen(seed)
+    seq = [p + q for p, q in zip(prefixes, qlens)]
+    nblocks = [math.ceil(s / block_size) for s in seq]
+    total = sum(nblocks) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    tables, i = [], 0
+    for n in nblocks:
+        tables.append(perm[i:i + n])
+        i += n
+    width = max(nblocks)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache = torch.full((total, block_size, kv_heads, head_dim), float("nan")).to(cache_dtype)
+    v_cache = k_cache.clone()
+    keys = [torch.randn(s, kv_heads, head_dim, generator=g) for s in seq]
+    values = [torch.randn(s, kv_heads, head_dim, generator=g) for s in seq]
+    for b, p in enumerate(prefixes):
+        for pos in range(p):
+            blk = tables[b][pos // block_size]
+            k_cache[blk, pos % block_size] = keys[b][pos].to(cache_dtype)
+            v_cache[blk, pos % block_size] = values[b][pos].to(cache_dtype)
+    t = sum(qlens)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    kn = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    vn = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    slots, row = [], 0
+    for b in range(len(qlens)):
+        for j in range(qlens[b]):
+            pos = prefixes[b] + j
+            slots.append(tables[b][pos // block_size] * block_size + pos % block_size)
+            keys[b][pos], values[b][pos] = kn[row], vn[row]
+            row += 1
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    scale = head_dim ** -0.5
+    ref = torch.empty(t, heads, head_dim, dtype=torch.float64)
+    group, row = heads // kv_heads, 0
+    for b in range(len(qlens)):
+        kk, vv = keys[b].to(cache_dtype).double(), values[b].to(cache_dtype).double()
+        for j in range(qlens[b]):
+            pos = prefixes[b] + j
+            for h in range(heads):
+                probs = torch.softmax((kk[: pos + 1, h // group] @ q[row, h].double()) * scale, 0)
+                ref[row, h] = probs @ vv[: pos + 1, h // group]
+            row += 1
+    args = (q, kn, vn, torch.tensor(slots), k_cache, v_cache, block_tables, torch.tensor(seq, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32), scale)
+    return args, ref
+
+
+CASES = {
+    "decode batch": dict(qlens=[1, 1, 1], prefixes=[0, 100, 700]),
+    "long decode, split context": dict(qlens=[1], prefixes=[2500]),
+    "prefill after a cached prefix": dict(qlens=[37], prefixes=[50]),
+    "decode and prefill in one step": dict(qlens=[1, 20, 1, 5], prefixes=[33, 0, 300, 17]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_dense_float64_attention(k, case, cache_dtype):
+    args, ref = paged_case(**CASES[case], heads=9, kv_heads=3, head_dim=64, block_size=16,
+                           cache_dtype=cache_dtype, seed=len(case))
+    out = k.paged_attention(*args)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 4, 32, 1), (8, 2, 128, 32), (6, 1, 20, 5)])
+def test_paged_attention_for_other_head_layouts_and_block_sizes(k, heads, kv_heads, head_dim, block_size):
+    args, ref = paged_case([3, 1, 40], [10, 77, 0], heads, kv_heads, head_dim, block_size, torch.float32, seed=heads)
+    assert (k.paged_attention(*args).double() - ref).abs().max() < 1e-5
+
+
+def test_paged_attention_writes_the_steps_keys_and_values_to_their_slots(k):
+    args, _ = paged_case([2, 1], [5, 30], 4, 2, 16, 16, torch.bfloat16, seed=7)
+    q, kn, vn, slots, k_cache, v_cache = args[:6]
+    k.paged_attention(*args)
+    flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+    assert torch.equal(flat_k[slots], kn.to(torch.bfloat16))
+    assert torch.equal(flat_v[slots], vn.to(torch.bfloat16))
