@@ -6,56 +6,19 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from gateway.app import new_secret
 from gateway.auth import COOKIE_NAME
-from gateway.config import GatewayConfig
-from gateway.extensions import create_app_with_extras
 from gateway.openai_api import key_user_id
-from gateway.serving import ThreadedServer
 from tests.fixtures_servers import RunningGateway
+from tests.gateway_helpers import openai_client as client
 
 BLOCK = 16  # the engine fixture's --block-size
 QUESTION = [{"role": "user", "content": "Tell me about lighthouses."}]
-
-
-@pytest.fixture
-def api_gateway(request: pytest.FixtureRequest, redis_url: str, key_prefix: str,
-                tmp_path: Path) -> Iterator[Callable[..., RunningGateway]]:
-    """``api_gateway(api_key=None, engine_urls=None, wait_for_engine=True, **config)``: a
-    real gateway with the OpenAI API and metrics wired in (``create_app_with_extras``)."""
-    running: list[RunningGateway] = []
-
-    def make(api_key: str | None = None, engine_urls: list[str] | None = None, wait_for_engine: bool = True,
-             **overrides: Any) -> RunningGateway:
-        urls = engine_urls if engine_urls is not None else [request.getfixturevalue("engine_url")]
-        fields: dict[str, Any] = dict(host="127.0.0.1", port=0, redis_url=redis_url, key_prefix=key_prefix,
-                                      engine_urls=tuple(urls), secret_key=new_secret(), data_dir=tmp_path / "data")
-        fields.update(overrides)
-        config = GatewayConfig().with_overrides(**fields)
-        server = ThreadedServer(create_app_with_extras(config, api_key=api_key), config)
-        port = server.start()
-        gw = RunningGateway(config, server, f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws")
-        running.append(gw)
-        deadline = time.monotonic() + 60
-        while wait_for_engine and urls and not gw.app.state.router.healthy and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return gw
-
-    yield make
-    for gw in running:
-        gw.stop()
-
-
-def client(gw: RunningGateway, api_key: str = "unused", **kwargs: Any) -> openai.OpenAI:
-    """The official client on this gateway (no retries: each test sees every answer)."""
-    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)
 
 
 def engine_stats(gw: RunningGateway) -> dict[str, Any]:

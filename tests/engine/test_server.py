@@ -15,7 +15,7 @@ from websockets.asyncio.client import connect
 from engine.server import run_server
 from tests.engine_helpers import make_engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

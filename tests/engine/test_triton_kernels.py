@@ -21,6 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton
 import importlib.util  # noqa: E402
 import math  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -440,7 +441,7 @@ def test_graph_runner_refuses_a_backend_that_cannot_be_captured():
 
 # --------------------------------------------------------------------------- bench/gpu (CPU parts)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def test_bench_counts_bytes_and_flops_from_the_shapes():

@@ -20,7 +20,7 @@ import redis
 from gateway.auth import COOKIE_NAME
 from gateway.local import LocalStartError, ensure_redis
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
