@@ -4,13 +4,14 @@ the official OpenAI client on a running gateway."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import base64
+import json
 import os
+import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 DEFAULT_TIMEOUT = 120.0
 

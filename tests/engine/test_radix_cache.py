@@ -14,7 +14,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from engine.block_pool import BlockPool, blocks_needed
 from engine.radix_cache import RadixCache, RadixCacheError, RadixNode
 
-
 # --- helpers: a request that follows the caller's contract --------------------------------
 
 

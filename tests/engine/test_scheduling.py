@@ -145,20 +145,16 @@ def test_longest_prefix_match_policy_admits_cache_hits_first(tiny_model_dir):
     assert first == "hit"
 
 
-async def test_clamp_max_tokens_lowers_the_reply_budget_but_never_truncates_the_prompt(tiny_model_dir):
+async def test_clamp_max_tokens_lowers_the_reply_budget_but_never_truncates_the_prompt(tiny_model_dir, start_engine):
     from engine.outputs import GenerateRequest
     from tests.engine_helpers import collect
 
-    eng = make_engine(tiny_model_dir, max_model_len=64, num_blocks=64)
-    eng.start()
-    try:
-        ids = list(range(100, 160))  # 60 tokens: room for 4
-        out = await collect(eng, GenerateRequest("c", ids, params=greedy(50), clamp_max_tokens=True))
-        assert out.final.finish_reason == "length" and out.final.usage.completion_tokens == 4
-        assert out.final.usage.prompt_tokens == 60
-        with pytest.raises(ContextLengthError):
-            await collect(eng, GenerateRequest("n", ids, params=greedy(50)))
-        with pytest.raises(ContextLengthError):  # a prompt of the whole context has no room at all
-            await collect(eng, GenerateRequest("f", list(range(100, 164)), params=greedy(5), clamp_max_tokens=True))
-    finally:
-        eng.shutdown()
+    eng = start_engine(tiny_model_dir, max_model_len=64, num_blocks=64)
+    ids = list(range(100, 160))  # 60 tokens: room for 4
+    out = await collect(eng, GenerateRequest("c", ids, params=greedy(50), clamp_max_tokens=True))
+    assert out.final.finish_reason == "length" and out.final.usage.completion_tokens == 4
+    assert out.final.usage.prompt_tokens == 60
+    with pytest.raises(ContextLengthError):
+        await collect(eng, GenerateRequest("n", ids, params=greedy(50)))
+    with pytest.raises(ContextLengthError):  # a prompt of the whole context has no room at all
+        await collect(eng, GenerateRequest("f", list(range(100, 164)), params=greedy(5), clamp_max_tokens=True))

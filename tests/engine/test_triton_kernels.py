@@ -382,7 +382,7 @@ def tiny_model(dtype=torch.float32):
     cfg = ModelConfig.from_hf(hf)
     model = LlamaForCausalLM(cfg, dtype, "cpu")
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) / math.sqrt(p.shape[-1]))
     return model, cfg
 

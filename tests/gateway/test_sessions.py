@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -212,7 +212,7 @@ async def test_every_key_keeps_a_ttl_after_every_write_when_one_is_configured(rd
     await check("regenerate")
     await store.fail_turn(ALICE, chat.id, regen, None)
     await check("failed regenerate")
-    names = set((await ttls(rds, key_prefix)))
+    names = set(await ttls(rds, key_prefix))
     base = f"{key_prefix}chat:session:{chat.id}"
     assert {base, base + ":messages", base + ":tokens", base + ":cmids"} <= names
 
