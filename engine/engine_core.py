@@ -21,8 +21,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, Timings, Usage
 from engine.radix_cache import RadixCache
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.sampler import PenaltyState
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, cdiv
 
 log = logging.getLogger(__name__)

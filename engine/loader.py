@@ -24,9 +24,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -193,7 +194,7 @@ def _convert_into(gguf: Path, out: Path, expect_bos_eos: bool) -> None:
     with _phase("save safetensors and tokenizer"):
         # save_pretrained refuses a model that still looks GGUF-quantised; the weights
         # are plain float32 tensors by now.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # typed as a tensor through nn.Module
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         if not getattr(model.config, "architectures", None):
@@ -271,7 +272,8 @@ def _read_config(folder: Path, config: EngineConfig) -> tuple[Any, ModelConfig]:
     limit = model_config.max_model_len
     # We attend over the whole context (no sliding window): exact only within the window.
     window = getattr(hf_config, "sliding_window", None)
-    if window and (model_config.architecture == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)):
+    if window and (model_config.architecture == "MistralForCausalLM"
+                   or getattr(hf_config, "use_sliding_window", False)):
         limit = min(limit, int(window))
     if config.max_model_len is not None:
         if config.max_model_len > limit:
@@ -332,5 +334,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
          f"{model_weight_bytes(model) / 2**20:.0f} MiB of weights, context {model_config.max_model_len} tokens; "
          f"ready in {time.perf_counter() - start:.1f} s")
     return LoadedModel(model=model, model_config=model_config, hf_config=hf_config, tokenizer=tokenizer,
-                       name=name, path=folder, weights_id=weights_fingerprint(files, dtype, config.quantization), dtype=dtype,
-                       device=device)
+                       name=name, path=folder, weights_id=weights_fingerprint(files, dtype, config.quantization),
+                       dtype=dtype, device=device)

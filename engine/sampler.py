@@ -172,7 +172,11 @@ class Sampler:
             ok = _take(self._finite_rows(logits), idx).unsqueeze(1)
             # argmax(z + g) with Gumbel g = -log(-log u): the exponential race argmax(p / q).
             drawn = torch.argmax(z - self._log_exponentials(rows.sample, generators) * ok, dim=1)
-            token_ids = drawn if idx is None else token_ids.index_copy(0, idx, drawn)
+            if idx is None:
+                token_ids = drawn
+            else:  # some rows are greedy: token_ids holds their argmax
+                assert token_ids is not None
+                token_ids = token_ids.index_copy(0, idx, drawn)
         out = self._to_host(x, token_ids, params, rows.logprobs)
         for b, state in enumerate(token_counts or ()):
             if state is not None:
@@ -205,7 +209,7 @@ class Sampler:
 
     # -- steps -------------------------------------------------------------------
 
-    def _prepare(self, logits, params, generators, token_counts) -> tuple[torch.Tensor, "_Rows"]:
+    def _prepare(self, logits, params, generators, token_counts) -> tuple[torch.Tensor, _Rows]:
         """Check shapes, replace non-finite logits, and split the rows by the work they need."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} rows x {self.vocab_size} tokens")
@@ -357,8 +361,8 @@ class Sampler:
         top_vals, top_ids = flat[B + L : B + L + L * n], flat[B + L + L * n :]
         for j, b in enumerate(lp_rows):
             k = min(params[b].logprobs, n)
-            top = [(int(top_ids[j * n + i]), top_vals[j * n + i]) for i in range(k)]
-            logprobs[b] = TokenLogprob(token_id=tokens[b], logprob=flat[B + j], top=top)
+            best = [(int(top_ids[j * n + i]), top_vals[j * n + i]) for i in range(k)]
+            logprobs[b] = TokenLogprob(token_id=tokens[b], logprob=flat[B + j], top=best)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs)
 
     def _index(self, rows: list[int], total: int) -> torch.Tensor | None:

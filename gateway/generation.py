@@ -29,8 +29,9 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -186,7 +187,7 @@ class GenerationManager:
                 backoff = min(backoff * 2, STORE_BACKOFF_S[1])
             finally:
                 try:
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
                 except Exception:
                     pass  # the connection is already gone
 

@@ -95,6 +95,7 @@ def build_tiny_model(folder: Path, architecture: str, tokenizer_dir: Path, seed:
 
     folder.mkdir(parents=True, exist_ok=True)
     fields = {**TINY_SHAPES, **config_overrides}
+    config: LlamaConfig | Qwen2Config
     if architecture == "llama":
         config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"])
     elif architecture == "qwen2":

@@ -96,7 +96,7 @@ class RunningGateway:
         headers = self.cookie_header(cookie) if cookie else {}
         kwargs.setdefault("max_size", None)
         kwargs.setdefault("open_timeout", 10)
-        return connect(self.ws_url, origin=(self.origin if origin == "" else origin),  # type: ignore[arg-type]
+        return connect(self.ws_url, origin=(self.origin if origin == "" else origin),
                        additional_headers=headers, **kwargs)
 
     def http(self, cookie: str | None) -> httpx.AsyncClient:

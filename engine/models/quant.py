@@ -86,6 +86,10 @@ class Int8Weight(nn.Module):
             module docstring).
     """
 
+    qweight: torch.Tensor  # buffers, declared for the type checker
+    scale: torch.Tensor
+    wide: torch.Tensor | None
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, keep_wide: bool = False) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)
@@ -93,7 +97,7 @@ class Int8Weight(nn.Module):
         self.register_buffer("wide", qweight.to(scale.dtype) if keep_wide else None)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> "Int8Weight":
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> Int8Weight:
         """Quantize ``weight`` [N, K] (``quantize_int8``); the scale is stored in ``dtype``.
         ``keep_wide`` None: keep the wide copy on the CPU only."""
         q, scale = quantize_int8(weight, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -114,12 +115,14 @@ async def test_sampling_edge_values_never_crash_and_tiny_top_p_is_greedy(tiny_mo
     ref = (await collect(eng, GenerateRequest("g", ids, params=greedy(8)))).final.output_token_ids
     for i, kw in enumerate([dict(temperature=1.0, top_p=1e-8), dict(temperature=1e-6),
                             dict(temperature=1.0, top_k=1), dict(temperature=0.0, top_p=0.5)]):
-        out = await collect(eng, GenerateRequest(f"e{i}", ids, params=SamplingParams(max_tokens=8, ignore_eos=True, **kw)))
+        params = SamplingParams(max_tokens=8, ignore_eos=True, **kw)
+        out = await collect(eng, GenerateRequest(f"e{i}", ids, params=params))
         assert out.final.output_token_ids == ref, kw
     out = await collect(eng, GenerateRequest("p1", ids, params=SamplingParams(max_tokens=8, top_p=1.0)))
     assert out.final.finished
-    for kw in (dict(top_p=0.0), dict(top_p=-0.1), dict(top_p=1.5), dict(temperature=-1.0),
-               dict(max_tokens=0), dict(top_k=-5)):
+    bad: list[dict[str, Any]] = [dict(top_p=0.0), dict(top_p=-0.1), dict(top_p=1.5), dict(temperature=-1.0),
+                                 dict(max_tokens=0), dict(top_k=-5)]
+    for kw in bad:
         with pytest.raises(InvalidRequestError):
             SamplingParams(**kw)
 
@@ -177,7 +180,7 @@ async def test_greedy_output_does_not_depend_on_staggered_neighbours(tiny_model_
     refs = [await solo(f"s{i}") for i in range(3)]
     assert all(r.output_token_ids == refs[0].output_token_ids for r in refs)
     for run in range(3):
-        async def neighbour(k):
+        async def neighbour(k, run=run):
             await asyncio.sleep(0.01 * k * (run + 1))
             ids = [rng.randrange(100, 40000) for _ in range(rng.randrange(50, 600))]
             return await collect(eng, GenerateRequest(f"n{run}.{k}", ids, params=greedy(rng.randrange(4, 30))))

@@ -87,7 +87,8 @@ async def test_template_rendering_history_differently_still_reuses_exact_ids(tin
 async def test_different_cache_salt_never_shares_kv(tiny_model_dir, start_engine):
     """ACCEPTANCE C02: blocks made under one namespace are invisible to another."""
     eng = start_engine(tiny_model_dir)
-    msgs = [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three colors."}]
+    msgs = [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "List three colors."}]
     x = (await collect(eng, GenerateRequest("x", messages=msgs, params=greedy(8), cache_salt="X"))).final
     y = (await collect(eng, GenerateRequest("y", messages=msgs, params=greedy(8), cache_salt="Y"))).final
     x2 = (await collect(eng, GenerateRequest("x2", messages=msgs, params=greedy(8), cache_salt="X"))).final

@@ -35,7 +35,7 @@ async def _recv(ws) -> dict:
 
 
 async def _until_done(ws, rid: str) -> tuple[list[dict], dict]:
-    deltas = []
+    deltas: list[dict] = []
     while True:
         f = await _recv(ws)
         if f.get("request_id") != rid:

@@ -45,7 +45,8 @@ def greedy(oa: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> Any:
 def stream_text(oa: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> tuple[list[Any], str]:
     """(all chunks, concatenated content) of a streamed greedy reply."""
     kw.setdefault("max_tokens", 16)
-    chunks = list(oa.chat.completions.create(model="default", messages=messages, temperature=0, stream=True, **kw))
+    chunks: list[Any] = list(oa.chat.completions.create(model="default", messages=messages, temperature=0,
+                                                        stream=True, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return chunks, text
 
