@@ -90,7 +90,7 @@ class EngineCore:
 
     # ----- admission ------------------------------------------------------------------
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """Refuse at once what could never run (ACCEPTANCE C10): no silent truncation.
+        """Refuse at once what could never run (docs/acceptance.md, context overflow): no silent truncation.
 
         Raises:
             ContextLengthError: prompt + max_tokens over the context, or more KV than the pool.

@@ -58,7 +58,7 @@ class LoadedModel:
         name: display name (folder or file stem; "SmolLM2-135M-Instruct" for the default).
         path: the Hugging Face folder the weights came from.
         weights_id: 16 hex digits identifying these exact weights and dtype; the
-            prefix cache's namespace (ACCEPTANCE C02).
+            prefix cache's namespace (cache namespaces (docs/acceptance.md)).
         dtype, device: of weights, activations and KV.
     """
 

@@ -4,7 +4,7 @@ Per row: penalties -> temperature -> top-k -> top-p -> min-p -> sample, or argma
 when the row is greedy. Randomness is an exponential race in its Gumbel-max form:
 argmax(probs / q) with q ~ Exp(1) equals argmax(log probs + g) with g = -log q =
 -log(-log u), u ~ U(0, 1) drawn from the row's own ``torch.Generator``, so a seeded
-row's draw never depends on its batch neighbours (ACCEPTANCE C21).
+row's draw never depends on its batch neighbours (seeded requests are reproducible (docs/acceptance.md)).
 
 Sources: the CTRL paper (Keskar et al. 2019) for the repetition penalty, the OpenAI
 API reference for frequency/presence penalties, Holtzman et al. 2019 (nucleus
@@ -262,7 +262,7 @@ class Sampler:
             z: float32 ``[S, V]`` finite (penalised) logits of the sampling rows ``rows``.
         Returns:
             float32 ``[S, V]`` scaled logits whose max per row is 0 (the top token always
-            survives, so no row is ever empty: ACCEPTANCE C22).
+            survives, so no row is ever empty: sampling edge values (docs/acceptance.md)).
         """
         ps = [params[b] for b in rows]
         # Subtracting the max first keeps (z - max) / T finite for T >= GREEDY_EPS.

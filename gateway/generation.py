@@ -1,4 +1,4 @@
-"""Replies as tasks that outlive sockets (DESIGN.md, generation flow).
+"""Replies as tasks that outlive sockets (docs/architecture.md, a reply's path).
 
 ``GenerationManager.chat``/``regenerate`` reserve the turn in the store (chat lock,
 user message), write the reply stream's start entry and spawn one task per reply.

@@ -190,7 +190,7 @@ async def delete_session(request: Request) -> Response:
 @api
 async def engine_stats(request: Request) -> Response:
     """GET /api/engine/stats: each engine's counters (KV blocks, requests), for
-    operators and tests (ACCEPTANCE C23 checks that a cancel frees blocks)."""
+    operators and tests (stop frees the engine (docs/acceptance.md) checks that a cancel frees blocks)."""
     out = []
     for c in request.app.state.router.clients:
         entry: dict[str, Any] = {"url": c.url, "healthy": c.healthy, "stats": None}

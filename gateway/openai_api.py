@@ -73,13 +73,13 @@ MODEL_ALIASES = ("", "default")  # besides the served name; an omitted model is 
 SESSION_HEADER = "x-chat-session"
 IDEMPOTENCY_HEADER = "idempotency-key"
 _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop (ACCEPTANCE C26)
+BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def json_bytes(obj: Any) -> bytes:
     """Compact UTF-8 JSON; a lone surrogate (never expected) becomes "?" instead of
-    failing the whole response (ACCEPTANCE C16)."""
+    failing the whole response (valid UTF-8 always (docs/acceptance.md))."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 

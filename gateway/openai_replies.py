@@ -4,7 +4,7 @@ A reply is read as batches of events (``Delta``, then one ``Finished`` or ``Fail
 from one of two sources:
 
 * ``EngineReply``: a stateless request, sent straight to an engine over the internal
-  protocol (no Redis: the HTTP API has no resume, DESIGN.md). It fails over to another
+  protocol (no Redis: the HTTP API has no resume). It fails over to another
   engine while nothing was produced, and reports to the ``GenerationEvents`` hooks
   itself (the browser's replies report through ``GenerationManager``).
 * ``SessionReply``: a request linked to a stored chat. The turn runs through
@@ -13,7 +13,7 @@ from one of two sources:
 
 ``DisconnectWatcher`` listens for ``http.disconnect`` while the reply runs; every wait
 on the source is raced against it, so a client that leaves during the prefill, the
-queue or the decode is noticed at once and its reply aborted (ACCEPTANCE C23).
+queue or the decode is noticed at once and its reply aborted (stop frees the engine (docs/acceptance.md)).
 """
 
 from __future__ import annotations

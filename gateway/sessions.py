@@ -1,6 +1,6 @@
 """The chat store: chats, their messages and token ids in Redis (``redis.asyncio``).
 
-Layout (every key under the configured prefix; DESIGN.md):
+Layout (every key under the configured prefix):
 
     chat:user:{uid}:sessions       sorted set  sid -> updated_at (newest first on read)
     chat:user:{uid}:gens           sorted set  request id -> lease expiry (ms): replies in progress

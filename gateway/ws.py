@@ -4,13 +4,13 @@ Per socket there is one reader (frames in), one writer (frames out) and one tail
 per reply the socket watches. Everything sent goes through a bounded outbox: a tail
 that finds the outbox full waits, so it reads its Redis Stream no faster than the
 client reads the socket, and the gateway holds at most ``ws_max_pending_frames`` frames
-plus one read batch per tail for a slow client (ACCEPTANCE C27). A frame the client
+plus one read batch per tail for a slow client (bounded outbound buffers (docs/acceptance.md)). A frame the client
 has not taken within ``ws_send_timeout_s`` marks the socket stalled: it is closed and
 its tails stop; the replies themselves go on and are stored.
 
 Frames are handled concurrently (at most ``ws_max_inflight`` per socket), so a ``ping``
 is answered while a big ``chat`` of the same or another socket is being processed;
-large frames are JSON-decoded off the event loop (ACCEPTANCE C26).
+large frames are JSON-decoded off the event loop (the event loop is never blocked (docs/acceptance.md)).
 """
 
 from __future__ import annotations

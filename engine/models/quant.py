@@ -29,7 +29,7 @@ Two kernels compute ``y`` and agree up to accumulation order:
 
 Both kernels multiply by the same integers and scale after accumulating, so their
 results differ only in summation order: a request decoded alone and one decoded in a
-large batch agree except at near-ties (ACCEPTANCE C06's minimum policy).
+large batch agree except at near-ties (the policy of docs/acceptance.md, batch-invariant greedy output).
 """
 
 from __future__ import annotations

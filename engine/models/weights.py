@@ -79,8 +79,8 @@ def weights_fingerprint(files: list[Path], dtype: torch.dtype, quantization: str
     mtime (ns), the load dtype and the quantization (None: none); 16 hex digits.
 
     Rewriting or replacing a file changes its mtime, so a reload of different weights
-    under the same model name gets a new id (the prefix cache's namespace, ACCEPTANCE
-    C02) without hashing gigabytes.
+    under the same model name gets a new id (the prefix cache's namespace; docs/acceptance.md,
+    cache namespaces) without hashing gigabytes.
     """
     h = hashlib.sha256(str(dtype).encode())
     if quantization:  # a quantized twin computes different logits: its own namespace

@@ -72,7 +72,7 @@ async def test_preemption_keeps_greedy_output_when_pool_is_too_small(tiny_model_
 
 
 async def test_repeated_cached_runs_and_cache_off_give_identical_tokens(tiny_model_dir, tiny_tok, start_engine):
-    """ACCEPTANCE C01: reused KV must be exact, run to run and against cache-off."""
+    """Exact prefix reuse (docs/acceptance.md): reused KV must be exact, run to run and against cache-off."""
     rng = random.Random(1)
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
     texts = ["".join(rng.choice(alphabet) for _ in range(200)) + " Repeat the first 20 characters."
@@ -95,7 +95,7 @@ async def test_repeated_cached_runs_and_cache_off_give_identical_tokens(tiny_mod
 
 
 async def test_seeded_request_is_reproducible_beside_unseeded_neighbours(tiny_model_dir, tiny_tok, start_engine):
-    """ACCEPTANCE C21."""
+    """Seeded requests are reproducible (docs/acceptance.md)."""
     eng = start_engine(tiny_model_dir)
     a_ids, b_ids = _ids(tiny_tok, "The capital of France is"), _ids(tiny_tok, "The capital of Germany is")
     a_params = SamplingParams(max_tokens=16, temperature=0.8, seed=42, ignore_eos=True)
@@ -109,7 +109,7 @@ async def test_seeded_request_is_reproducible_beside_unseeded_neighbours(tiny_mo
 
 
 async def test_sampling_edge_values_never_crash_and_tiny_top_p_is_greedy(tiny_model_dir, tiny_tok, start_engine):
-    """ACCEPTANCE C22: valid edge values work; invalid ones are refused before any work."""
+    """Sampling edge values (docs/acceptance.md): valid edge values work; invalid ones are refused before any work."""
     eng = start_engine(tiny_model_dir)
     ids = _ids(tiny_tok, "Name a fruit.")
     ref = (await collect(eng, GenerateRequest("g", ids, params=greedy(8)))).final.output_token_ids
@@ -128,7 +128,7 @@ async def test_sampling_edge_values_never_crash_and_tiny_top_p_is_greedy(tiny_mo
 
 
 async def test_high_temperature_streams_never_fail_to_encode(tiny_model_dir, tiny_tok, start_engine):
-    """ACCEPTANCE C16: whatever bytes come out, every delta and the final text encode as UTF-8."""
+    """Valid UTF-8 always: whatever bytes come out, every delta and the final text encode as UTF-8."""
     eng = start_engine(tiny_model_dir)
     ids = _ids(tiny_tok, "Explain artificial intelligence in simple words.")
     params = SamplingParams(max_tokens=40, temperature=1.5, top_k=100, repetition_penalty=1.2, ignore_eos=True)
@@ -141,7 +141,7 @@ async def test_high_temperature_streams_never_fail_to_encode(tiny_model_dir, tin
 
 
 async def test_max_tokens_n_streams_exactly_n_tokens_and_final_frame_keeps_them(tiny_model_dir, tiny_tok, start_engine):
-    """ACCEPTANCE C14: tokens of the finishing step are delivered."""
+    """The finishing step's tokens are delivered (docs/acceptance.md): tokens of the finishing step are delivered."""
     eng = start_engine(tiny_model_dir)
     ids = _ids(tiny_tok, "Say hi.")
     for n in (1, 7, 20):
@@ -167,7 +167,7 @@ async def test_smollm2_answers_capital_of_france_like_transformers(smollm2_dir, 
 
 
 async def test_greedy_output_does_not_depend_on_staggered_neighbours(tiny_model_dir, tiny_tok, start_engine):
-    """ACCEPTANCE C06: P alone N times is identical; P beside 7 staggered prompts of
+    """Batch-invariant greedy output (docs/acceptance.md): P alone N times is identical; P beside 7 staggered prompts of
     50-600 tokens matches per the policy (here, exactly on float32)."""
     eng = start_engine(tiny_model_dir, num_blocks=1024, max_num_batched_tokens=128)
     rng = random.Random(4)
@@ -197,7 +197,7 @@ def test_seed_outside_the_generator_range_is_refused_up_front():
 
 
 async def test_abort_while_the_prompt_is_being_built_stops_the_request_before_it_runs(tiny_model_dir, start_engine):
-    """ACCEPTANCE C23, the queued case: an abort that arrives during tokenization is not lost."""
+    """Stop frees the engine, the queued case: an abort that arrives during tokenization is not lost."""
     eng = start_engine(tiny_model_dir)
     msgs = [{"role": "user", "content": "word " * 1400}]
     req = GenerateRequest("early", messages=msgs, params=SamplingParams(max_tokens=500, ignore_eos=True))

@@ -43,7 +43,7 @@ async def test_five_turn_chat_reuses_previous_turn_and_matches_cache_off(tiny_mo
 
 
 async def test_first_turn_prompt_equals_chat_template_with_one_bos(tiny_model_dir, start_engine):
-    """ACCEPTANCE C19: the engine's ids equal apply_chat_template(tokenize=True); no doubled specials."""
+    """One BOS (docs/acceptance.md): the engine's ids equal apply_chat_template(tokenize=True); no doubled specials."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     eng = start_engine(tiny_model_dir)
     chats = [
@@ -70,7 +70,7 @@ THINK_TEMPLATE = (
 
 
 async def test_template_rendering_history_differently_still_reuses_exact_ids(tiny_model_dir, start_engine):
-    """ACCEPTANCE C17: the generation prompt has an empty think block that history drops;
+    """Exact multi-turn token ids: the generation prompt has an empty think block that history drops;
     replaying the stored ids keeps turn 2's cache hit."""
     eng = make_engine(tiny_model_dir)
     eng.prompts.tokenizer.chat_template = THINK_TEMPLATE
@@ -85,7 +85,7 @@ async def test_template_rendering_history_differently_still_reuses_exact_ids(tin
 
 
 async def test_different_cache_salt_never_shares_kv(tiny_model_dir, start_engine):
-    """ACCEPTANCE C02: blocks made under one namespace are invisible to another."""
+    """Cache namespaces (docs/acceptance.md): blocks made under one namespace are invisible to another."""
     eng = start_engine(tiny_model_dir)
     msgs = [{"role": "system", "content": "You are a terse assistant."},
             {"role": "user", "content": "List three colors."}]

@@ -163,7 +163,7 @@ def test_quantized_model_replaces_every_projection_and_stays_close(which, tiny_m
 
 
 def test_quantization_gets_its_own_prefix_cache_namespace(tiny_model_dir):
-    """ACCEPTANCE C02's kind: a quantized twin of the same files never shares KV with them."""
+    """Cache namespaces (docs/acceptance.md): a quantized twin of the same files never shares KV with them."""
     base = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
     q8 = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16", quantization="int8"))
     assert base.weights_id != q8.weights_id
@@ -191,7 +191,7 @@ def test_int8_smollm2_scores_text_like_its_bfloat16_weights(smollm2_dir):
 
 
 async def test_int8_greedy_output_does_not_depend_on_its_neighbours(tiny_model_dir, tiny_tok, start_engine):
-    """ACCEPTANCE C06 with int8 weights: the prompt alone runs on the small-batch kernel,
+    """Batch-invariant greedy output with int8 weights: the prompt alone runs on the small-batch kernel,
     beside 14 others on the wide one; the texts agree up to a near-tie."""
     eng = start_engine(tiny_model_dir, dtype="bfloat16", quantization="int8", num_blocks=1024)
     rng = random.Random(2)

@@ -81,7 +81,7 @@ def test_non_streaming_reply_has_the_openai_shape_and_usage(api_gateway):
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 24])
 def test_streamed_text_equals_the_non_streamed_text_and_counts_every_token(api_gateway, max_tokens):
-    """ACCEPTANCE C14: the finishing step's tokens are streamed too."""
+    """The finishing step's tokens are delivered (docs/acceptance.md): the finishing step's tokens are streamed too."""
     gw = api_gateway()
     oa = client(gw)
     whole = greedy(oa, QUESTION, max_tokens=max_tokens)
@@ -123,7 +123,7 @@ def _a_stop_string(text: str) -> str:
 
 
 def test_a_stop_string_ends_the_reply_and_no_part_of_it_is_ever_streamed(api_gateway):
-    """ACCEPTANCE C13, on whatever the model says greedily."""
+    """Stop strings never leak (docs/acceptance.md), on whatever the model says greedily."""
     gw = api_gateway()
     oa = client(gw)
     full = greedy(oa, QUESTION, max_tokens=48).choices[0].message.content
@@ -275,7 +275,7 @@ def test_an_api_key_is_required_when_configured(api_gateway):
     assert ok.models.list().data
 
 
-# ---- a dropped client aborts (ACCEPTANCE C23) ----------------------------------------------
+# ---- a dropped client aborts (stop frees the engine) ----------------------------------------------
 
 
 def assert_aborted_and_freed(gw: RunningGateway, before: dict[str, Any], max_tokens: int) -> None:
