@@ -59,8 +59,8 @@ def time_format(model: str | None, dtype: str, quantization: str | None, batches
     engine = AsyncEngine.from_loaded(load_model(cfg), cfg, verbose=False)
     core = engine.core
     prompt = [100 + (i * 37) % 20000 for i in range(context)]
-    model = core.runner.model
-    out = {"weight_bytes": model_weight_bytes(model), "read_bytes": batch1_read_bytes(model), "step_ms": {}}
+    weights = core.runner.model
+    out = {"weight_bytes": model_weight_bytes(weights), "read_bytes": batch1_read_bytes(weights), "step_ms": {}}
     for b in batches:
         for i in range(b):
             core.add_request(f"{b}.{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
@@ -70,7 +70,7 @@ def time_format(model: str | None, dtype: str, quantization: str | None, batches
         core.step()
         times: list[float] = []
 
-        def timed_steps() -> None:
+        def timed_steps(times: list[float] = times) -> None:
             for _ in range(steps):
                 t0 = time.perf_counter()
                 core.step()

@@ -113,7 +113,7 @@ async def run_ours(engine: AsyncEngine, reqs, tag: str) -> dict:
     await asyncio.gather(*(one(i, ids, n) for i, (ids, n) in enumerate(reqs)))
     wall = time.perf_counter() - t0
     samp.cancel()
-    out_tokens = sum(f.usage.completion_tokens for f in finals)
+    out_tokens = sum(f.usage.completion_tokens for f in finals if f.usage is not None)
     return {"output_tok_s": out_tokens / wall, "wall_s": wall, "output_tokens": out_tokens,
             "ttft_ms_p50": pct([f.timings.ttft_ms for f in finals], 0.5),
             "ttft_ms_p99": pct([f.timings.ttft_ms for f in finals], 0.99),
@@ -126,7 +126,8 @@ class _Clock:
     """transformers streamer that notes when the first new token of a batch appears."""
 
     def __init__(self) -> None:
-        self.calls, self.first = 0, None
+        self.calls = 0
+        self.first: float | None = None
 
     def put(self, value) -> None:
         self.calls += 1
@@ -264,7 +265,8 @@ def table(r: dict) -> str:
     lines = [f"engine_throughput: {r['model']} {r['dtype']} on {r['device']}, {r['threads']} threads",
              f"{'metric':44s} {'ours':>12s} {'transformers':>14s} {'ratio':>8s}"]
     hf = m.get("transformers")
-    lines.append(f"{'mixed: output tokens/s (' + str(m['requests']) + ' requests)':44s} {m['ours']['output_tok_s']:12.1f} "
+    label = f"mixed: output tokens/s ({m['requests']} requests)"
+    lines.append(f"{label:44s} {m['ours']['output_tok_s']:12.1f} "
                  f"{(hf['output_tok_s'] if hf else float('nan')):14.1f} {m.get('speedup', float('nan')):8.2f}")
     lines.append(f"{'mixed: TTFT p50 (ms)':44s} {m['ours']['ttft_ms_p50']:12.0f} "
                  f"{(hf['ttft_ms_p50'] if hf else float('nan')):14.0f}")
@@ -273,7 +275,8 @@ def table(r: dict) -> str:
     lines.append(f"{'single stream: weight bytes read per token':44s} {s['weight_bytes'] / 1e6:11.0f}M")
     lines.append(f"{'multiturn: TTFT turn 1 (ms)':44s} {mt['ttft_turn1_ms']:12.0f}")
     lines.append(f"{'multiturn: TTFT turn 8, cache on / off (ms)':44s} {mt['ttft_turn8_ms_cache']:12.0f} "
-                 f"{mt['ttft_turn8_ms_nocache']:14.0f} {mt['ttft_turn8_ms_nocache'] / max(mt['ttft_turn8_ms_cache'], 1e-9):8.2f}")
+                 f"{mt['ttft_turn8_ms_nocache']:14.0f} "
+                 f"{mt['ttft_turn8_ms_nocache'] / max(mt['ttft_turn8_ms_cache'], 1e-9):8.2f}")
     lines.append(f"{'multiturn: cache hit ratio, turns 2-8':44s} {mt['cache_hit_ratio']:12.3f}")
     lines.append(f"{'KV waste, tokens per running request (max)':44s} {r['kv']['waste_tokens_per_request_max']:12.1f}")
     return "\n".join(lines)

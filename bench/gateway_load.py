@@ -34,9 +34,10 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -187,7 +188,7 @@ async def run_load(base_url: str, cfg: LoadConfig,
         async def client(cookie: str) -> None:
             session_id: str | None = None
             try:
-                ws = await connect(ws_url, origin=base_url, additional_headers={"Cookie": f"{COOKIE_NAME}={cookie}"},  # type: ignore[arg-type]
+                ws = await connect(ws_url, origin=base_url, additional_headers={"Cookie": f"{COOKIE_NAME}={cookie}"},
                                    max_size=None, open_timeout=60, ping_interval=None, compression=None)
             finally:
                 settle()  # opened or failed: either way the others need not wait for it
@@ -353,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.write_docs:
         from bench.serving_lib.docs import replace_block
 
-        cmd = "python bench/gateway_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python bench/gateway_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
         load = " ".join(f"{x:.1f}" for x in load_before)
-        block = f"Command: `{cmd.strip()}` (load average before the run: {load}).\n\n{table(res)}"
+        block = f"Command: `{command.strip()}` (load average before the run: {load}).\n\n{table(res)}"
         doc = ROOT / "docs" / "benchmarks.md"
         doc.write_text(replace_block(doc.read_text(), "## Gateway overhead", block, "gateway_load.py"))
     if a.json:

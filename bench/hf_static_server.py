@@ -22,8 +22,9 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -167,7 +168,7 @@ def build_app(batcher: StaticBatcher, model_name: str) -> Any:
 
         if not body.get("stream"):
             text_out, n = "", 0
-            async for piece, n in tokens():
+            async for piece, n in tokens():  # noqa: B007  (n after the loop: tokens sent)
                 text_out += piece
             return JSONResponse({"id": cid, "object": "chat.completion", "model": model_name,
                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": text_out},
@@ -177,7 +178,7 @@ def build_app(batcher: StaticBatcher, model_name: str) -> Any:
         async def events() -> AsyncIterator[str]:
             yield _chunk(cid, model_name, {"role": "assistant", "content": ""})
             n = 0
-            async for piece, n in tokens():
+            async for piece, n in tokens():  # noqa: B007  (n after the loop: tokens sent)
                 if piece:
                     yield _chunk(cid, model_name, {"content": piece})
             yield _chunk(cid, model_name, {}, "length" if n >= cap else "stop")

@@ -69,7 +69,7 @@ def random_loaded_model(name: str, dtype: torch.dtype, device: torch.device, see
     mc = ModelConfig.from_hf(cfg)
     torch.manual_seed(seed)
     model = model_class_for(mc.architecture)(mc, dtype, device)
-    for pname, p in model.named_parameters():
+    for _, p in model.named_parameters():
         if p.dim() == 1:
             p.fill_(1.0)  # norms
         else:

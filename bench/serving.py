@@ -41,9 +41,10 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -55,8 +56,7 @@ import httpx  # noqa: E402
 from bench.serving_lib import docs  # noqa: E402
 from bench.serving_lib.openai_client import RequestResult, stream_chat  # noqa: E402
 from bench.serving_lib.stats import fmt, percentile  # noqa: E402
-from bench.serving_lib.workloads import (RequestSpec, chat_users, mixed_requests, poisson_offsets,  # noqa: E402
-                                         single_requests)
+from bench.serving_lib.workloads import RequestSpec, chat_users, mixed_requests, poisson_offsets, single_requests  # noqa: E402
 
 DOC_TAG = "serving.py"
 DOC_BEGIN, DOC_END = f"<!-- {DOC_TAG}: begin -->", f"<!-- {DOC_TAG}: end -->"

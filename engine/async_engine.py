@@ -17,9 +17,9 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import torch
 
@@ -73,7 +73,7 @@ class AsyncEngine:
 
     # ----- construction -------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: EngineConfig, verbose: bool = True) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig, verbose: bool = True) -> AsyncEngine:
         """Load the model named by ``config.model``, then ``from_loaded``.
 
         Raises:
@@ -86,7 +86,7 @@ class AsyncEngine:
         return cls.from_loaded(load_model(config), config, verbose)
 
     @classmethod
-    def from_loaded(cls, loaded, config: EngineConfig, verbose: bool = True) -> "AsyncEngine":
+    def from_loaded(cls, loaded, config: EngineConfig, verbose: bool = True) -> AsyncEngine:
         """Size and allocate the KV cache for a loaded model (``engine.loader.LoadedModel``)
         and build the engine (not started). Prints what it sized when ``verbose``."""
         from engine.kv_cache import KVCache, plan_kv_blocks

@@ -3,7 +3,7 @@
 
 A block is *free* (refcount 0, on the free list) or *referenced* (refcount >= 1, one
 count per holder: the radix tree, each running request that uses it). Invariant
-(DESIGN.md, BlockPool): free + referenced == num_blocks at all times, and a block is
+(docs/architecture.md): free + referenced == num_blocks at all times, and a block is
 handed out again only once its refcount is back to 0.
 
 Not thread-safe: the scheduler's step loop is its only user.

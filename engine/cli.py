@@ -48,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--engine-seed", type=int, default=0, help="seed of the shared generator for unseeded sampled requests")
+    p.add_argument("--engine-seed", type=int, default=0,
+                   help="seed of the shared generator for unseeded sampled requests")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -110,7 +111,7 @@ async def _generate_once(a: argparse.Namespace) -> int:
                 sys.stdout.flush()
             if out.finished:
                 final = out
-        assert final is not None
+        assert final is not None and final.usage is not None and final.timings is not None  # set when finished
         if a.json:
             print(json.dumps({"text": final.output_text, "token_ids": final.output_token_ids,
                               "finish_reason": final.finish_reason, "usage": asdict(final.usage),

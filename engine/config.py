@@ -39,7 +39,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Read a ``transformers.PretrainedConfig`` of a Llama-family model.
 
         Raises:

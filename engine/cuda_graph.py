@@ -39,8 +39,9 @@ What the model runner calls:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -100,7 +101,7 @@ class StaticDecodeInputs:
     logits_indices: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_batch_size: int, max_blocks: int, device: torch.device | str) -> "StaticDecodeInputs":
+    def allocate(cls, max_batch_size: int, max_blocks: int, device: torch.device | str) -> StaticDecodeInputs:
         """Buffers for ``max_batch_size`` rows of ``max_blocks`` blocks, all rows padding."""
         n, dev = max_batch_size, torch.device(device)
         inputs = cls(

@@ -22,8 +22,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, Timings, Usage
 from engine.radix_cache import RadixCache
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.sampler import PenaltyState
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, cdiv
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class EngineCore:
 
     # ----- admission ------------------------------------------------------------------
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """Refuse at once what could never run (ACCEPTANCE C10): no silent truncation.
+        """Refuse at once what could never run (docs/acceptance.md, context overflow): no silent truncation.
 
         Raises:
             ContextLengthError: prompt + max_tokens over the context, or more KV than the pool.

@@ -27,7 +27,7 @@ class InvalidRequestError(EngineError):
 
 class ContextLengthError(InvalidRequestError):
     """prompt tokens + max_tokens exceed the model's context, or the prompt can never
-    fit the KV pool. Never silently truncated (ACCEPTANCE C10)."""
+    fit the KV pool. Never silently truncated (docs/acceptance.md, context overflow)."""
 
     code = "context_length_exceeded"
 

@@ -81,7 +81,7 @@ class ForwardBatch:
         sample_mask: list[bool],
         block_size: int,
         device: torch.device | str = "cpu",
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Build a batch from per-request token chunks.
 
         Args:

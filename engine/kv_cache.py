@@ -106,7 +106,7 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
-    ) -> "KVCache":
+    ) -> KVCache:
         """Allocate zeroed caches (zeros, so a stray read of an unwritten slot is finite)."""
         shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]

@@ -24,9 +24,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ class LoadedModel:
         name: display name (folder or file stem; "SmolLM2-135M-Instruct" for the default).
         path: the Hugging Face folder the weights came from.
         weights_id: 16 hex digits identifying these exact weights and dtype; the
-            prefix cache's namespace (ACCEPTANCE C02).
+            prefix cache's namespace (cache namespaces, docs/acceptance.md).
         dtype, device: of the activations (and of unquantized weights).
         format: the resolved serving format (weights, activations, KV cache, kernels).
         cpu_kernels: the CPU kernels the model runs on, or None (torch ops).
@@ -199,7 +200,7 @@ def _convert_into(gguf: Path, out: Path, expect_bos_eos: bool) -> None:
     with _phase("save safetensors and tokenizer"):
         # save_pretrained refuses a model that still looks GGUF-quantised; the weights
         # are plain float32 tensors by now.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # typed as a tensor through nn.Module
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         if not getattr(model.config, "architectures", None):
@@ -277,7 +278,8 @@ def _read_config(folder: Path, config: EngineConfig) -> tuple[Any, ModelConfig]:
     limit = model_config.max_model_len
     # We attend over the whole context (no sliding window): exact only within the window.
     window = getattr(hf_config, "sliding_window", None)
-    if window and (model_config.architecture == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False)):
+    if window and (model_config.architecture == "MistralForCausalLM"
+                   or getattr(hf_config, "use_sliding_window", False)):
         limit = min(limit, int(window))
     if config.max_model_len is not None:
         if config.max_model_len > limit:

@@ -23,11 +23,11 @@ class GenerateRequest:
             part of ``messages`` (the chat so far, ending with an assistant reply's
             sampled ids). When the template's rendering of ``messages`` starts with the
             text of these ids, the prompt is these ids plus the tokenized rest, so
-            turn N+1 shares turn N's KV exactly (DESIGN.md); otherwise the engine falls
+            turn N+1 shares turn N's KV exactly (docs/architecture.md, multi-turn prompts); otherwise the engine falls
             back to a full render and reports ``prefix_reused=False``.
         params: sampling and stopping parameters.
         cache_salt: namespace for the prefix cache; requests with different salts never
-            share KV (ACCEPTANCE C02). The engine also salts with its weights id.
+            share KV (cache namespaces (docs/acceptance.md)). The engine also salts with its weights id.
         clamp_max_tokens: when the prompt fits the context but prompt + max_tokens does
             not, lower max_tokens to what is left (the reply then ends with "length")
             instead of refusing. The prompt itself is never truncated.
@@ -80,7 +80,7 @@ class RequestOutput:
 
     A delta carries the new ``text`` and ``token_ids`` since the previous item
     (``finished`` False). The final item has ``finished`` True, may itself carry
-    text and tokens decoded in the finishing step (ACCEPTANCE C14), and holds
+    text and tokens decoded in the finishing step (docs/acceptance.md), and holds
     ``finish_reason`` ("stop", "length" or "abort"), ``usage``, ``timings``, the
     full ``output_text`` and ``output_token_ids`` and the ``prompt_token_ids``
     that were run.

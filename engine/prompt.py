@@ -2,8 +2,8 @@
 
 Re-rendering a chat's history as text and tokenizing it again does not always
 give back the ids the model sampled (BPE merges across a turn boundary; some
-templates render past turns differently from the generation prompt, ACCEPTANCE
-C17). So a request may carry the exact ids of the chat so far
+templates render past turns differently from the generation prompt; docs/acceptance.md,
+exact multi-turn token ids). So a request may carry the exact ids of the chat so far
 (``prefix_token_ids``); when the template's text for the whole chat starts with
 the text of those ids, the prompt is those ids plus the tokenized remainder,
 and turn N+1 shares turn N's KV exactly. Otherwise the full render is used.
@@ -111,7 +111,7 @@ class PromptBuilder:
 
         Two cases: (a) the rendered prompt starts with the prefix's text: the rest
         follows; (b) the template renders past assistant turns differently from how
-        the model saw them (ACCEPTANCE C17, e.g. thinking blocks dropped from history):
+        the model saw them (exact multi-turn token ids (docs/acceptance.md), e.g. thinking blocks dropped from history):
         the prefix ids are replayed as they were, followed by what the template
         renders after the last assistant message's content (its end-of-turn text)
         and the new turn(s).

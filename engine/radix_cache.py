@@ -40,7 +40,7 @@ Rules:
   ``incref`` the result, then ``unlock`` its old node and ``decref`` its own blocks of
   those pages (some of them were duplicates of pages the tree already had).
 
-Accounting identity (the engine checks it when idle; ACCEPTANCE C04)::
+Accounting identity (the engine checks it when idle; block accounting (docs/acceptance.md))::
 
     pool.num_free + cache.num_evictable_blocks + |blocks held by running requests|
         == pool.num_blocks
@@ -378,7 +378,7 @@ class RadixCache:
         return self.evict(self._num_cached)
 
     def invalidate_namespace(self, namespace: str) -> int:
-        """Forget ``namespace`` (its weights or salt changed; ACCEPTANCE C02).
+        """Forget ``namespace`` (its weights or salt changed; cache namespaces (docs/acceptance.md)).
 
         Its unlocked nodes are dropped now; its locked ones stay with the requests that
         use them but are unreachable by new matches, and are dropped when unlocked.

@@ -1,4 +1,4 @@
-"""A request's life inside the engine: its tokens, its blocks and its clocks.
+r"""A request's life inside the engine: its tokens, its blocks and its clocks.
 
 Which blocks a running request holds (block_size 4, prompt of 10 tokens, the
 first 8 matched in the radix tree)::

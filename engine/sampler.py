@@ -4,7 +4,7 @@ Per row: penalties -> temperature -> top-k -> top-p -> min-p -> sample, or argma
 when the row is greedy. Randomness is an exponential race in its Gumbel-max form:
 argmax(probs / q) with q ~ Exp(1) equals argmax(log probs + g) with g = -log q =
 -log(-log u), u ~ U(0, 1) drawn from the row's own ``torch.Generator``, so a seeded
-row's draw never depends on its batch neighbours (ACCEPTANCE C21).
+row's draw never depends on its batch neighbours (seeded requests are reproducible (docs/acceptance.md)).
 
 Sources: the CTRL paper (Keskar et al. 2019) for the repetition penalty, the OpenAI
 API reference for frequency/presence penalties, Holtzman et al. 2019 (nucleus
@@ -172,7 +172,11 @@ class Sampler:
             ok = _take(self._finite_rows(logits), idx).unsqueeze(1)
             # argmax(z + g) with Gumbel g = -log(-log u): the exponential race argmax(p / q).
             drawn = torch.argmax(z - self._log_exponentials(rows.sample, generators) * ok, dim=1)
-            token_ids = drawn if idx is None else token_ids.index_copy(0, idx, drawn)
+            if idx is None:
+                token_ids = drawn
+            else:  # some rows are greedy: token_ids holds their argmax
+                assert token_ids is not None
+                token_ids = token_ids.index_copy(0, idx, drawn)
         out = self._to_host(x, token_ids, params, rows.logprobs)
         for b, state in enumerate(token_counts or ()):
             if state is not None:
@@ -205,7 +209,7 @@ class Sampler:
 
     # -- steps -------------------------------------------------------------------
 
-    def _prepare(self, logits, params, generators, token_counts) -> tuple[torch.Tensor, "_Rows"]:
+    def _prepare(self, logits, params, generators, token_counts) -> tuple[torch.Tensor, _Rows]:
         """Check shapes, replace non-finite logits, and split the rows by the work they need."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} rows x {self.vocab_size} tokens")
@@ -258,7 +262,7 @@ class Sampler:
             z: float32 ``[S, V]`` finite (penalised) logits of the sampling rows ``rows``.
         Returns:
             float32 ``[S, V]`` scaled logits whose max per row is 0 (the top token always
-            survives, so no row is ever empty: ACCEPTANCE C22).
+            survives, so no row is ever empty: sampling edge values (docs/acceptance.md)).
         """
         ps = [params[b] for b in rows]
         # Subtracting the max first keeps (z - max) / T finite for T >= GREEDY_EPS.
@@ -357,8 +361,8 @@ class Sampler:
         top_vals, top_ids = flat[B + L : B + L + L * n], flat[B + L + L * n :]
         for j, b in enumerate(lp_rows):
             k = min(params[b].logprobs, n)
-            top = [(int(top_ids[j * n + i]), top_vals[j * n + i]) for i in range(k)]
-            logprobs[b] = TokenLogprob(token_id=tokens[b], logprob=flat[B + j], top=top)
+            best = [(int(top_ids[j * n + i]), top_vals[j * n + i]) for i in range(k)]
+            logprobs[b] = TokenLogprob(token_id=tokens[b], logprob=flat[B + j], top=best)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs)
 
     def _index(self, rows: list[int], total: int) -> torch.Tensor | None:

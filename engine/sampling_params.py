@@ -104,7 +104,7 @@ class SamplingParams:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
         """Build from a JSON object; unknown keys are an error.
 
         Raises:

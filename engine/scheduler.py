@@ -5,7 +5,7 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
 1. Running requests first, oldest first: a decode costs one token; an
    unfinished prefill takes the next chunk that fits. Running work is served
    before any new prompt, so a stream of arriving prompts can delay a decode by
-   at most one step of bounded size, never starve it (ACCEPTANCE C07).
+   at most one step of bounded size, never starve it (no decode starvation (docs/acceptance.md)).
 2. Then waiting requests (FCFS, or longest prefix match first with "lpm"):
    match the prompt in the radix tree, lock the match, allocate blocks for the
    first chunk, and admit.
@@ -277,7 +277,7 @@ class Scheduler:
         return len(held)
 
     def check_invariants(self) -> None:
-        """free + evictable + held by running requests == total (ACCEPTANCE C04).
+        """free + evictable + held by running requests == total (block accounting (docs/acceptance.md)).
 
         Raises:
             AssertionError: with the four numbers, when the identity fails.

@@ -43,6 +43,7 @@ def output_frame(request_id: str, out: RequestOutput) -> dict[str, Any]:
     if out.logprobs:
         frame["logprobs"] = [asdict(lp) for lp in out.logprobs]
     if out.finished:
+        assert out.usage is not None and out.timings is not None  # a finished output carries both
         frame.update(
             finish_reason=out.finish_reason, stop_reason=out.stop_reason,
             output_text=out.output_text, output_token_ids=out.output_token_ids,
@@ -136,7 +137,7 @@ class EngineServer:
                 return
             task = asyncio.create_task(self._run(ws, rid, req))
             tasks[rid] = task
-            task.add_done_callback(lambda _t, rid=rid: tasks.pop(rid, None))
+            task.add_done_callback(lambda _t: tasks.pop(rid, None))
         else:
             await ws.send(_error("bad_frame", f"unknown frame type {kind!r}", rid if isinstance(rid, str) else None))
 

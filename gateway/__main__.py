@@ -19,8 +19,8 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.extensions import create_app_with_extras
 from gateway.config import ConfigError, GatewayConfig, config_from_env
+from gateway.extensions import create_app_with_extras
 from gateway.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis
 from gateway.serving import make_listen_socket, serve_and_announce, uvicorn_config
 

@@ -11,8 +11,9 @@ import asyncio
 import json
 import logging
 import secrets
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from markupsafe import Markup
@@ -23,6 +24,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.auth import UserCookieMiddleware, UserIds
 from gateway.config import GatewayConfig
@@ -49,12 +51,12 @@ class SecurityHeadersMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
 
-        async def send_with_headers(message: dict) -> None:
+        async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = dict(message)
                 message["headers"] = list(message.get("headers", [])) + SECURITY_HEADERS
@@ -118,6 +120,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
             await router.close()
             await redis.aclose()
             await tail_redis.aclose()
+            await tail_pool.aclose()  # a pool passed in is not closed by its client
 
     async def index(request: Request) -> Response:
         """GET /: the chat page (web/index.html with model_name, config_json, static_url)."""

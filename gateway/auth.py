@@ -13,17 +13,15 @@ hijacking would otherwise ride on the cookie).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 from http.cookies import SimpleCookie
-from typing import Any, Awaitable, Callable, Iterable
 
 from itsdangerous import BadSignature, Signer
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 COOKIE_NAME = "chat_uid"
 COOKIE_MAX_AGE_S = 400 * 24 * 3600  # the longest browsers keep a cookie
 _SALT = "chat-user-id"
-
-Scope = dict[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
 class UserIds:
@@ -56,7 +54,7 @@ def header(scope: Scope, name: bytes) -> str | None:
     """The first value of request header ``name`` (lower-case bytes), decoded as latin-1."""
     for key, value in scope.get("headers", ()):
         if key == name:
-            return value.decode("latin-1")
+            return str(value.decode("latin-1"))
     return None
 
 
@@ -84,7 +82,8 @@ def set_cookie_header(value: str, secure: bool) -> tuple[bytes, bytes]:
 
 def request_user(scope: Scope) -> str | None:
     """The user id that ``UserCookieMiddleware`` (HTTP) or the WebSocket endpoint put in scope."""
-    return scope.get("state", {}).get("user_id")
+    uid = scope.get("state", {}).get("user_id")
+    return uid if isinstance(uid, str) else None
 
 
 class UserCookieMiddleware:
@@ -96,7 +95,7 @@ class UserCookieMiddleware:
         self.app = app
         self.ids = ids
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
@@ -110,7 +109,7 @@ class UserCookieMiddleware:
         state["user_id"] = uid
         cookie = set_cookie_header(self.ids.sign(uid), secure=scope.get("scheme") == "https")
 
-        async def send_with_cookie(message: dict) -> None:
+        async def send_with_cookie(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = dict(message)
                 message["headers"] = list(message.get("headers", [])) + [cookie]

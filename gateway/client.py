@@ -20,6 +20,7 @@ from urllib.parse import urlparse, urlunparse
 import httpx
 import websockets
 from websockets.asyncio.client import connect
+from websockets.typing import Origin
 
 from gateway.auth import COOKIE_NAME
 
@@ -53,7 +54,7 @@ async def ask(url: str, cookie: str, question: str, session_id: str | None = Non
         frame["session_id"] = session_id
     if params:
         frame["params"] = params
-    async with connect(url, origin=base, additional_headers={"Cookie": f"{COOKIE_NAME}={cookie}"},
+    async with connect(url, origin=Origin(base), additional_headers={"Cookie": f"{COOKIE_NAME}={cookie}"},
                        max_size=None) as ws:
         await ws.send(json.dumps(frame))
         async for raw in ws:

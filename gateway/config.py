@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 MIB = 1 << 20
 
@@ -168,7 +169,7 @@ class GatewayConfig:
             if not o.startswith(("http://", "https://")) or o.endswith("/"):
                 raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")
 
-    def with_overrides(self, **changes: Any) -> "GatewayConfig":
+    def with_overrides(self, **changes: Any) -> GatewayConfig:
         """A copy with some fields replaced; ``limits`` may be given as a dict of changes."""
         lim = changes.pop("limits", None)
         if isinstance(lim, Mapping):

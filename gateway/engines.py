@@ -19,8 +19,9 @@ import json
 import logging
 import random
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
@@ -50,7 +51,7 @@ class EngineInfo:
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_hello(cls, frame: dict[str, Any]) -> "EngineInfo":
+    def from_hello(cls, frame: dict[str, Any]) -> EngineInfo:
         """Read a ``hello`` frame (missing numbers become 0)."""
         return cls(str(frame.get("model", "")), int(frame.get("max_model_len", 0)),
                    int(frame.get("block_size", 0)), int(frame.get("num_blocks", 0)), dict(frame))
@@ -60,7 +61,7 @@ class EngineRequest:
     """One generation in flight on an engine. Read its frames (``delta``, then ``done``
     or ``error``) with ``next()``; always ``close()`` it (it unregisters the id)."""
 
-    def __init__(self, client: "EngineClient", request_id: str) -> None:
+    def __init__(self, client: EngineClient, request_id: str) -> None:
         self.client = client
         self.request_id = request_id
         self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

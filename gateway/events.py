@@ -8,7 +8,8 @@ exception is logged and ignored). Times are seconds from ``time.perf_counter()``
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 log = logging.getLogger("gateway.events")
 
@@ -43,14 +44,14 @@ class EventFanout(GenerationEvents):
             except Exception:
                 log.exception("generation event hook %s.%s failed", type(s).__name__, name)
 
-    def on_start(self, *args: Any) -> None:  # type: ignore[override]
+    def on_start(self, *args: Any) -> None:
         self._call("on_start", *args)
 
-    def on_delta(self, *args: Any) -> None:  # type: ignore[override]
+    def on_delta(self, *args: Any) -> None:
         self._call("on_delta", *args)
 
-    def on_finish(self, *args: Any) -> None:  # type: ignore[override]
+    def on_finish(self, *args: Any) -> None:
         self._call("on_finish", *args)
 
-    def on_error(self, *args: Any) -> None:  # type: ignore[override]
+    def on_error(self, *args: Any) -> None:
         self._call("on_error", *args)

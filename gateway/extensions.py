@@ -19,7 +19,7 @@ has that field, else the ``API_KEY`` environment variable read by ``api_key_from
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware

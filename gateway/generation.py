@@ -1,4 +1,4 @@
-"""Replies as tasks that outlive sockets (DESIGN.md, generation flow).
+"""Replies as tasks that outlive sockets (docs/architecture.md, a reply's path).
 
 ``GenerationManager.chat``/``regenerate`` reserve the turn in the store (chat lock,
 user message), write the reply stream's start entry and spawn one task per reply.
@@ -29,8 +29,9 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -186,7 +187,7 @@ class GenerationManager:
                 backoff = min(backoff * 2, STORE_BACKOFF_S[1])
             finally:
                 try:
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
                 except Exception:
                     pass  # the connection is already gone
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -57,7 +58,7 @@ def _uid(request: Request) -> str:
 
 def _sid(request: Request) -> str:
     sid = request.path_params["sid"]
-    if not is_valid_id(sid):
+    if not isinstance(sid, str) or not is_valid_id(sid):
         raise not_found()
     return sid
 
@@ -106,7 +107,8 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     state = getattr(request_or_state, "state", request_or_state)
     config: GatewayConfig = state.config
     info = state.router.info()
-    model = info.model if info and info.model else (Path(config.model).name if config.model else "SmolLM2-135M-Instruct")
+    fallback = Path(config.model).name if config.model else "SmolLM2-135M-Instruct"
+    model = info.model if info and info.model else fallback
     d = config.defaults
     return {"model": model, "max_model_len": info.max_model_len if info else None,
             "limits": config.limits.public(),
@@ -188,7 +190,7 @@ async def delete_session(request: Request) -> Response:
 @api
 async def engine_stats(request: Request) -> Response:
     """GET /api/engine/stats: each engine's counters (KV blocks, requests), for
-    operators and tests (ACCEPTANCE C23 checks that a cancel frees blocks)."""
+    operators and tests (stop frees the engine (docs/acceptance.md) checks that a cancel frees blocks)."""
     out = []
     for c in request.app.state.router.clients:
         entry: dict[str, Any] = {"url": c.url, "healthy": c.healthy, "stats": None}

@@ -19,9 +19,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 from urllib.parse import urlparse
 
 import redis
@@ -116,7 +116,7 @@ def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
 class LocalRedis:
     """A private ``redis-server`` this process started (stop it with ``stop()``)."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     url: str
     data_dir: Path
 
@@ -188,7 +188,7 @@ class LocalEngine:
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.echo = echo
         self.cwd = cwd
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[str] | None = None
         self.url: str | None = None
         self.output_tail: list[str] = []
         self.restarts = 0
@@ -234,17 +234,18 @@ class LocalEngine:
         assert self.url is not None
         return self.url
 
-    def _drain(self, proc: subprocess.Popen, found: threading.Event) -> None:
+    def _drain(self, proc: subprocess.Popen[str], found: threading.Event) -> None:
         # Keeps reading after READY so the pipe never fills and blocks the engine.
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            self.output_tail = (self.output_tail + [line])[-50:]
-            if not found.is_set() and line.startswith(READY_PREFIX):
-                self.url = line[len(READY_PREFIX):].strip()
-                found.set()
-            elif self.echo is not None:
-                self.echo(line)
+        with proc.stdout:  # closed at EOF (the engine exited)
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                self.output_tail = (self.output_tail + [line])[-50:]
+                if not found.is_set() and line.startswith(READY_PREFIX):
+                    self.url = line[len(READY_PREFIX):].strip()
+                    found.set()
+                elif self.echo is not None:
+                    self.echo(line)
 
     def supervise(self, say: Callable[[str], None] = print, backoff_s: tuple[float, float] = (1.0, 30.0),
                   start_timeout_s: float = 600.0) -> None:
@@ -290,7 +291,7 @@ class LocalEngine:
             _terminate(proc, timeout_s)
 
 
-def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+def _terminate(proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout_s: float) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:

@@ -16,8 +16,9 @@ Three feeds (metric names in docs/protocol.md section 4):
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError
 from gateway.events import GenerationEvents
@@ -102,7 +104,9 @@ class StateCollector(Collector):
             up.add_metric([e.url], 1.0 if e.up else 0.0)
             if e.model:
                 info.add_metric([e.url, e.model], 1.0)
-            for key, fam in [*gauges.items(), *counters.items()]:
+            families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [*gauges.items(),
+                                                                                   *counters.items()]
+            for key, fam in families:
                 if e.stats is not None and isinstance(e.stats.get(key), (int, float)):
                     fam.add_metric([e.url], float(e.stats[key]))
         yield up
@@ -196,13 +200,13 @@ class MetricsMiddleware:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = 500
 
-        async def send_counting(message: dict) -> None:
+        async def send_counting(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])

@@ -32,21 +32,39 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import UserIds, cookie_value, request_user
 from gateway.config import GatewayConfig
 from gateway.engines import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
 from gateway.events import EventFanout, GenerationEvents
-from gateway.openai_replies import (ClientGone, Delta, DisconnectWatcher, EngineReply, Failed, Finished,
-                                    ReplyEvent, ReplySource, SessionReply)
-from gateway.openai_request import (NEW_SESSION, ChatRequest, OpenAIError, bad, from_gateway_error,
-                                    openai_error_from, parse_chat_request)
+from gateway.openai_replies import (
+    ClientGone,
+    Delta,
+    DisconnectWatcher,
+    EngineReply,
+    Failed,
+    Finished,
+    ReplyEvent,
+    ReplySource,
+    SessionReply,
+)
+from gateway.openai_request import (
+    NEW_SESSION,
+    ChatRequest,
+    OpenAIError,
+    bad,
+    from_gateway_error,
+    openai_error_from,
+    parse_chat_request,
+)
 from gateway.protocol import is_valid_id
 
 log = logging.getLogger("gateway.openai")
@@ -55,13 +73,13 @@ MODEL_ALIASES = ("", "default")  # besides the served name; an omitted model is 
 SESSION_HEADER = "x-chat-session"
 IDEMPOTENCY_HEADER = "idempotency-key"
 _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop (ACCEPTANCE C26)
+BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def json_bytes(obj: Any) -> bytes:
     """Compact UTF-8 JSON; a lone surrogate (never expected) becomes "?" instead of
-    failing the whole response (ACCEPTANCE C16)."""
+    failing the whole response (valid UTF-8 always (docs/acceptance.md))."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
@@ -91,7 +109,7 @@ class SSEResponse:
         self.headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
             (k.encode("latin-1"), v.encode("latin-1")) for k, v in {**SSE_HEADERS, **headers}.items()]
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
 
         async def emit(data: bytes) -> None:

@@ -4,7 +4,7 @@ A reply is read as batches of events (``Delta``, then one ``Finished`` or ``Fail
 from one of two sources:
 
 * ``EngineReply``: a stateless request, sent straight to an engine over the internal
-  protocol (no Redis: the HTTP API has no resume, DESIGN.md). It fails over to another
+  protocol (no Redis: the HTTP API has no resume). It fails over to another
   engine while nothing was produced, and reports to the ``GenerationEvents`` hooks
   itself (the browser's replies report through ``GenerationManager``).
 * ``SessionReply``: a request linked to a stored chat. The turn runs through
@@ -13,7 +13,7 @@ from one of two sources:
 
 ``DisconnectWatcher`` listens for ``http.disconnect`` while the reply runs; every wait
 on the source is raced against it, so a client that leaves during the prefill, the
-queue or the decode is noticed at once and its reply aborted (ACCEPTANCE C23).
+queue or the decode is noticed at once and its reply aborted (stop frees the engine (docs/acceptance.md)).
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar, Union
+from typing import Any, TypeVar
+
+from starlette.types import Receive
 
 from gateway.engines import EngineClient, EngineRequest, EngineRouter
 from gateway.errors import GatewayError
@@ -65,7 +68,7 @@ class Failed:
     message: str
 
 
-ReplyEvent = Union[Delta, Finished, Failed]
+ReplyEvent = Delta | Finished | Failed
 
 
 def _usage(frame: dict[str, Any]) -> dict[str, int]:
@@ -85,11 +88,11 @@ class DisconnectWatcher:
     was read, so it only ever sees the disconnect); ``race`` waits for something else
     unless the client leaves first."""
 
-    def __init__(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    def __init__(self, receive: Receive) -> None:
         self._task = asyncio.create_task(self._listen(receive), name="http-disconnect")
 
     @staticmethod
-    async def _listen(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    async def _listen(receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
 
@@ -317,4 +320,4 @@ class SessionReply:
         """Nothing to release (the reply task owns the engine request)."""
 
 
-ReplySource = Union[EngineReply, SessionReply]
+ReplySource = EngineReply | SessionReply

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from gateway.errors import GatewayError
 
@@ -72,7 +72,7 @@ class PingFrame:
     """``ping``: answered by ``pong``."""
 
 
-ClientFrame = Union[ChatFrame, CancelFrame, RegenerateFrame, ResumeFrame, PingFrame]
+ClientFrame = ChatFrame | CancelFrame | RegenerateFrame | ResumeFrame | PingFrame
 
 
 def is_valid_id(value: Any) -> bool:
@@ -166,7 +166,8 @@ def parse_client_frame(obj: Any) -> ClientFrame:
 # ---- server -> client ------------------------------------------------------
 
 
-def error_frame(code: str, message: str, request_id: str | None = None, session_id: str | None = None) -> dict[str, Any]:
+def error_frame(code: str, message: str, request_id: str | None = None,
+                session_id: str | None = None) -> dict[str, Any]:
     """``{"type": "error", "code", "message", "request_id"?, "session_id"?}``."""
     frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
     if request_id is not None:

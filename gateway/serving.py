@@ -49,7 +49,8 @@ def uvicorn_config(app: Any, config: GatewayConfig, log_level: str = "info") -> 
 
 def bound_port(server: uvicorn.Server) -> int:
     """The port a started server listens on."""
-    return server.servers[0].sockets[0].getsockname()[1]
+    port: int = server.servers[0].sockets[0].getsockname()[1]
+    return port
 
 
 class ThreadedServer:
@@ -92,7 +93,8 @@ class ThreadedServer:
             pause.wait(0.02)
         if not self.server.started:
             raise RuntimeError(f"gateway did not start: {self.error!r}")
-        return self.sock.getsockname()[1]
+        port: int = self.sock.getsockname()[1]
+        return port
 
     def run_coro(self, coro: Any, timeout: float = 30.0) -> Any:
         """Run a coroutine on the server's loop and return its result."""

@@ -1,6 +1,6 @@
 """The chat store: chats, their messages and token ids in Redis (``redis.asyncio``).
 
-Layout (every key under the configured prefix; DESIGN.md):
+Layout (every key under the configured prefix):
 
     chat:user:{uid}:sessions       sorted set  sid -> updated_at (newest first on read)
     chat:user:{uid}:gens           sorted set  request id -> lease expiry (ms): replies in progress
@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -242,7 +243,7 @@ class SessionStore:
     async def _prune_index(self, owner: str) -> None:
         """Drop index entries whose chat expired (only matters with a TTL)."""
         key = self.keys.user_sessions(owner)
-        sids = await self.redis.zrange(key, 0, -1)
+        sids: list[Any] = await self.redis.zrange(key, 0, -1)
         pipe = self.redis.pipeline(transaction=False)
         for sid in sids:
             pipe.exists(self.keys.session(sid))
@@ -276,7 +277,7 @@ class SessionStore:
     async def list_sessions(self, owner: str, limit: int = 500) -> list[SessionInfo]:
         """The user's chats, most recently updated first."""
         async with redis_errors():
-            sids = await self.redis.zrevrange(self.keys.user_sessions(owner), 0, limit - 1)
+            sids: list[Any] = await self.redis.zrevrange(self.keys.user_sessions(owner), 0, limit - 1)
             pipe = self.redis.pipeline(transaction=False)
             for sid in sids:
                 pipe.hgetall(self.keys.session(sid))
@@ -399,11 +400,12 @@ class SessionStore:
         """
         a_json = dumps({"role": "assistant", "id": turn.message_id, **assistant}) if assistant else ""
         async with redis_errors():
-            return await self._finish(
+            status: str = await self._finish(
                 keys=self.keys.script_keys(sid, owner),
                 args=[sid, turn.request_id, a_json, turn.message_id, turn.user_message_id,
                       dumps(user_tokens) if user_tokens else "",
                       dumps(assistant_tokens) if assistant_tokens else "", time.time(), self.ttl])
+        return status
 
     async def fail_turn(self, owner: str, sid: str, turn: TurnBegun, client_msg_id: str | None) -> None:
         """Undo a turn that produced nothing (the engine refused it): remove its user

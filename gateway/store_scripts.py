@@ -10,7 +10,7 @@ Every script takes the same KEYS, in this order (``SessionKeys.all()``):
     KEYS[6] chat:session:{sid}:lock       string: request id of the reply in progress (PX lease)
     KEYS[7] chat:user:{uid}:gens          sorted set: request id by lease expiry (ms)
 
-Writes refresh the TTL of KEYS[1..5] in the same script (ACCEPTANCE C29: a TTL is
+Writes refresh the TTL of KEYS[1..5] in the same script (TTLs are kept (docs/acceptance.md): a TTL is
 never lost by a rewrite, and active chats slide forward); the lock has its own lease.
 Message JSON is written with ``"role"`` first and ``"id"`` second (compact separators)
 so a script can read both without decoding a possibly multi-MiB message.

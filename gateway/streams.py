@@ -9,15 +9,16 @@ Entry ids are chosen, not generated, so that a ``seq`` is its own cursor:
 
 Reading from id ``{k}-1`` returns exactly the deltas with seq > k and then the end.
 Writes are idempotent (re-adding a taken entry id is a no-op), so the generation
-task can retry them while Redis is away. Every write refreshes the key's TTL (``stream_ttl_s``), so a reply whose gateway died
-expires on its own; ``MAXLEN ~`` is a safety cap far above any reply's frame count.
+task can retry them while Redis is away. Every write refreshes the key's TTL
+(``stream_ttl_s``), so a reply whose gateway died expires on its own; ``MAXLEN ~`` is
+a safety cap far above any reply's frame count.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -64,7 +65,7 @@ class ReplyStreams:
         key = self.keys.gen(rid)
         async with redis_errors():
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(key, fields, id=entry_id, maxlen=self.maxlen, approximate=True)
+            pipe.xadd(key, cast("dict[Any, Any]", fields), id=entry_id, maxlen=self.maxlen, approximate=True)
             pipe.expire(key, self.ttl)
             try:
                 await pipe.execute()
@@ -95,26 +96,26 @@ class ReplyStreams:
         """The text of delta ``seq``, or None when it was never written (used after a
         write whose answer was lost, to learn whether it was applied)."""
         async with redis_errors():
-            rows = await self.redis.xrange(self.keys.gen(rid), f"{seq}-1", f"{seq}-1")
-        return rows[0][1].get("x", "") if rows else None
+            rows: Any = await self.redis.xrange(self.keys.gen(rid), f"{seq}-1", f"{seq}-1")
+        return str(rows[0][1].get("x", "")) if rows else None
 
     async def head(self, rid: str) -> StreamEntry | None:
         """The start entry, or None when the stream does not exist (any more)."""
         async with redis_errors():
-            rows = await self.redis.xrange(self.keys.gen(rid), "0-1", "0-1")
+            rows: Any = await self.redis.xrange(self.keys.gen(rid), "0-1", "0-1")
         return _decode(*rows[0]) if rows else None
 
     async def last(self, rid: str) -> StreamEntry | None:
         """The newest entry, or None when the stream does not exist."""
         async with redis_errors():
-            rows = await self.redis.xrevrange(self.keys.gen(rid), "+", "-", count=1)
+            rows: Any = await self.redis.xrevrange(self.keys.gen(rid), "+", "-", count=1)
         return _decode(*rows[0]) if rows else None
 
     async def read(self, rid: str, after_seq: int, count: int, block_ms: int) -> list[StreamEntry]:
         """Entries after delta ``after_seq`` (at most ``count``), waiting up to
         ``block_ms`` for the first one; [] on timeout."""
         async with redis_errors():
-            res = await self.tail_redis.xread({self.keys.gen(rid): f"{after_seq}-1"}, count=count, block=block_ms)
+            res: Any = await self.tail_redis.xread({self.keys.gen(rid): f"{after_seq}-1"}, count=count, block=block_ms)
         if not res:
             return []
         # redis-py returns [[key, [(id, fields), ...]]] (RESP2) or {key: [[...]]} (RESP3)
@@ -124,4 +125,5 @@ class ReplyStreams:
 
 def done_payload(entry: StreamEntry) -> dict[str, Any]:
     """The ``done`` JSON of a terminal "done" entry."""
-    return json.loads(entry.fields["d"])
+    done: dict[str, Any] = json.loads(entry.fields["d"])
+    return done

@@ -4,13 +4,13 @@ Per socket there is one reader (frames in), one writer (frames out) and one tail
 per reply the socket watches. Everything sent goes through a bounded outbox: a tail
 that finds the outbox full waits, so it reads its Redis Stream no faster than the
 client reads the socket, and the gateway holds at most ``ws_max_pending_frames`` frames
-plus one read batch per tail for a slow client (ACCEPTANCE C27). A frame the client
+plus one read batch per tail for a slow client (bounded outbound buffers (docs/acceptance.md)). A frame the client
 has not taken within ``ws_send_timeout_s`` marks the socket stalled: it is closed and
 its tails stop; the replies themselves go on and are stored.
 
 Frames are handled concurrently (at most ``ws_max_inflight`` per socket), so a ``ping``
 is answered while a big ``chat`` of the same or another socket is being processed;
-large frames are JSON-decoded off the event loop (ACCEPTANCE C26).
+large frames are JSON-decoded off the event loop (the event loop is never blocked (docs/acceptance.md)).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from functools import partial
+from typing import Any, TypeVar
 
 from starlette.websockets import WebSocket
 
@@ -28,8 +30,20 @@ from gateway.auth import origin_allowed, request_user
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.generation import GenerationManager, StartedTurn
-from gateway.protocol import (PONG, CancelFrame, ChatFrame, ClientFrame, PingFrame, ProtocolError, RegenerateFrame,
-                              ResumeFrame, decode_json, error_frame, error_from, parse_client_frame)
+from gateway.protocol import (
+    PONG,
+    CancelFrame,
+    ChatFrame,
+    ClientFrame,
+    PingFrame,
+    ProtocolError,
+    RegenerateFrame,
+    ResumeFrame,
+    decode_json,
+    error_frame,
+    error_from,
+    parse_client_frame,
+)
 from gateway.streams import ReplyStreams, StreamEntry, done_payload
 
 log = logging.getLogger("gateway.ws")
@@ -203,7 +217,7 @@ class Connection:
             raise GatewayError("rate_limited", "too many replies watched on one socket")
         task = asyncio.create_task(self._tail(rid, head, last_seq))
         self.tails[rid] = task
-        task.add_done_callback(lambda t, rid=rid: self.tails.pop(rid, None) if self.tails.get(rid) is t else None)
+        task.add_done_callback(lambda t: self.tails.pop(rid, None) if self.tails.get(rid) is t else None)
 
     async def _tail(self, rid: str, head: StreamEntry, cursor: int) -> None:
         sid = head.fields.get("session_id")
@@ -215,7 +229,7 @@ class Connection:
             if last is not None and last.seq < cursor:
                 cursor = last.seq  # the client claims more than exists: send the end only
             while True:
-                entries = await self._patiently(lambda: self.streams.read(rid, cursor, TAIL_BATCH, TAIL_BLOCK_MS))
+                entries = await self._patiently(partial(self.streams.read, rid, cursor, TAIL_BATCH, TAIL_BLOCK_MS))
                 if not entries and await self._patiently(lambda: self.streams.head(rid)) is None:
                     if rid in self.gens.running:
                         continue  # its start entry is still waiting for Redis to come back

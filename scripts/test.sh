@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The project's test command (README, .ci/run): install what is missing, make sure a
-# Redis answers on 127.0.0.1:6379 and Chromium is there for the browser tests, run pytest.
+# The project's test command (README, .ci/run): install what is missing, run the lint
+# and type gate (scripts/check.sh), make sure a Redis answers on 127.0.0.1:6379 and Chromium is there for the browser tests, run pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+bash scripts/check.sh  # the lint and type gate first: CI fails on a lint or type error
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if ! .venv/bin/python -c "import redis,sys; redis.Redis(socket_timeout=1).ping()" 2>/dev/null; then
   if command -v redis-server >/dev/null 2>&1; then

@@ -84,7 +84,7 @@ def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
 
 
 def first_divergence_is_a_near_tie(ref, other, eps: float = 1e-4) -> bool:
-    """DESIGN.md's determinism policy: identical, or the first differing position is one
+    """The determinism policy (docs/architecture.md): identical, or the first differing position is one
     where the reference's top-1/top-2 log-probability gap is below eps."""
     a, b = ref.output_token_ids, other.output_token_ids
     if a == b:

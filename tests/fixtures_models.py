@@ -14,6 +14,7 @@ one the median gap is about 1 and greedy output does not repeat one token.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ def build_tiny_model(folder: Path, architecture: str, tokenizer_dir: Path, seed:
 
     folder.mkdir(parents=True, exist_ok=True)
     fields = {**TINY_SHAPES, **config_overrides}
+    config: LlamaConfig | Qwen2Config
     if architecture == "llama":
         config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"])
     elif architecture == "qwen2":
@@ -110,7 +112,15 @@ def build_tiny_model(folder: Path, architecture: str, tokenizer_dir: Path, seed:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The real SmolLM2-135M-Instruct as a Hugging Face folder (converted on first use)."""
+    """The real SmolLM2-135M-Instruct as a Hugging Face folder (converted on first use).
+
+    Every model fixture depends on this one. ``make test-fast`` sets
+    ``TESTS_WITHOUT_MODEL=1``, which makes it fail: a test that reaches a model without
+    being marked ``model`` (see tests/conftest.py) shows up there instead of slowing it.
+    """
+    if os.environ.get("TESTS_WITHOUT_MODEL"):
+        pytest.fail("this test needs a model: request a model fixture as an argument or mark it "
+                    "@pytest.mark.model", pytrace=False)
     return ensure_default_model()
 
 

@@ -8,16 +8,19 @@
   and metrics) under uvicorn on a free port (a background thread with
   its own event loop), on the test's Redis key prefix, and returns a
   ``RunningGateway`` once an engine is connected (``wait_for_engine=False`` skips
-  that); ``engine_urls`` defaults to ``[engine_url]``; ``overrides`` are
-  ``GatewayConfig`` fields (``limits`` as a dict of changes). All are stopped at teardown.
+  that); ``engine_urls`` defaults to ``[engine_url]``; ``api_key`` protects the
+  OpenAI API; ``overrides`` are ``GatewayConfig`` fields (``limits`` as a dict of
+  changes). All are stopped at teardown.
+* ``api_gateway`` (function): the same factory, named for the OpenAI API tests.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -93,7 +96,7 @@ class RunningGateway:
         headers = self.cookie_header(cookie) if cookie else {}
         kwargs.setdefault("max_size", None)
         kwargs.setdefault("open_timeout", 10)
-        return connect(self.ws_url, origin=(self.origin if origin == "" else origin),  # type: ignore[arg-type]
+        return connect(self.ws_url, origin=(self.origin if origin == "" else origin),
                        additional_headers=headers, **kwargs)
 
     def http(self, cookie: str | None) -> httpx.AsyncClient:
@@ -116,14 +119,15 @@ def gateway_factory(request: pytest.FixtureRequest, redis_url: str, key_prefix: 
     """Start real gateways for this test (see module doc); stopped at teardown."""
     running: list[RunningGateway] = []
 
-    def make(engine_urls: list[str] | None = None, wait_for_engine: bool = True, **overrides: Any) -> RunningGateway:
+    def make(engine_urls: list[str] | None = None, wait_for_engine: bool = True, api_key: str | None = None,
+             **overrides: Any) -> RunningGateway:
         """Start one gateway (see the module doc)."""
         urls = engine_urls if engine_urls is not None else [request.getfixturevalue("engine_url")]
         fields: dict[str, Any] = dict(host="127.0.0.1", port=0, redis_url=redis_url, key_prefix=key_prefix,
                                       engine_urls=tuple(urls), secret_key=new_secret(), data_dir=tmp_path / "data")
         fields.update(overrides)
         config = GatewayConfig().with_overrides(**fields)
-        server = ThreadedServer(create_app_with_extras(config), config)
+        server = ThreadedServer(create_app_with_extras(config, api_key=api_key), config)
         port = server.start()
         gw = RunningGateway(config, server, f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws")
         running.append(gw)
@@ -135,3 +139,10 @@ def gateway_factory(request: pytest.FixtureRequest, redis_url: str, key_prefix: 
     yield make
     for gw in running:
         gw.stop()
+
+
+@pytest.fixture
+def api_gateway(gateway_factory: Callable[..., RunningGateway]) -> Callable[..., RunningGateway]:
+    """``api_gateway(api_key=None, engine_urls=None, wait_for_engine=True, **config)``:
+    ``gateway_factory`` under the name the OpenAI API tests use."""
+    return gateway_factory

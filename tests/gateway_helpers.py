@@ -1,15 +1,17 @@
-"""Helpers for gateway tests: read browser-protocol frames off a ``websockets`` client."""
+"""Helpers for gateway tests: read browser-protocol frames off a ``websockets`` client;
+the official OpenAI client on a running gateway."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import base64
+import json
 import os
+import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -138,3 +140,11 @@ def raw_ws_connect(host: str, port: int, cookie_header: str, origin: str, rcvbuf
     if not head.startswith(b"HTTP/1.1 101"):
         raise ConnectionError(head.decode(errors="replace"))
     return s
+
+
+def openai_client(gw: Any, api_key: str = "unused", **kwargs: Any) -> Any:
+    """The official ``openai`` client on a ``RunningGateway`` (no retries: each test sees
+    every answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)

@@ -136,7 +136,8 @@ def check_all(shapes: list[str] | None = None) -> list[CompileResult]:
         dt = decode_tiles(d, group, dtype)
         results.append(compile_kernel(
             decode._decode_split_kernel,
-            {"Q": t, "KCache": t, "VCache": t, "BlockTables": "i32", "SeqLens": "i32", "MidO": "fp32", "MidLse": "fp32"},
+            {"Q": t, "KCache": t, "VCache": t, "BlockTables": "i32", "SeqLens": "i32", "MidO": "fp32",
+             "MidLse": "fp32"},
             dict(common, BLOCK_G=dt.block_m, BLOCK_N=dt.block_n), dt.num_warps, dt.num_stages,
             f"{t} h{h}/{hkv} d{d} g{dt.block_m} n{dt.block_n} w{dt.num_warps} s{dt.num_stages}"))
         results.append(compile_kernel(

@@ -86,7 +86,8 @@ def rows_from_result(r: dict) -> list[Row]:
                          f"hit ratio {_f(dig(r, 'multiturn.cache_hit_ratio'), '.3f')}; target <= 1.5x"))
     tpot = dig(r, "single.tpot_ms")
     wbytes = dig(r, "single.weight_bytes")
-    gbs = wbytes / (tpot * 1e-3) / 1e9 if isinstance(tpot, (int, float)) and tpot > 0 and isinstance(wbytes, (int, float)) else None
+    numbers = isinstance(tpot, (int, float)) and tpot > 0 and isinstance(wbytes, (int, float))
+    gbs = wbytes / (tpot * 1e-3) / 1e9 if numbers else None
     rows.append(Row("engine", "single stream decode", time=f"{_f(tpot, '.2f')} ms",
                     rate=f"{_f(dig(r, 'single.tok_s'), '.0f')} tok/s",
                     note=f"weights read at {_f(gbs, '.0f')} GB/s"))

@@ -23,8 +23,10 @@ import argparse
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -169,13 +171,13 @@ def check_text(err: float, dtype: torch.dtype) -> str:
     return f"rel {err:.1e} {'ok' if err < REL_TOL[dtype] else 'FAIL'}"
 
 
-def best_of(configs: list, run: Callable, device: torch.device) -> tuple[float, object, float]:
+def best_of(configs: list, run: Callable, device: torch.device) -> tuple[float, Any, float]:
     """Time ``run(config)`` for each config; returns (best ms, best config, first config's ms).
     A config that fails to compile or run is skipped (all failing re-raises the last error)."""
     best, best_cfg, first, last_err = float("inf"), None, float("nan"), None
     for i, cfg in enumerate(configs):
         try:
-            ms = time_ms(lambda: run(cfg), device)
+            ms = time_ms(partial(run, cfg), device)
         except Exception as e:  # a tile that does not fit (shared memory, registers)
             last_err = e
             continue
@@ -188,7 +190,7 @@ def best_of(configs: list, run: Callable, device: torch.device) -> tuple[float, 
     return best, best_cfg, first
 
 
-def tiles_text(t: object) -> str:
+def tiles_text(t: Any) -> str:
     """A tile configuration in a few characters."""
     return f"m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages}"
 
@@ -398,9 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         kv_tokens, mixed = 8192, [(0, 700), (1500, 300), (4000, 1), (900, 1), (0, 1)]
     for name, lens in decode_cases:
-        guarded(a.rows, "kernel", name, lambda: decode_case(name, lens, heads, bf16, device, ceil, gen, smoke))
+        guarded(a.rows, "kernel", name, partial(decode_case, name, lens, heads, bf16, device, ceil, gen, smoke))
     for name, shapes in extend_cases:
-        guarded(a.rows, "kernel", name, lambda: extend_case(name, shapes, heads, bf16, device, ceil, gen, smoke))
+        guarded(a.rows, "kernel", name, partial(extend_case, name, shapes, heads, bf16, device, ceil, gen, smoke))
     name = f"kv store T={kv_tokens}"
     guarded(a.rows, "kernel", name, lambda: kv_write_case(name, kv_tokens, heads, bf16, device, ceil, gen))
     name = "backend mixed step vs torch backend"

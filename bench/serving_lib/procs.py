@@ -8,8 +8,8 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 @dataclass
@@ -65,7 +65,7 @@ def start_child(cmd: Sequence[str], ready: str, timeout_s: float = 300.0,
         if time.monotonic() > deadline:
             break
     if not found:
-        child = Child(proc, None, tail)  # type: ignore[arg-type]
+        child = Child(proc, None, tail)
         child.stop(2)
         raise RuntimeError(f"{' '.join(cmd[:3])} did not become ready:\n" + "\n".join(tail))
     return Child(proc, found[0], tail)

@@ -11,7 +11,8 @@ compare its own receipt times with these).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class EngineTap:

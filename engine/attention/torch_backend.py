@@ -116,15 +116,19 @@ class TorchAttentionBackend:
         flat_k.index_copy_(0, batch.slot_mapping, k)
         flat_v.index_copy_(0, batch.slot_mapping, v)
         if md.prefill is None:
+            assert md.decode is not None  # prepare() makes at least one group
             return self._decode(q, flat_k, flat_v, md.decode, scale)
         if md.decode is None:
             return self._prefill(q, flat_k, flat_v, md.prefill, scale)
+        assert md.decode.token_idx is not None and md.prefill.token_idx is not None  # set when both groups exist
         out = torch.empty_like(q)
         out.index_copy_(0, md.decode.token_idx, self._decode(q[md.decode.token_idx], flat_k, flat_v, md.decode, scale))
-        out.index_copy_(0, md.prefill.token_idx, self._prefill(q[md.prefill.token_idx], flat_k, flat_v, md.prefill, scale))
+        out.index_copy_(0, md.prefill.token_idx,
+                        self._prefill(q[md.prefill.token_idx], flat_k, flat_v, md.prefill, scale))
         return out
 
-    def _decode(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, g: _Group,
+                scale: float) -> torch.Tensor:
         """q: [Bd, H, D] (one token per request) -> [Bd, H, D]."""
         bsz, h, d = q.shape
         hkv = flat_k.shape[1]
@@ -133,9 +137,11 @@ class TorchAttentionBackend:
                                              attn_mask=g.mask_for(q.dtype), scale=scale)
         return out.reshape(bsz, h, d)
 
-    def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, g: _Group,
+                 scale: float) -> torch.Tensor:
         """q: [Tp, H, D] (several tokens per request) -> [Tp, H, D]."""
         h, d = q.shape[1], q.shape[2]
+        assert g.query_dest is not None  # a prefill group always has one
         padded = q.new_zeros(g.num_seqs * g.max_query_len, h, d).index_copy_(0, g.query_dest, q)
         keys, values = self._gather(flat_k, flat_v, g)
         out = F.scaled_dot_product_attention(

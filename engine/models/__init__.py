@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaForCausalLM
 
 # Architecture name (config.json "architectures"[0]) -> our implementation. Qwen2 differs
 # from Llama only by the q/k/v bias, Mistral (within its window) not at all.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
 }
 
 
-def model_class_for(architecture: str) -> type[nn.Module]:
+def model_class_for(architecture: str) -> type[LlamaForCausalLM]:
     """The class implementing ``architecture``.
 
     Raises:

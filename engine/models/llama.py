@@ -19,8 +19,9 @@ a step runs a fixed number of ops per layer whatever the batch size.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -151,6 +152,10 @@ class LlamaForCausalLM(nn.Module):
     enforces through ``max_model_len``).
     """
 
+    rope: torch.Tensor  # buffer [max_model_len, 2, head_dim / 2]: cos, sin
+    embed: torch.Tensor | Int8Weight
+    lm_head: torch.Tensor | Int8Weight
+
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         cfg, device = model_config, torch.device(device)
@@ -161,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         # Tied models share one tensor: the LM head is the embedding matrix.
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.lm_head = (self.embed if cfg.tie_word_embeddings
+                        else _param((cfg.vocab_size, cfg.hidden_size), dtype, device))
         table = rotary_table(cfg.max_model_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         self.register_buffer("rope", table, persistent=False)
         self.ops: LayerOps = TorchOps()
@@ -220,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             setattr(owner, name, q)
             return q
 
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             for owner, name in ((layer.attn, "qkv_weight"), (layer.attn, "o_weight"),
                                 (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
                 swap(owner, name)
@@ -232,8 +238,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             swap(self, "lm_head")
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``self.layers`` with their type (an ``nn.ModuleList`` yields plain Modules)."""
+        return cast(list[DecoderLayer], list(self.layers))
+
     def _weight_slots(self) -> dict[str, tuple[torch.Tensor, slice]]:
         """HF tensor name -> (our parameter, the rows of it that tensor fills)."""
+        assert isinstance(self.embed, torch.Tensor) and isinstance(self.lm_head, torch.Tensor), "before quantize_"
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inter, every = cfg.intermediate_size, slice(None)
@@ -243,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         }
         if not cfg.tie_word_embeddings:
             slots["lm_head.weight"] = (self.lm_head, every)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{i}."
             a, m = layer.attn, layer.mlp
             thirds = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}

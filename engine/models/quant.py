@@ -29,7 +29,7 @@ Two kernels compute ``y`` and agree up to accumulation order:
 
 Both kernels multiply by the same integers and scale after accumulating, so their
 results differ only in summation order: a request decoded alone and one decoded in a
-large batch agree except at near-ties (ACCEPTANCE C06's minimum policy).
+large batch agree except at near-ties (the policy of docs/acceptance.md, batch-invariant greedy output).
 """
 
 from __future__ import annotations
@@ -90,6 +90,10 @@ class Int8Weight(nn.Module):
         packed: None, or ``qweight`` in the integer kernel's tile layout (``use_kernels``).
     """
 
+    qweight: torch.Tensor  # buffers, declared for the type checker
+    scale: torch.Tensor
+    wide: torch.Tensor | None
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, keep_wide: bool = False) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)
@@ -100,7 +104,7 @@ class Int8Weight(nn.Module):
         self.packed: torch.Tensor | None = None
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> "Int8Weight":
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> Int8Weight:
         """Quantize ``weight`` [N, K] (``quantize_int8``); the scale is stored in ``dtype``.
         ``keep_wide`` None: keep the wide copy on the CPU for bfloat16/float16 activations
         only (float32 activations dequantize slices on the fly, see ``linear``)."""

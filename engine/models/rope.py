@@ -40,6 +40,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
+    assert scaling is not None  # a scaled rope_type comes from it
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])  # positions / factor, folded into the frequencies
     if rope_type == "llama3":

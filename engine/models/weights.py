@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -81,8 +81,8 @@ def weights_fingerprint(files: list[Path], dtype: torch.dtype, quantization: str
     when it differs from the load dtype; 16 hex digits.
 
     Rewriting or replacing a file changes its mtime, so a reload of different weights
-    under the same model name gets a new id (the prefix cache's namespace, ACCEPTANCE
-    C02) without hashing gigabytes.
+    under the same model name gets a new id (the prefix cache's namespace; docs/acceptance.md,
+    cache namespaces) without hashing gigabytes.
     """
     h = hashlib.sha256(str(dtype).encode())
     if quantization:  # a quantized twin computes different logits: its own namespace

@@ -31,8 +31,8 @@ from engine.attention.triton_kernels.launch import (
     TileConfig,
     check_device,
     dot_precision,
-    interpreter_dot_f32,
     extend_tiles,
+    interpreter_dot_f32,
     next_pow2,
 )
 from engine.attention.triton_kernels.online_softmax import attend_tile

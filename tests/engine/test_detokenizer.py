@@ -1,6 +1,6 @@
 """Incremental detokenizer: streamed pieces equal the one-shot decode, no broken UTF-8,
-no stop-string leaks (ACCEPTANCE C12, C14, C15, C16), for byte-level BPE (SmolLM2) and
-SentencePiece-style byte-fallback tokenizers."""
+no stop-string leaks (docs/acceptance.md: stop strings, the finishing step, spaces,
+UTF-8), for byte-level BPE (SmolLM2) and SentencePiece-style byte-fallback tokenizers."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ SP_CORPUS = [
     "It was the best of times, it was the worst of times.",
     "日本語 😀",
 ]
+
+
+# The real tokenizer comes with the default model's files (the trained ones need none).
+SMOLLM2 = pytest.param("smollm2", marks=pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +90,7 @@ def sp_metaspace_tokenizer():
     return _sentencepiece_style("metaspace")
 
 
-@pytest.fixture(params=["smollm2", "sp_llama2", "sp_metaspace"])
+@pytest.fixture(params=[SMOLLM2, "sp_llama2", "sp_metaspace"])
 def tokenizer(request):
     return request.getfixturevalue(f"{request.param}_tokenizer")
 
@@ -137,7 +141,7 @@ def test_byte_level_round_trip_keeps_every_space(smollm2_tokenizer):
 def test_spaces_at_token_boundaries_are_kept(tokenizer):
     ids = encode(tokenizer, "LLMs. It is,  here.\n indented")
     detok, pieces = stream(tokenizer, ids)
-    assert ". It is,  here.\n indented" in detok.text  # not ".It" (C15)
+    assert ". It is,  here.\n indented" in detok.text  # not ".It" (spaces kept at token boundaries)
     assert "".join(pieces) == detok.text
 
 
@@ -255,7 +259,7 @@ def test_stop_string_completed_in_the_final_flush_still_cuts(sp_llama2_tokenizer
     assert detok.text == streamed == "ok 日" and detok.stop_reason == "🎉"
 
 
-# -- invalid UTF-8 and surrogates (C16) ----------------------------------------------
+# -- invalid UTF-8 and surrogates (valid UTF-8 always) ----------------------------------------------
 
 
 def test_lone_lead_byte_at_end_becomes_replacement_at_finish(tokenizer):
@@ -307,7 +311,7 @@ def test_clean_text_replaces_only_lone_surrogates():
 
 @pytest.mark.parametrize("stop", [[], ["Hi there"]])
 def test_single_token_stream_delivers_its_text(smollm2_tokenizer, stop):
-    """max_tokens=1 (C14): the one token's text comes out of add, or of finish when a
+    """max_tokens=1 (the finishing step's token): the one token's text comes out of add, or of finish when a
     stop prefix held it back."""
     ids = encode(smollm2_tokenizer, "Hi")
     assert len(ids) == 1
@@ -351,7 +355,7 @@ def _expected_stop_cut(full: str, stops: list[str]) -> tuple[str, str | None]:
     return (full, None) if best is None else (full[: best[1]], best[2])
 
 
-@pytest.mark.parametrize("name", ["smollm2", "sp_llama2", "sp_metaspace"])
+@pytest.mark.parametrize("name", [SMOLLM2, "sp_llama2", "sp_metaspace"])
 def test_random_ids_stream_equals_clean_one_shot_decode(request, name):
     tok = request.getfixturevalue(f"{name}_tokenizer")
 
@@ -366,7 +370,7 @@ def test_random_ids_stream_equals_clean_one_shot_decode(request, name):
     check()
 
 
-@pytest.mark.parametrize("name", ["smollm2", "sp_llama2"])
+@pytest.mark.parametrize("name", [SMOLLM2, "sp_llama2"])
 def test_random_ids_with_stop_strings_cut_at_first_match(request, name):
     tok = request.getfixturevalue(f"{name}_tokenizer")
 

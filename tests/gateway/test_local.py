@@ -20,7 +20,7 @@ import redis
 from gateway.auth import COOKIE_NAME
 from gateway.local import LocalStartError, ensure_redis
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -53,7 +53,8 @@ def test_without_redis_or_redis_server_the_message_says_how_to_get_it(tmp_path, 
     assert "apt-get install redis-server" in str(e.value) and "REDIS_URL" in str(e.value)
 
 
-def start_gateway(args: list[str], env: dict[str, str], timeout: float = 600) -> tuple[subprocess.Popen, str, list[str]]:
+def start_gateway(args: list[str], env: dict[str, str],
+                  timeout: float = 600) -> tuple[subprocess.Popen, str, list[str]]:
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "--port", "0", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []
@@ -66,7 +67,7 @@ def start_gateway(args: list[str], env: dict[str, str], timeout: float = 600) ->
             return proc, m.group(1), lines
         if time.monotonic() > deadline:
             break
-    proc.kill()
+    reap(proc)
     raise AssertionError("gateway did not get ready:\n" + "\n".join(lines[-30:]))
 
 
@@ -75,8 +76,16 @@ def stop_gateway(proc: subprocess.Popen) -> int:
     try:
         return proc.wait(60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        reap(proc)
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` if it still runs, wait for it and close its output pipe."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def run_client(base: str, cookie_file: Path, *args: str) -> subprocess.CompletedProcess:
@@ -213,8 +222,7 @@ def test_sigterm_stops_the_gateway_and_its_engine_and_private_redis(tiny_model_d
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        reap(proc)
     assert wait_until(lambda: not port_open(engine_port) and not port_open(redis_port), 20)
 
 
@@ -228,8 +236,7 @@ def test_children_die_with_a_gateway_killed_by_sigkill(tiny_model_dir, key_prefi
         proc.kill()
         proc.wait(30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        reap(proc)
     # PR_SET_PDEATHSIG: the kernel sends them SIGTERM when the gateway dies
     assert wait_until(lambda: not port_open(engine_port) and not port_open(redis_port), 30)
 

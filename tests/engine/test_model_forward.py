@@ -26,6 +26,8 @@ from engine.kv_cache import KVCache
 from engine.loader import LoadedModel, load_model
 from tests.fixtures_models import build_tiny_model, tiny_engine_config
 
+pytestmark = pytest.mark.model  # every test here runs a tiny or the real model
+
 FLOAT32_RTOL = 1e-4
 
 

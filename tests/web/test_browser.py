@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
 CHROMIUM = Path("/usr/bin/chromium")
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--no-first-run", "--disable-sync"]
-SHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
+SHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 
@@ -210,7 +211,8 @@ def test_reply_streams_in_and_history_returns_after_reload(new_page: Callable[..
         const stop = document.getElementById('stop');
         new MutationObserver(() => {
             const b = document.querySelector('.msg.assistant.streaming .msg-body');
-            if (b) window.__frames.push({length: b.textContent.length, stop: !stop.hidden, send: !document.getElementById('send').hidden});
+            const send = document.getElementById('send');
+            if (b) window.__frames.push({length: b.textContent.length, stop: !stop.hidden, send: !send.hidden});
         }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
     }""")
 
@@ -501,7 +503,8 @@ def test_markup_in_a_stored_reply_shows_as_text_after_reload(
                 const d = document.createElement('div');
                 d.append(r.toFragment(s));
                 return {text: d.textContent, elements: [...d.querySelectorAll('*')].map(
-                    (e) => [e.tagName.toLowerCase(), ...[...e.attributes].map((a) => a.name + '=' + a.value)].join(' '))};
+                    (e) => [e.tagName.toLowerCase(),
+                            ...[...e.attributes].map((a) => a.name + '=' + a.value)].join(' '))};
             });
         }""", samples)
     for sample, got in zip(samples, out):

@@ -21,6 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton
 import importlib.util  # noqa: E402
 import math  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -381,7 +382,7 @@ def tiny_model(dtype=torch.float32):
     cfg = ModelConfig.from_hf(hf)
     model = LlamaForCausalLM(cfg, dtype, "cpu")
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) / math.sqrt(p.shape[-1]))
     return model, cfg
 
@@ -440,7 +441,7 @@ def test_graph_runner_refuses_a_backend_that_cannot_be_captured():
 
 # --------------------------------------------------------------------------- bench/gpu (CPU parts)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def test_bench_counts_bytes_and_flops_from_the_shapes():

@@ -6,56 +6,19 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from gateway.app import new_secret
 from gateway.auth import COOKIE_NAME
-from gateway.config import GatewayConfig
-from gateway.extensions import create_app_with_extras
 from gateway.openai_api import key_user_id
-from gateway.serving import ThreadedServer
 from tests.fixtures_servers import RunningGateway
+from tests.gateway_helpers import openai_client as client
 
 BLOCK = 16  # the engine fixture's --block-size
 QUESTION = [{"role": "user", "content": "Tell me about lighthouses."}]
-
-
-@pytest.fixture
-def api_gateway(request: pytest.FixtureRequest, redis_url: str, key_prefix: str,
-                tmp_path: Path) -> Iterator[Callable[..., RunningGateway]]:
-    """``api_gateway(api_key=None, engine_urls=None, wait_for_engine=True, **config)``: a
-    real gateway with the OpenAI API and metrics wired in (``create_app_with_extras``)."""
-    running: list[RunningGateway] = []
-
-    def make(api_key: str | None = None, engine_urls: list[str] | None = None, wait_for_engine: bool = True,
-             **overrides: Any) -> RunningGateway:
-        urls = engine_urls if engine_urls is not None else [request.getfixturevalue("engine_url")]
-        fields: dict[str, Any] = dict(host="127.0.0.1", port=0, redis_url=redis_url, key_prefix=key_prefix,
-                                      engine_urls=tuple(urls), secret_key=new_secret(), data_dir=tmp_path / "data")
-        fields.update(overrides)
-        config = GatewayConfig().with_overrides(**fields)
-        server = ThreadedServer(create_app_with_extras(config, api_key=api_key), config)
-        port = server.start()
-        gw = RunningGateway(config, server, f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws")
-        running.append(gw)
-        deadline = time.monotonic() + 60
-        while wait_for_engine and urls and not gw.app.state.router.healthy and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return gw
-
-    yield make
-    for gw in running:
-        gw.stop()
-
-
-def client(gw: RunningGateway, api_key: str = "unused", **kwargs: Any) -> openai.OpenAI:
-    """The official client on this gateway (no retries: each test sees every answer)."""
-    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)
 
 
 def engine_stats(gw: RunningGateway) -> dict[str, Any]:
@@ -82,7 +45,8 @@ def greedy(oa: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> Any:
 def stream_text(oa: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> tuple[list[Any], str]:
     """(all chunks, concatenated content) of a streamed greedy reply."""
     kw.setdefault("max_tokens", 16)
-    chunks = list(oa.chat.completions.create(model="default", messages=messages, temperature=0, stream=True, **kw))
+    chunks: list[Any] = list(oa.chat.completions.create(model="default", messages=messages, temperature=0,
+                                                        stream=True, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return chunks, text
 
@@ -117,7 +81,7 @@ def test_non_streaming_reply_has_the_openai_shape_and_usage(api_gateway):
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 24])
 def test_streamed_text_equals_the_non_streamed_text_and_counts_every_token(api_gateway, max_tokens):
-    """ACCEPTANCE C14: the finishing step's tokens are streamed too."""
+    """The finishing step's tokens are delivered (docs/acceptance.md): the finishing step's tokens are streamed too."""
     gw = api_gateway()
     oa = client(gw)
     whole = greedy(oa, QUESTION, max_tokens=max_tokens)
@@ -159,7 +123,7 @@ def _a_stop_string(text: str) -> str:
 
 
 def test_a_stop_string_ends_the_reply_and_no_part_of_it_is_ever_streamed(api_gateway):
-    """ACCEPTANCE C13, on whatever the model says greedily."""
+    """Stop strings never leak (docs/acceptance.md), on whatever the model says greedily."""
     gw = api_gateway()
     oa = client(gw)
     full = greedy(oa, QUESTION, max_tokens=48).choices[0].message.content
@@ -311,7 +275,7 @@ def test_an_api_key_is_required_when_configured(api_gateway):
     assert ok.models.list().data
 
 
-# ---- a dropped client aborts (ACCEPTANCE C23) ----------------------------------------------
+# ---- a dropped client aborts (stop frees the engine) ----------------------------------------------
 
 
 def assert_aborted_and_freed(gw: RunningGateway, before: dict[str, Any], max_tokens: int) -> None:

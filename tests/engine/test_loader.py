@@ -118,7 +118,7 @@ def test_chat_prompt_has_one_bos_per_turn_and_no_doubled_bos(tiny_model_dir: Pat
     ids = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # ChatML's BOS (<|im_start|>) opens every turn: each comes from the template, and
-    # encoding the rendered text adds none (ACCEPTANCE C19).
+    # encoding the rendered text adds none (one BOS (docs/acceptance.md)).
     assert tok(text, add_special_tokens=False)["input_ids"] == ids
     assert tok(text)["input_ids"] == ids
     bos = tok.bos_token_id
@@ -265,7 +265,8 @@ def test_kv_plan_uses_num_blocks_when_set(tiny_model_dir: Path) -> None:
 def test_kv_plan_fills_the_cpu_byte_budget(tiny_model_dir: Path) -> None:
     cfg = load_model(tiny_engine_config(tiny_model_dir)).model_config
     per_block = bytes_per_block(cfg, 16, torch.bfloat16)
-    engine_cfg = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16", kv_cache_bytes=10 * per_block + 5)
+    engine_cfg = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16",
+                              kv_cache_bytes=10 * per_block + 5)
     plan = plan_kv_blocks(cfg, engine_cfg, "cpu")
     assert plan.num_blocks == 10 and plan.total_bytes <= engine_cfg.kv_cache_bytes
     assert re.fullmatch(r"KV cache: 10 blocks x 16 tokens = 160 tokens, \d+\.\d\d GiB bfloat16", plan.describe())

@@ -85,7 +85,7 @@ async def idle(gw) -> dict:
 
 @pytest.mark.parametrize("when", ["after_first_delta", "before_first_delta"])
 async def test_cancel_stops_the_engine_frees_its_blocks_and_stores_the_partial_reply(gateway_factory, when):
-    """ACCEPTANCE C23: Stop aborts the engine request at once; only cache blocks stay."""
+    """Stop frees the engine (docs/acceptance.md): Stop aborts the engine request at once; only cache blocks stay."""
     gw = gateway_factory()
     cookie = gw.new_cookie()
     before = await idle(gw)
@@ -223,7 +223,7 @@ async def test_handshake_without_allowed_origin_or_valid_cookie_is_refused_with_
 
 
 async def test_second_request_on_a_busy_chat_gets_busy_and_two_tabs_lose_nothing(gateway_factory):
-    """ACCEPTANCE C30 through the socket: both tabs send at once; one is told busy,
+    """No lost writes (docs/acceptance.md) through the socket: both tabs send at once; one is told busy,
     retries, and every message and reply is stored in the order the tabs saw."""
     gw = gateway_factory()
     cookie = gw.new_cookie()
@@ -371,7 +371,7 @@ async def test_one_dead_engine_among_two_is_routed_around(gateway_factory, engin
 
 
 async def test_keys_written_by_a_conversation_all_keep_the_configured_ttl(gateway_factory, redis_url, key_prefix):
-    """ACCEPTANCE C29 through the whole gateway (streams included)."""
+    """TTLs are kept (docs/acceptance.md) through the whole gateway (streams included)."""
     gw = gateway_factory(session_ttl_s=1800)
     cookie = gw.new_cookie()
     client = aioredis.from_url(redis_url, decode_responses=True)
@@ -412,7 +412,7 @@ async def test_a_reply_can_be_watched_and_stopped_from_another_gateway_replica(g
 
 
 async def test_repeated_stops_leave_no_engine_blocks_locks_or_tasks_behind(gateway_factory, redis_url, key_prefix):
-    """C23 repeated: many start-then-stop cycles; afterwards the engine holds no blocks
+    """stop frees the engine repeated: many start-then-stop cycles; afterwards the engine holds no blocks
     for requests, the gateway runs no replies and no chat lock is left in Redis."""
     gw = gateway_factory()
     cookie = gw.new_cookie()

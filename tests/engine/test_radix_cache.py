@@ -1,5 +1,5 @@
 """RadixCache over BlockPool: prefix matching, refcounts, eviction, namespaces, and the
-idle accounting identity of ACCEPTANCE C04 (free + evictable + held == total)."""
+idle accounting identity (docs/acceptance.md, block accounting: free + evictable + held == total)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine.block_pool import BlockPool, blocks_needed
 from engine.radix_cache import RadixCache, RadixCacheError, RadixNode
-
 
 # --- helpers: a request that follows the caller's contract --------------------------------
 
@@ -199,8 +198,8 @@ def test_duplicate_insert_reports_callers_blocks_and_refcounts_are_exact():
     cache.check_invariants()
 
 
-def test_c04_shared_prefix_drain_keeps_accounting_exact():
-    # C04 in miniature: block size 16, a long shared system prompt, many sessions.
+def test_shared_prefix_drain_keeps_accounting_exact():
+    # Block accounting (docs/acceptance.md) in miniature: block size 16, a long shared system prompt, many sessions.
     bs, total = 16, 400
     pool = BlockPool(total)
     cache = RadixCache(pool, block_size=bs)

@@ -15,8 +15,14 @@ from bench import serving
 from bench.hf_static_server import Pending, RowStreamer
 from bench.serving_lib.openai_client import RequestResult, SSEParser, apply_chunk
 from bench.serving_lib.stats import percentile
-from bench.serving_lib.workloads import (Conversation, TextMaker, chat_users, mixed_requests, poisson_offsets,
-                                         single_requests)
+from bench.serving_lib.workloads import (
+    Conversation,
+    TextMaker,
+    chat_users,
+    mixed_requests,
+    poisson_offsets,
+    single_requests,
+)
 
 # ---- statistics -------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ async def test_redis_killed_mid_reply_keeps_the_reply_and_stores_it_once_when_re
     async with gw.connect(cookie) as ws:
         await send(ws, {"type": "chat", "content": "Tell me a long story.",
                         "params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
-        killed = []
+        killed: list[bool] = []
 
         async def kill_after_first_delta(frame, reply):
             if frame["type"] == "delta" and not killed:
@@ -124,7 +124,7 @@ async def test_renaming_a_new_chat_while_its_first_reply_streams_is_not_undone(g
     async with gw.connect(cookie) as ws:
         await send(ws, {"type": "chat", "content": "First words",
                         "params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
-        renamed = []
+        renamed: list[int] = []
 
         async def rename_once(frame, reply):
             if frame["type"] == "delta" and not renamed:

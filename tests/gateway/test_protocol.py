@@ -6,8 +6,16 @@ import pytest
 
 from gateway.auth import COOKIE_NAME, UserIds, cookie_value, origin_allowed
 from gateway.config import ConfigError, GatewayConfig, Limits, config_from_env
-from gateway.protocol import (CancelFrame, ChatFrame, PingFrame, ProtocolError, RegenerateFrame, ResumeFrame,
-                              decode_json, parse_client_frame)
+from gateway.protocol import (
+    CancelFrame,
+    ChatFrame,
+    PingFrame,
+    ProtocolError,
+    RegenerateFrame,
+    ResumeFrame,
+    decode_json,
+    parse_client_frame,
+)
 
 
 def test_valid_frames_parse_into_their_dataclasses():

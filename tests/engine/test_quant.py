@@ -14,7 +14,7 @@ from engine.loader import load_model
 from engine.models import quant
 from engine.models.quant import Int8Weight, quantize_int8
 from engine.outputs import GenerateRequest
-from tests.engine_helpers import collect, first_divergence_is_a_near_tie, greedy, make_engine
+from tests.engine_helpers import collect, first_divergence_is_a_near_tie, greedy
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_quantized_model_replaces_every_projection_and_stays_close(which, tiny_m
 
 
 def test_quantization_gets_its_own_prefix_cache_namespace(tiny_model_dir):
-    """ACCEPTANCE C02's kind: a quantized twin of the same files never shares KV with them."""
+    """Cache namespaces (docs/acceptance.md): a quantized twin of the same files never shares KV with them."""
     base = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
     q8 = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16", quantization="int8"))
     assert base.weights_id != q8.weights_id
@@ -190,39 +190,31 @@ def test_int8_smollm2_scores_text_like_its_bfloat16_weights(smollm2_dir):
     assert (ref.argmax(-1) == q8.argmax(-1)).float().mean() >= 0.85
 
 
-async def test_int8_greedy_output_does_not_depend_on_its_neighbours(tiny_model_dir, tiny_tok):
-    """ACCEPTANCE C06 with int8 weights: the prompt alone runs on the small-batch kernel,
+async def test_int8_greedy_output_does_not_depend_on_its_neighbours(tiny_model_dir, tiny_tok, start_engine):
+    """Batch-invariant greedy output with int8 weights: the prompt alone runs on the small-batch kernel,
     beside 14 others on the wide one; the texts agree up to a near-tie."""
-    eng = make_engine(tiny_model_dir, dtype="bfloat16", quantization="int8", num_blocks=1024)
-    eng.start()
+    eng = start_engine(tiny_model_dir, dtype="bfloat16", quantization="int8", num_blocks=1024)
     rng = random.Random(2)
     p_ids = tiny_tok("Explain in three sentences why the sky appears blue.")["input_ids"]
-    try:
-        async def solo(tag):
-            c = await collect(eng, GenerateRequest(tag, p_ids, params=greedy(20, logprobs=2)))
-            c.final.logprobs_all = [lp for d in c.deltas for lp in (d.logprobs or [])]
-            return c.final
+    async def solo(tag):
+        c = await collect(eng, GenerateRequest(tag, p_ids, params=greedy(20, logprobs=2)))
+        c.final.logprobs_all = [lp for d in c.deltas for lp in (d.logprobs or [])]
+        return c.final
 
-        ref = await solo("alone")
-        assert (await solo("alone-again")).output_token_ids == ref.output_token_ids
+    ref = await solo("alone")
+    assert (await solo("alone-again")).output_token_ids == ref.output_token_ids
 
-        async def neighbour(k):
-            ids = [rng.randrange(100, 40000) for _ in range(rng.randrange(5, 60))]
-            return await collect(eng, GenerateRequest(f"n{k}", ids, params=greedy(30)))
+    async def neighbour(k):
+        ids = [rng.randrange(100, 40000) for _ in range(rng.randrange(5, 60))]
+        return await collect(eng, GenerateRequest(f"n{k}", ids, params=greedy(30)))
 
-        outs = await asyncio.gather(solo("crowded"), *(neighbour(k) for k in range(quant.SMALL_BATCH_ROWS + 2)))
-        assert first_divergence_is_a_near_tie(ref, outs[0], eps=0.05)
-    finally:
-        eng.shutdown()
+    outs = await asyncio.gather(solo("crowded"), *(neighbour(k) for k in range(quant.SMALL_BATCH_ROWS + 2)))
+    assert first_divergence_is_a_near_tie(ref, outs[0], eps=0.05)
 
 
-async def test_int8_engine_runs_a_prompt_longer_than_one_step(tiny_model_dir):
+async def test_int8_engine_runs_a_prompt_longer_than_one_step(tiny_model_dir, start_engine):
     """A 300-token prompt with 64-token steps: the first steps only prefill (their LM head
     sees no rows), then the request decodes to the end."""
-    eng = make_engine(tiny_model_dir, dtype="bfloat16", quantization="int8", max_num_batched_tokens=64)
-    eng.start()
-    try:
-        out = await collect(eng, GenerateRequest("long", list(range(300, 600)), params=greedy(5)))
-        assert out.final.finish_reason == "length" and len(out.token_ids) == 5
-    finally:
-        eng.shutdown()
+    eng = start_engine(tiny_model_dir, dtype="bfloat16", quantization="int8", max_num_batched_tokens=64)
+    out = await collect(eng, GenerateRequest("long", list(range(300, 600)), params=greedy(5)))
+    assert out.final.finish_reason == "length" and len(out.token_ids) == 5

@@ -15,7 +15,7 @@ from websockets.asyncio.client import connect
 from engine.server import run_server
 from tests.engine_helpers import make_engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ async def server(tiny_model_dir, capsys):
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_server(eng, "127.0.0.1", 0, ready=ready, stop=stop))
     await asyncio.wait_for(ready.wait(), 30)
-    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("ENGINE READY")][-1]
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ENGINE READY")][-1]
     yield line.split()[-1], eng
     stop.set()
     await task
@@ -35,7 +35,7 @@ async def _recv(ws) -> dict:
 
 
 async def _until_done(ws, rid: str) -> tuple[list[dict], dict]:
-    deltas = []
+    deltas: list[dict] = []
     while True:
         f = await _recv(ws)
         if f.get("request_id") != rid:
@@ -54,7 +54,8 @@ async def test_hello_then_multiplexed_requests_each_end_with_done(server):
         for rid in ("a", "b", "c"):
             await ws.send(json.dumps({"type": "generate", "request_id": rid,
                                       "messages": [{"role": "user", "content": f"Hello {rid}"}],
-                                      "params": {"max_tokens": 5 + ord(rid) - 97, "temperature": 0, "ignore_eos": True}}))
+                                      "params": {"max_tokens": 5 + ord(rid) - 97, "temperature": 0,
+                                                 "ignore_eos": True}}))
         seen: dict[str, list[dict]] = {"a": [], "b": [], "c": []}
         done: dict[str, dict] = {}
         while len(done) < 3:
@@ -163,9 +164,13 @@ def test_cli_serve_on_a_taken_port_says_so_without_a_traceback(tiny_model_dir):
 async def test_ctrl_c_ends_live_requests_with_abort_and_the_server_exits(tiny_model_dir):
     """``serve`` steps on the main thread: Ctrl-C there still sends every live request
     its final ``abort`` frame before the process exits."""
+    with _serve_process(tiny_model_dir, 0) as proc:  # its pipes are closed on the way out
+        await _ctrl_c_aborts_live_requests(proc)
+
+
+async def _ctrl_c_aborts_live_requests(proc: subprocess.Popen) -> None:
     import signal
 
-    proc = _serve_process(tiny_model_dir, 0)
     try:
         url = None
         while url is None:

@@ -16,7 +16,9 @@ from gateway.config import GatewayConfig
 from gateway.extensions import create_app_with_extras, default_extras
 from gateway.serving import ThreadedServer
 from tests.gateway_helpers import chat
-from tests.test_openai_api import QUESTION, api_gateway, client  # noqa: F401  (fixture)
+from tests.gateway_helpers import openai_client as client
+
+QUESTION = [{"role": "user", "content": "Tell me about lighthouses."}]
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 

@@ -1,5 +1,5 @@
-"""Sampler: greedy equivalences (ACCEPTANCE C22), exact top-k/top-p/min-p masks,
-penalties, per-request seeds independent of batch neighbours (C21), logprobs, and
+"""Sampler: greedy equivalences (sampling edge values (docs/acceptance.md)), exact top-k/top-p/min-p masks,
+penalties, per-request seeds independent of batch neighbours (seeded requests are reproducible), logprobs, and
 robustness to non-finite logits."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def support(probs_row: torch.Tensor) -> set[int]:
     return set(torch.nonzero(probs_row > 0).flatten().tolist())
 
 
-# -- greedy and its equivalents (C22) ----------------------------------------------------
+# -- greedy and its equivalents (sampling edge values) ----------------------------------------------------
 
 
 def test_greedy_is_argmax_of_raw_logits(device):
@@ -175,7 +175,7 @@ def test_each_row_uses_its_own_parameters(device):
     assert [support(r) for r in probs] == [{1, 3}, {1}, {1, 3, 0}]
 
 
-# -- seeds (C21) -----------------------------------------------------------------------
+# -- seeds (seeded requests are reproducible) -----------------------------------------------------------------------
 
 
 TARGET = "target"
