@@ -62,6 +62,7 @@ def hf_config(name: str):
 def random_loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """Our model with the named shapes and random weights, as an ``engine.loader.LoadedModel``."""
     from engine.config import ModelConfig
+    from engine.formats import ServingFormat
     from engine.loader import LoadedModel
     from engine.models import model_class_for
 
@@ -75,8 +76,11 @@ def random_loaded_model(name: str, dtype: torch.dtype, device: torch.device, see
         else:
             p.normal_(0.0, 0.02)
     wid = hashlib.sha1(f"random:{name}:{seed}:{dtype}".encode()).hexdigest()[:16]
+    name_of = str(dtype).removeprefix("torch.")
+    fmt = ServingFormat(dtype=name_of, quantization=None, kv_cache_dtype=name_of, cpu_kernels=False)
     return LoadedModel(model=model.eval(), model_config=mc, hf_config=cfg, tokenizer=ByteTokenizer(),
-                       name=f"random-{name}", path=Path("."), weights_id=wid, dtype=dtype, device=device)
+                       name=f"random-{name}", path=Path("."), weights_id=wid, dtype=dtype, device=device,
+                       format=fmt)
 
 
 @torch.no_grad()

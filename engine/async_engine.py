@@ -89,9 +89,8 @@ class AsyncEngine:
     def from_loaded(cls, loaded, config: EngineConfig, verbose: bool = True) -> AsyncEngine:
         """Size and allocate the KV cache for a loaded model (``engine.loader.LoadedModel``)
         and build the engine (not started). Prints what it sized when ``verbose``."""
-        from engine.kv_cache import KVCache, plan_kv_blocks
-
         from engine.formats import resolved_config
+        from engine.kv_cache import KVCache, plan_kv_blocks
 
         config, fmt = resolved_config(config)
         device = torch.device(loaded.device)

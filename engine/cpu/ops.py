@@ -41,7 +41,8 @@ def _need(cond: bool, what: str) -> None:
 
 def _rows(t: torch.Tensor, dtype: torch.dtype, name: str) -> int:
     """Check a 2-D float tensor on the CPU whose rows are contiguous; return its row stride."""
-    _need(t.device.type == "cpu" and t.dtype == dtype, f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    _need(t.device.type == "cpu" and t.dtype == dtype,
+          f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
     _need(t.dim() == 2 and t.stride(1) == 1, f"{name} must be 2-D with contiguous rows, got shape {tuple(t.shape)}"
           f" strides {t.stride()}")
     return t.stride(0)

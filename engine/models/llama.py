@@ -32,7 +32,7 @@ from engine.cpu.ops import CpuKernels
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.models.ops import KernelOps, LayerOps, TorchOps
+from engine.models.ops import KernelOps, LayerOps, RopeInputs, TorchOps
 from engine.models.quant import QUANTIZATIONS, Int8Weight, embedding, linear
 from engine.models.rope import rotary_table
 
@@ -75,7 +75,7 @@ class StepContext:
     batch: ForwardBatch
     attn: AttentionBackend
     ops: LayerOps
-    rope: object
+    rope: RopeInputs
 
 
 class Attention(nn.Module):
@@ -195,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = embedding(batch.input_ids, self.embed), None
         for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
             x, residual = layer(x, residual, k_cache, v_cache, step)
+        assert residual is not None  # a model has at least one layer
         rows = batch.logits_indices  # RMSNorm and the residual add are per row
         x, _ = self.norm(x.index_select(0, rows), residual.index_select(0, rows), self.ops)
         return linear(x, self.lm_head).float()

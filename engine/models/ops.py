@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from engine.cpu.ops import CpuKernels
 from engine.models.rope import apply_rotary
 
+# Per-step rotary inputs: (cos, sin) rows for TorchOps, (table, positions) for KernelOps.
+RopeInputs = tuple[torch.Tensor, torch.Tensor]
+
 
 class LayerOps(Protocol):
     """What a decoder layer needs besides matmuls and attention."""
@@ -34,12 +37,12 @@ class LayerOps(Protocol):
         """Residual add then RMSNorm: x, residual [T, H] -> (normed [T, H], new residual [T, H])."""
         ...
 
-    def rope_inputs(self, table: torch.Tensor, positions: torch.Tensor) -> object:
+    def rope_inputs(self, table: torch.Tensor, positions: torch.Tensor) -> RopeInputs:
         """Per-step rotary inputs from the model's table [max_len, 2, 1, D/2] and positions [T]."""
         ...
 
     def rope_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (H + 2 Hkv) * D] -> q [T, H, D], k [T, Hkv, D] (both rotated), v [T, Hkv, D]."""
         ...
 
@@ -60,14 +63,15 @@ class TorchOps:
         h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h32.to(h.dtype), h
 
-    def rope_inputs(self, table: torch.Tensor, positions: torch.Tensor) -> object:
+    def rope_inputs(self, table: torch.Tensor, positions: torch.Tensor) -> RopeInputs:
         """(cos, sin), each [T, 1, D/2]: gathered once per step, shared by every layer."""
-        return table[positions].unbind(1)
+        cos, sin = table[positions].unbind(1)
+        return cos, sin
 
     def rope_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See ``LayerOps.rope_qkv``; Q and K heads are rotated together in one new tensor."""
-        cos, sin = rope  # type: ignore[misc]
+        cos, sin = rope
         h, hkv = num_heads, num_kv_heads
         qkv = qkv.view(qkv.shape[0], h + 2 * hkv, head_dim)
         qk = apply_rotary(qkv[:, : h + hkv], cos, sin)
@@ -97,14 +101,14 @@ class KernelOps:
             return self.k.add_rms_norm(x, None, weight, eps), x
         return self.k.add_rms_norm(residual, x, weight, eps), residual
 
-    def rope_inputs(self, table: torch.Tensor, positions: torch.Tensor) -> object:
+    def rope_inputs(self, table: torch.Tensor, positions: torch.Tensor) -> RopeInputs:
         """The whole table and the positions: the kernel indexes the table itself."""
         return table, positions
 
     def rope_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See ``LayerOps.rope_qkv``; rotates in place and returns views of ``qkv``."""
-        table, positions = rope  # type: ignore[misc]
+        table, positions = rope
         h, hkv = num_heads, num_kv_heads
         self.k.rope_(qkv, h + hkv, head_dim, table, positions)
         heads = qkv.view(qkv.shape[0], h + 2 * hkv, head_dim)

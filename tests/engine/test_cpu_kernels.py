@@ -39,7 +39,8 @@ def test_kernels_build_with_the_cpus_vector_flags(k):
 @pytest.mark.parametrize("rows,width", [(1, 576), (3, 17), (9, 64)])
 def test_add_rms_norm_adds_the_residual_in_place_and_normalises(k, rows, width):
     g = gen(rows)
-    x, delta, w = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g), torch.randn(width, generator=g)
+    x, delta = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+    w = torch.randn(width, generator=g)
     h = (x + delta).double()
     ref = w.double() * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
     out = k.add_rms_norm(x, delta, w, 1e-5)
