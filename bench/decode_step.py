@@ -1,27 +1,42 @@
-"""Decode step time by weight format: float32, bfloat16, and int8 weights with
-bfloat16 activations, at several batch sizes, through ``EngineCore.step``.
+"""Decode step time by serving format, against the memory-bandwidth floor measured in the
+same run; paged decode attention against SDPA; and where one step's time goes.
 
-    python bench/decode_step.py [--batches 1,4,8,12,16,32] [--context 300] [--steps 20]
-                                [--threads 2] [--model PATH] [--step-thread main|other] [--json]
+    python bench/decode_step.py [--formats default,exact,int8+bf16] [--batches 1,4,16]
+                                [--context 300] [--steps 20] [--threads 2] [--model PATH] [--json]
+    python bench/decode_step.py --attention [--contexts 64,256,1024,2048,4096,8192] [--batches 1,16]
+    python bench/decode_step.py --profile [--formats default] [--batches 1]
 
-Each format loads the model (default: the bundled SmolLM2-135M-Instruct), admits B
-requests with the same ``--context``-token prompt, prefills them, then times
-``--steps`` pure decode steps (median ms per step; one step = schedule, forward over the
-B rows, sample, detokenize). Also prints each format's weight bytes held and read per
-batch-1 step, and the bandwidth a batch-1 step implies (bytes read / step time; the
-KV read is small beside it at this context). The float32 column is the peer: ratios are against it.
+Formats (``engine/formats.py``): ``default`` is what the engine picks on this machine
+("auto"); ``exact`` is float32 everywhere through torch (transformers parity);
+``int8+bf16`` is int8 weights with bfloat16 activations on torch's int8 kernel;
+``bfloat16`` is bfloat16 weights. For each, the model (default: the bundled
+SmolLM2-135M-Instruct) admits B requests with the same ``--context``-token prompt,
+prefills them, and times ``--steps`` pure decode steps through ``EngineCore.step``
+(schedule, forward, sample, detokenize; median ms per step).
+
+The floor of a batch-1 step is the bytes it must read (every weight once, plus the KV
+of the context) over the read bandwidth measured here (a 512 MiB float32 sum on the same
+threads); the table prints both and the ratio.
+
+``--attention`` times one layer's attention call alone (SmolLM2's 9 query and 3 KV
+heads of 64) at each context: the CPU kernels' paged attention over a bfloat16 cache and
+over a float32 one, against the torch backend (gather through the block tables, then
+SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -32,15 +47,34 @@ import torch  # noqa: E402
 
 from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.engine_core import EngineCore  # noqa: E402
 from engine.loader import load_model, model_weight_bytes  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
-FORMATS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8+bf16": ("bfloat16", "int8")}
+FORMATS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "exact": {"dtype": "float32", "quantization": "none"},
+    "int8+bf16": {"dtype": "bfloat16", "quantization": "int8"},
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
+}
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 512) -> float:
+    """Read bandwidth of this machine in GB/s: median of 5 sums of a ``mib`` MiB float32
+    tensor (random, so every page is real memory) on ``threads`` threads."""
+    torch.set_num_threads(threads)
+    x = torch.randn(mib * 2**20 // 4)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
 def batch1_read_bytes(model: torch.nn.Module) -> int:
     """Weight bytes a batch-1 decode step reads: every weight once, int8 weights as their
-    int8 tensor and scales (their bfloat16 copy serves only batches above 8 rows)."""
+    int8 tensor and scales (a kept bfloat16 copy serves only large batches)."""
     from engine.models.quant import Int8Weight
 
     # modules() and parameters() visit a tied (shared) weight once
@@ -48,95 +82,188 @@ def batch1_read_bytes(model: torch.nn.Module) -> int:
     return total + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def time_format(model: str | None, dtype: str, quantization: str | None, batches: list[int], context: int,
-                steps: int, step_thread: str = "main") -> dict:
-    """Median decode-step ms for each batch size, and the weight bytes, of one format.
-    ``step_thread`` "other": the steps run on a second thread while the main one waits
-    (as ``AsyncEngine.start()`` runs them), instead of on the main thread."""
-    cfg = EngineConfig(model=model, device="cpu", dtype=dtype, quantization=quantization, block_size=16,
+def kv_read_bytes(core: EngineCore, context: int) -> int:
+    """KV bytes one request's decode step reads at ``context`` tokens (K and V, all layers)."""
+    kv = core.runner.kv
+    k = kv.k_caches[0]
+    per_token = 2 * len(kv.k_caches) * k.shape[2] * k.shape[3] * k.element_size()
+    return per_token * context
+
+
+def build_core(model: str | None, overrides: dict[str, Any], batches: list[int], context: int,
+               steps: int) -> tuple[EngineCore, str]:
+    """An engine core for one format, sized for the largest batch; returns it and its format line."""
+    cfg = EngineConfig(model=model, device="cpu", block_size=16,
                        num_blocks=max(batches) * (context + steps + 64) // 16 + 64,
-                       max_num_batched_tokens=2048, max_num_seqs=max(batches))
+                       max_num_batched_tokens=2048, max_num_seqs=max(batches), **overrides)
     engine = AsyncEngine.from_loaded(load_model(cfg), cfg, verbose=False)
-    core = engine.core
+    return engine.core, engine.info.format
+
+
+def decode_steps(core: EngineCore, batch: int, context: int, steps: int, tag: str) -> list[float]:
+    """Admit ``batch`` requests of a ``context``-token prompt, prefill them, time ``steps``
+    decode steps (ms each), then abort them."""
     prompt = [100 + (i * 37) % 20000 for i in range(context)]
-    weights = core.runner.model
-    out = {"weight_bytes": model_weight_bytes(weights), "read_bytes": batch1_read_bytes(weights), "step_ms": {}}
-    for b in batches:
-        for i in range(b):
-            core.add_request(f"{b}.{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
+    for i in range(batch):
+        core.add_request(f"{tag}.{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
                                                                 ignore_eos=True))
-        while any(r.num_computed_tokens < context for r in core.scheduler.running) or core.scheduler.waiting:
-            core.step()  # prefill (the prefix cache makes all but the first cheap)
+    while any(r.num_computed_tokens < context for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()  # prefill (the prefix cache makes all but the first cheap)
+    core.step()
+    times: list[float] = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
         core.step()
-        times: list[float] = []
+        times.append((time.perf_counter() - t0) * 1e3)
+    for i in range(batch):
+        core.abort(f"{tag}.{i}")
+    return times
 
-        def timed_steps(times: list[float] = times) -> None:
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                core.step()
-                times.append((time.perf_counter() - t0) * 1e3)
 
-        if step_thread == "other":
-            worker = threading.Thread(target=timed_steps)
-            worker.start()
-            worker.join()
-        else:
-            timed_steps()
-        out["step_ms"][b] = statistics.median(times)
-        for i in range(b):
-            core.abort(f"{b}.{i}")
-        core.step()
+def time_format(model: str | None, overrides: dict[str, Any], batches: list[int], context: int,
+                steps: int) -> dict[str, Any]:
+    """Median decode-step ms for each batch size, and the bytes a batch-1 step reads."""
+    core, fmt = build_core(model, overrides, batches, context, steps)
+    m = core.runner.model
+    out: dict[str, Any] = {"format": fmt, "weight_bytes": model_weight_bytes(m), "read_bytes": batch1_read_bytes(m),
+                           "kv_bytes": kv_read_bytes(core, context), "step_ms": {}}
+    for b in batches:
+        out["step_ms"][b] = statistics.median(decode_steps(core, b, context, steps, f"b{b}"))
     return out
 
 
-def table(results: dict, batches: list[int]) -> str:
-    """Markdown: one row per batch size, ms per step and the ratio to float32."""
+def format_table(results: dict[str, Any], batches: list[int], bandwidth: float) -> str:
+    """Markdown: ms per step per batch size and format, ratios to ``exact``, and the floor."""
     names = list(results)
-    head = "| batch | " + " | ".join(f"{n} ms/step" for n in names) + " | " + " | ".join(
-        f"{n} vs float32" for n in names[1:]) + " |"
-    rows = [head, "|" + "---|" * (1 + 2 * len(names) - 1)]
+    head = "| batch | " + " | ".join(f"{n} ms/step" for n in names) + " |" + "".join(
+        f" {n} vs exact |" for n in names if n != "exact" and "exact" in results)
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for b in batches:
-        base = results["float32"]["step_ms"][b] if "float32" in results else float("nan")
         cells = [f"{results[n]['step_ms'][b]:.1f}" for n in names]
-        ratios = [f"{base / results[n]['step_ms'][b]:.2f}x" for n in names[1:]]
-        rows.append(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    rows.append("| weight MiB held | " + " | ".join(f"{results[n]['weight_bytes'] / 2**20:.0f}" for n in names)
-                + " |" + " |" * (len(names) - 1))
-    rows.append("| weight MiB read per batch-1 step | " + " | ".join(
-        f"{results[n]['read_bytes'] / 2**20:.0f}" for n in names) + " |" + " |" * (len(names) - 1))
-    bw = [results[n]["read_bytes"] / (results[n]["step_ms"][batches[0]] / 1e3) / 1e9 for n in names]
-    rows.append(f"| GB/s implied at batch {batches[0]} | " + " | ".join(f"{x:.1f}" for x in bw) + " |"
-                + " |" * (len(names) - 1))
+        ratios = [f"{results['exact']['step_ms'][b] / results[n]['step_ms'][b]:.2f}x"
+                  for n in names if n != "exact" and "exact" in results]
+        rows.append(f"| {b} | " + " | ".join(cells) + " |" + "".join(f" {r} |" for r in ratios))
+    pad = " |" * (head.count("|") - 1 - len(names) - 1)
+
+    def row(label: str, values: list[str]) -> None:
+        rows.append(f"| {label} | " + " | ".join(values) + " |" + pad)
+
+    row("weight MiB held", [f"{results[n]['weight_bytes'] / 2**20:.0f}" for n in names])
+    row("MiB read by a batch-1 step (weights + KV)",
+        [f"{(results[n]['read_bytes'] + results[n]['kv_bytes']) / 2**20:.0f}" for n in names])
+    floors = {n: (results[n]["read_bytes"] + results[n]["kv_bytes"]) / (bandwidth * 1e9) * 1e3 for n in names}
+    row(f"batch-1 floor at {bandwidth:.1f} GB/s (ms)", [f"{floors[n]:.1f}" for n in names])
+    b1 = batches[0]
+    row(f"batch-{b1} step / floor", [f"{results[n]['step_ms'][b1] / floors[n]:.2f}x" for n in names])
+    return "\n".join(rows)
+
+
+def attention_table(contexts: list[int], batches: list[int], threads: int) -> str:
+    """Markdown: microseconds per layer's attention call, CPU kernels vs gather + SDPA."""
+    from engine.attention.cpu_backend import CpuAttentionBackend
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.cpu.ops import cpu_kernels
+    from engine.forward_batch import ForwardBatch
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        return "CPU kernels unavailable"
+    torch.set_num_threads(threads)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    rows = ["| batch | context | ours bf16 KV (us) | ours f32 KV (us) | gather + SDPA f32 (us) | SDPA / ours bf16 |",
+            "|---|---|---|---|---|---|"]
+    for b in batches:
+        for ctx in contexts:
+            nblk = -(-(ctx + 1) // bs)
+            tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(b)]
+            batch = ForwardBatch.build(token_chunks=[[1]] * b, prefix_lens=[ctx] * b, block_tables=tables,
+                                       sample_mask=[True] * b, block_size=bs)
+            q = torch.randn(b, heads, dim)
+            k, v = torch.randn(b, kv_heads, dim), torch.randn(b, kv_heads, dim)
+            timings = []
+            for backend, dtype in ((CpuAttentionBackend(kernels), torch.bfloat16),
+                                   (CpuAttentionBackend(kernels), torch.float32),
+                                   (TorchAttentionBackend(), torch.float32)):
+                cache = torch.randn(b * nblk, bs, kv_heads, dim).to(dtype)
+                batch.attn_metadata = None
+                backend.prepare(batch)
+                n = max(5, min(200, 2_000_000 // (b * ctx)))
+                for _ in range(3):
+                    backend.forward(q, k, v, cache, cache, batch, dim ** -0.5)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    backend.forward(q, k, v, cache, cache, batch, dim ** -0.5)
+                timings.append((time.perf_counter() - t0) / n * 1e6)
+            rows.append(f"| {b} | {ctx} | {timings[0]:.0f} | {timings[1]:.0f} | {timings[2]:.0f} | "
+                        f"{timings[2] / timings[0]:.1f}x |")
+    return "\n".join(rows)
+
+
+def profile_table(model: str | None, overrides: dict[str, Any], batch: int, context: int) -> str:
+    """cProfile of 50 decode steps: the functions that hold the most time (own time)."""
+    core, fmt = build_core(model, overrides, [batch], context, 60)
+    prompt = [100 + (i * 37) % 20000 for i in range(context)]
+    for i in range(batch):
+        core.add_request(f"p{i}", prompt, SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True))
+    while core.scheduler.waiting or any(r.num_computed_tokens < context for r in core.scheduler.running):
+        core.step()
+    core.step()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(50):
+        core.step()
+    prof.disable()
+    wall = (time.perf_counter() - t0) / 50 * 1e3
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    entries = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    rows = [f"{fmt}, batch {batch}, context {context}: {wall:.1f} ms a step under the profiler",
+            "", "| function | calls per step | own ms per step | share |", "|---|---|---|---|"]
+    total = sum(v[2] for _, v in entries)
+    for (path, line, name), (_cc, calls, own, _cum, _callers) in entries[:14]:
+        where = f"{Path(path).name}:{line}({name})" if path != "~" else name
+        rows.append(f"| `{where}` | {calls / 50:.0f} | {own / 50 * 1e3:.2f} | {own / total:.0%} |")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="1,4,8,12,16,32")
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--batches", default="1,4,16")
     p.add_argument("--context", type=int, default=300, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default="default,exact,int8+bf16", help=f"any of {', '.join(FORMATS)}")
     p.add_argument("--model", default=None)
-    p.add_argument("--step-thread", choices=["main", "other"], default="main",
-                   help="run the timed steps on the main thread (as `engine serve` does) or a second one")
+    p.add_argument("--attention", action="store_true", help="time decode attention alone over --contexts")
+    p.add_argument("--contexts", default="64,256,1024,2048,4096,8192")
+    p.add_argument("--profile", action="store_true", help="cProfile table of 50 decode steps")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     batches = [int(x) for x in a.batches.split(",") if x]
+    if a.attention:
+        print(f"threads {a.threads}; one layer's decode attention, median-free mean of repeated calls")
+        print(attention_table([int(x) for x in a.contexts.split(",")], batches, a.threads))
+        return 0
+    names = [n for n in a.formats.split(",") if n]
+    if a.profile:
+        print(profile_table(a.model, FORMATS[names[0]], batches[0], a.context))
+        return 0
+    bandwidth = read_bandwidth_gbs(a.threads)
     results = {}
-    for name in a.formats.split(","):
-        dtype, quant = FORMATS[name]
-        results[name] = time_format(a.model, dtype, quant, batches, a.context, a.steps, a.step_thread)
-        print(f"[{name}] " + ", ".join(f"B={b}: {ms:.1f} ms" for b, ms in results[name]["step_ms"].items()),
-              file=sys.stderr, flush=True)
+    for name in names:
+        results[name] = time_format(a.model, FORMATS[name], batches, a.context, a.steps)
+        print(f"[{name}: {results[name]['format']}] " + ", ".join(
+            f"B={b}: {ms:.1f} ms" for b, ms in results[name]["step_ms"].items()), file=sys.stderr, flush=True)
     if a.json:
-        print(json.dumps(results))
+        print(json.dumps({"read_bandwidth_gbs": bandwidth, "formats": results}))
     else:
-        print(f"threads {a.threads}, context {a.context} tokens, median of {a.steps} decode steps, "
-              f"stepping on the {a.step_thread} thread")
-        print(table(results, batches))
+        print(f"threads {a.threads}, context {a.context} tokens, median of {a.steps} decode steps; "
+              f"read bandwidth {bandwidth:.1f} GB/s; load average {os.getloadavg()[0]:.2f}")
+        for name in names:
+            print(f"- {name}: {results[name]['format']}")
+        print(format_table(results, batches, bandwidth))
     return 0
 
 

@@ -464,12 +464,71 @@ static inline const char *kv_row(const void *cache, int64_t slot, int64_t g, con
     return (const char *)cache + ((slot * a->Hkv + g) * a->D) * esz;
 }
 
+/* s[r * CS_KEYS + j] = scale * (qp[r] . kf[j]) for rows r < R and keys j < n; four rows
+ * share each key's loads. */
+static void block_scores(const float *const *qp, int64_t R, const float *kf, int64_t n, int64_t D, float scale,
+                         float *s) {
+    int64_t r = 0;
+#if CS_AVX2
+    if (D % 16 == 0) {
+        for (; r + 4 <= R; r += 4) {
+            const float *q0 = qp[r], *q1 = qp[r + 1], *q2 = qp[r + 2], *q3 = qp[r + 3];
+            for (int64_t j = 0; j < n; j++) {
+                const float *kj = kf + j * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m256 k0 = _mm256_loadu_ps(kj + d), k1 = _mm256_loadu_ps(kj + d + 8);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
+                    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k1, b0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, a1);
+                    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), k1, b1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), k0, a2);
+                    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d + 8), k1, b2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), k0, a3);
+                    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d + 8), k1, b3);
+                }
+                s[r * CS_KEYS + j] = hsum256(_mm256_add_ps(a0, b0)) * scale;
+                s[(r + 1) * CS_KEYS + j] = hsum256(_mm256_add_ps(a1, b1)) * scale;
+                s[(r + 2) * CS_KEYS + j] = hsum256(_mm256_add_ps(a2, b2)) * scale;
+                s[(r + 3) * CS_KEYS + j] = hsum256(_mm256_add_ps(a3, b3)) * scale;
+            }
+        }
+    }
+#endif
+    for (; r < R; r++)
+        for (int64_t j = 0; j < n; j++) s[r * CS_KEYS + j] = dot_f32(qp[r], kf + j * D, D) * scale;
+}
+
+/* acc[0..D) = acc * corr + sum_{j < n} p[j] * vf[j]: the output row's running sum, kept in
+ * registers 64 values at a time. */
+static void accumulate_values(float *acc, float corr, const float *p, const float *vf, int64_t n, int64_t D) {
+    int64_t d0 = 0;
+#if CS_AVX2
+    const __m256 c = _mm256_set1_ps(corr);
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), c);
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *v = vf + j * D + d0;
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), a[i]);
+        }
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
+    }
+#endif
+    if (d0 < D) {
+        scale_f32(acc + d0, corr, D - d0);
+        for (int64_t j = 0; j < n; j++) axpy_f32(acc + d0, p[j], vf + j * D + d0, D - d0);
+    }
+}
+
 /* Attention of one unit with an online softmax (Milakov & Gimelshein 2018; the
  * FlashAttention recurrence, Dao et al. 2022). Row r is query token q0 + r / G at head
- * g * G + r % G; it sees key positions <= prefix + its token index (causal). Scratch:
- * acc [R, D], m and l [R], kf and vf [CS_KEYS, D], s [R, CS_KEYS]. */
+ * g * G + r % G; it sees key positions <= prefix + its token index (causal). Keys and
+ * values are converted to float32 CS_KEYS at a time, once for all the unit's rows.
+ * Scratch: acc [R, D], m and l [R], kf and vf [CS_KEYS, D], s [R, CS_KEYS], qp [R]. */
 static void attn_unit(const cs_attn_args *a, const cs_unit *u, float *acc, float *m, float *l, float *kf, float *vf,
-                      float *s) {
+                      float *s, const float **qp) {
     const int64_t G = a->H / a->Hkv, D = a->D, R = u->nq * G, bs = a->block_size;
     const int64_t qs = a->query_start[u->b], qlen = a->query_start[u->b + 1] - qs;
     const int64_t prefix = a->seq_lens[u->b] - qlen;
@@ -477,6 +536,7 @@ static void attn_unit(const cs_attn_args *a, const cs_unit *u, float *acc, float
     for (int64_t r = 0; r < R; r++) {
         m[r] = -INFINITY;
         l[r] = 0.f;
+        qp[r] = a->q + (qs + u->q0 + r / G) * a->ldq + (u->g * G + r % G) * D;
     }
     memset(acc, 0, (size_t)(R * D) * 4);
     /* the last key position any row of this unit may see */
@@ -489,28 +549,22 @@ static void attn_unit(const cs_attn_args *a, const cs_unit *u, float *acc, float
             kv_row_to_f32(kf + j * D, kv_row(a->k_cache, slot, u->g, a), a->kv_bf16, D);
             kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slot, u->g, a), a->kv_bf16, D);
         }
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t t = u->q0 + r / G, h = u->g * G + r % G;
-            int64_t visible = prefix + t + 1 - j0; /* keys j < visible are causal for this row */
-            if (visible <= 0) continue;
+        /* rows of tokens that see none of these keys sit at the start (rows go by token) */
+        int64_t r0 = 0;
+        while (r0 < R && prefix + u->q0 + r0 / G + 1 - j0 <= 0) r0++;
+        block_scores(qp + r0, R - r0, kf, n, D, a->scale, s + r0 * CS_KEYS);
+        for (int64_t r = r0; r < R; r++) {
+            int64_t visible = prefix + u->q0 + r / G + 1 - j0; /* keys j < visible are causal for this row */
             if (visible > n) visible = n;
-            const float *qr = a->q + (qs + t) * a->ldq + h * D;
             float *sr = s + r * CS_KEYS, mx = -INFINITY;
-            for (int64_t j = 0; j < visible; j++) {
-                sr[j] = dot_f32(qr, kf + j * D, D) * a->scale;
-                if (sr[j] > mx) mx = sr[j];
-            }
-            float mnew = mx > m[r] ? mx : m[r];
-            float corr = expf(m[r] - mnew); /* 0 on the first block (m = -inf) */
+            for (int64_t j = 0; j < visible; j++) mx = sr[j] > mx ? sr[j] : mx;
+            const float mnew = mx > m[r] ? mx : m[r];
+            const float corr = expf(m[r] - mnew); /* 0 on the first block (m = -inf) */
             for (int64_t j = 0; j < visible; j++) sr[j] -= mnew;
             exp_inplace(sr, visible);
-            float *ar = acc + r * D;
-            if (corr != 1.0f) scale_f32(ar, corr, D);
             float sum = 0.f;
-            for (int64_t j = 0; j < visible; j++) {
-                sum += sr[j];
-                axpy_f32(ar, sr[j], vf + j * D, D);
-            }
+            for (int64_t j = 0; j < visible; j++) sum += sr[j];
+            accumulate_values(acc + r * D, corr, sr, vf, visible, D);
             l[r] = l[r] * corr + sum;
             m[r] = mnew;
         }
@@ -583,35 +637,43 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
                       H, Hkv, D, block_size, scale, out, part_acc, part_ml};
     const int64_t maxR = QT * G;
     int failed = 0;
-#pragma omp parallel num_threads(nt)
+    /* A small step (short contexts, few requests) runs on one thread: forking would cost more. */
+    int64_t work = 0;
+    for (int64_t i = 0; i < nunits; i++) work += (units[i].k1 - units[i].k0) * units[i].nq * G;
+    const int threads = work < 4096 ? 1 : nt;
+#pragma omp parallel num_threads(threads)
     {
         float *scratch = (float *)malloc(sizeof(float) * (size_t)(maxR * D + 2 * maxR + 2 * CS_KEYS * D + maxR * CS_KEYS));
-        if (!scratch) {
+        const float **qp = (const float **)malloc(sizeof(float *) * (size_t)maxR);
+        const int ok = scratch != NULL && qp != NULL;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            float *acc = scratch, *m = acc + maxR * D, *l = m + maxR, *kf = l + maxR, *vf = kf + CS_KEYS * D;
-            float *s = vf + CS_KEYS * D;
+        }
+        /* every thread reaches the loop (its barrier), working only if it has scratch */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < nunits; i++) {
-                const cs_unit *un = &units[i];
-                attn_unit(&a, un, acc, m, l, kf, vf, s);
-                const int64_t R = un->nq * G, qs = query_start[un->b];
-                for (int64_t r = 0; r < R; r++) {
-                    const int64_t t = un->q0 + r / G, h = un->g * G + r % G;
-                    if (un->part >= 0) {
-                        memcpy(part_acc + (un->part * G + r) * D, acc + r * D, (size_t)D * 4);
-                        part_ml[(un->part * G + r) * 2] = m[r];
-                        part_ml[(un->part * G + r) * 2 + 1] = l[r];
-                    } else {
-                        float *o = out + ((qs + t) * H + h) * D;
-                        float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;
-                        for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
-                    }
+        for (int64_t i = 0; i < nunits; i++) {
+            if (!ok) continue;
+            float *acc = scratch, *m = acc + maxR * D, *l = m + maxR, *kf = l + maxR, *vf = kf + CS_KEYS * D;
+            float *sc = vf + CS_KEYS * D;
+            const cs_unit *un = &units[i];
+            attn_unit(&a, un, acc, m, l, kf, vf, sc, qp);
+            const int64_t R = un->nq * G, qs = query_start[un->b];
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t t = un->q0 + r / G, h = un->g * G + r % G;
+                if (un->part >= 0) {
+                    memcpy(part_acc + (un->part * G + r) * D, acc + r * D, (size_t)D * 4);
+                    part_ml[(un->part * G + r) * 2] = m[r];
+                    part_ml[(un->part * G + r) * 2 + 1] = l[r];
+                } else {
+                    float *o = out + ((qs + t) * H + h) * D;
+                    float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;
+                    for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
                 }
             }
-            free(scratch);
         }
+        free(scratch);
+        free(qp);
     }
     /* Merge the partial results of split decode units: a log-sum-exp weighted average. */
     if (nparts && !failed) {

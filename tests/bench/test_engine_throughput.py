@@ -31,21 +31,39 @@ def test_engine_throughput_smoke_run_reports_all_keys(tiny_model_dir):
     assert "mixed: output tokens/s" in table(r)
 
 
-def test_decode_step_bench_times_every_format_and_int8_reads_the_fewest_bytes(tiny_model_dir, capsys):
+def test_decode_step_bench_times_every_format_against_its_floor(tiny_model_dir, capsys):
+    """Every format is timed at every batch size; int8 reads about half of bfloat16's bytes
+    and a quarter of float32's; the table prints each format's floor and its ratio to it."""
     from bench import decode_step
 
-    assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "1,3", "--steps", "2",
-                             "--context", "20", "--json"]) == 0
+    assert decode_step.main(["--model", str(tiny_model_dir), "--batches", "1,3", "--steps", "2", "--context", "20",
+                             "--formats", "default,exact,int8+bf16,bfloat16", "--json"]) == 0
     import json
 
-    r = json.loads(capsys.readouterr().out)
-    assert set(r) == {"float32", "bfloat16", "int8+bf16"}
+    out = json.loads(capsys.readouterr().out)
+    r = out["formats"]
+    assert set(r) == {"default", "exact", "int8+bf16", "bfloat16"} and out["read_bandwidth_gbs"] > 0
     for fmt in r.values():
         assert set(fmt["step_ms"]) == {"1", "3"} and all(ms > 0 for ms in fmt["step_ms"].values())
+        assert fmt["kv_bytes"] > 0
+    assert "int8 weights" in r["default"]["format"] and "(exact)" in r["exact"]["format"]
     # held: float32 4 bytes a weight, bfloat16 2, int8 1 plus its bfloat16 copy (3);
     # read at batch 1: int8 1 byte, about half of bfloat16's 2
-    assert r["bfloat16"]["weight_bytes"] < r["int8+bf16"]["weight_bytes"] < r["float32"]["weight_bytes"]
+    assert r["bfloat16"]["weight_bytes"] < r["int8+bf16"]["weight_bytes"] < r["exact"]["weight_bytes"]
     assert r["int8+bf16"]["read_bytes"] < 0.6 * r["bfloat16"]["read_bytes"]
-    assert r["bfloat16"]["read_bytes"] < 0.6 * r["float32"]["read_bytes"]
-    assert "| 3 |" in decode_step.table({k: {**v, "step_ms": {int(b): ms for b, ms in v["step_ms"].items()}}
-                                         for k, v in r.items()}, [1, 3])
+    assert r["bfloat16"]["read_bytes"] < 0.6 * r["exact"]["read_bytes"]
+    assert r["default"]["kv_bytes"] == r["exact"]["kv_bytes"] // 2  # bfloat16 KV against float32
+    table = decode_step.format_table({k: {**v, "step_ms": {int(b): ms for b, ms in v["step_ms"].items()}}
+                                      for k, v in r.items()}, [1, 3], out["read_bandwidth_gbs"])
+    assert "| 3 |" in table and "batch-1 floor at" in table and "step / floor" in table
+
+
+def test_decode_step_bench_compares_attention_with_sdpa_and_profiles_a_step(capsys, tiny_model_dir):
+    from bench import decode_step
+
+    assert decode_step.main(["--attention", "--contexts", "64,300", "--batches", "1,2"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert len(rows) == 4 and all(r.count("|") == 7 for r in rows)
+    assert decode_step.main(["--profile", "--model", str(tiny_model_dir), "--context", "20"]) == 0
+    prof = capsys.readouterr().out
+    assert "calls per step" in prof and "linear" in prof
