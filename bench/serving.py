@@ -7,8 +7,9 @@ transformers' ``generate`` with static batching, all through the OpenAI chat API
 
 One client (``serving_lib.openai_client``: httpx, streaming SSE) drives every system, on
 the same SmolLM2-135M weights and 2 threads each (systems run one after another, never
-at the same time). Ours runs int8 weights with bfloat16 activations by default
-(``--quantization ''`` for weights in ``--dtype``), transformers in ``--dtype``
+at the same time). Each runs its default settings: ours the engine's "auto" format
+(``engine/formats.py``; on the CPU int8 weights, float32 activations, a bfloat16 KV
+cache; ``--dtype``/``--quantization`` pick another), transformers ``--hf-dtype``
 (bfloat16), llama.cpp its Q4_1 GGUF. Every request is greedy with ``ignore_eos``, so each system generates
 exactly the same number of tokens; the text is not compared (llama.cpp quantizes
 weights to 4 bits and activations to 8, so near-ties decode differently).
@@ -322,7 +323,7 @@ def build_systems(a: argparse.Namespace) -> dict[str, Any]:
     for name in a.systems.split(","):
         if name == "ours":
             out["ours"] = S.Ours("ours", model_dir=model, dtype=a.dtype, threads=a.threads, redis_url=a.redis_url,
-                                 kv_cache_gib=a.kv_cache_gib, quantization=a.quantization or None)
+                                 kv_cache_gib=a.kv_cache_gib, quantization=a.quantization)
         elif name == "llamacpp":
             binary = Path(a.llama_server) if a.llama_server else S.LLAMA_SERVER_DEFAULT
             if S.llama_server_available(binary):
@@ -334,7 +335,7 @@ def build_systems(a: argparse.Namespace) -> dict[str, Any]:
             else:
                 print(f"skipping llama.cpp: no {binary} (run bench/build_llamacpp.sh)", file=sys.stderr)
         elif name == "hf":
-            out["transformers (static)"] = S.HFStatic("transformers (static)", model_dir=model, dtype=a.dtype,
+            out["transformers (static)"] = S.HFStatic("transformers (static)", model_dir=model, dtype=a.hf_dtype,
                                                      threads=a.threads)
         else:
             raise SystemExit(f"unknown system {name!r}")
@@ -358,10 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arrival", choices=["closed", "poisson"], default="closed")
     p.add_argument("--rate", type=float, default=2.0, help="requests/s of Poisson arrivals (mixed)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="activation dtype of ours and transformers")
-    p.add_argument("--quantization", default="int8", choices=["int8", ""],
-                   help="our weights ('' for none: weights in --dtype)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="our activations (auto: the engine's default format for this machine)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "int8", "none", ""],
+                   help="our weights ('' or none: weights in --dtype)")
+    p.add_argument("--hf-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="transformers' weights and activations")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default=None, help="HF model folder (default: the bundled SmolLM2)")
     p.add_argument("--kv-cache-gib", type=float, default=3.0,

@@ -122,8 +122,8 @@ class Ours(System):
     ``kv_cache_gib``: the engine's KV budget (GiB; None keeps the engine's default)."""
 
     model_dir: Path | None = None
-    dtype: str = "float32"
-    quantization: str | None = None
+    dtype: str = "auto"
+    quantization: str | None = "auto"
     threads: int = 2
     kv_cache_gib: float | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -145,8 +145,7 @@ class Ours(System):
             cmd += ["--model", str(self.model_dir)]
         if self.kv_cache_gib:
             cmd += ["--kv-cache-gib", str(self.kv_cache_gib)]
-        if self.quantization:
-            cmd += ["--quantization", self.quantization]
+        cmd += ["--quantization", self.quantization or "none"]
         eng = start_child(cmd, r"ENGINE READY (ws://\S+)", 600, env, str(ROOT))
         self.children.append(eng)
         gw = start_child([sys.executable, "-m", "bench.serving_lib.gateway_proc", "--engine", eng.match.group(1),
@@ -167,11 +166,14 @@ class Ours(System):
 
         from engine.loader import ensure_default_model
 
+        from engine.config import EngineConfig
+        from engine.formats import resolve_format
+
         params = count_params(self.model_dir or ensure_default_model())
-        if self.quantization == "int8":  # a byte per weight, plus one dtype scale per row (negligible)
-            weights, per_step = f"int8 weights, {self.dtype} activations", params
-        else:
-            weights, per_step = f"{self.dtype} safetensors", params * DTYPE_BYTES[self.dtype]
+        fmt = resolve_format(EngineConfig(device="cpu", dtype=self.dtype, quantization=self.quantization or "none"))
+        weights = fmt.describe()
+        # a byte per int8 weight (one scale per row is negligible), else the dtype's bytes
+        per_step = params if fmt.quantization == "int8" else params * DTYPE_BYTES[fmt.dtype]
         return {"label": self.label, "version": f"this repository; torch {torch.__version__}",
                 "weights": weights, "params": params, "bytes_per_step": per_step}
 

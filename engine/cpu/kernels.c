@@ -436,14 +436,9 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
 
 /* -------------------------------------------------------- paged attention ---- */
 
-/* One unit of attention work: the rows (query tokens x the query heads of one KV head)
- * of request b over keys [k0, k1). Decode requests split their keys over several
- * units (flash-decoding; Dao et al. 2023) whose partial results are merged after. */
-typedef struct {
-    int64_t b, g, q0, nq, k0, k1, part; /* part >= 0: index of the partial-result slot */
-} cs_unit;
-
-#define CS_KEYS 32 /* keys converted to float32 at a time */
+#define CS_KEYS 32   /* keys converted to float32 at a time */
+#define CS_CHUNK 256 /* keys per partial softmax (a multiple of CS_KEYS) */
+#define CS_QT 16     /* prefill query tokens per work unit */
 
 typedef struct {
     const float *q;
@@ -455,8 +450,6 @@ typedef struct {
     const int32_t *seq_lens, *query_start;
     int64_t H, Hkv, D, block_size;
     float scale;
-    float *out;
-    float *part_acc, *part_ml; /* [parts, G, D] and [parts, G, 2] */
 } cs_attn_args;
 
 static inline const char *kv_row(const void *cache, int64_t slot, int64_t g, const cs_attn_args *a) {
@@ -522,54 +515,82 @@ static void accumulate_values(float *acc, float corr, const float *p, const floa
     }
 }
 
-/* Attention of one unit with an online softmax (Milakov & Gimelshein 2018; the
- * FlashAttention recurrence, Dao et al. 2022). Row r is query token q0 + r / G at head
- * g * G + r % G; it sees key positions <= prefix + its token index (causal). Keys and
- * values are converted to float32 CS_KEYS at a time, once for all the unit's rows.
- * Scratch: acc [R, D], m and l [R], kf and vf [CS_KEYS, D], s [R, CS_KEYS], qp [R]. */
-static void attn_unit(const cs_attn_args *a, const cs_unit *u, float *acc, float *m, float *l, float *kf, float *vf,
-                      float *s, const float **qp) {
-    const int64_t G = a->H / a->Hkv, D = a->D, R = u->nq * G, bs = a->block_size;
-    const int64_t qs = a->query_start[u->b], qlen = a->query_start[u->b + 1] - qs;
-    const int64_t prefix = a->seq_lens[u->b] - qlen;
-    const int32_t *table = a->block_tables + u->b * a->max_blocks;
+/* The softmax-weighted sum over keys [k0, k1) of one chunk for the rows of query tokens
+ * q0..q0+nq-1 of request b at KV head g (row r: token q0 + r / G, head g * G + r % G),
+ * with an online softmax over CS_KEYS keys at a time (Milakov & Gimelshein 2018; the
+ * FlashAttention recurrence, Dao et al. 2022). Each row sees key positions up to its own
+ * (causal). Writes, per row r, the unnormalised sum to acc + r * D and (max score, sum of
+ * exponentials) to ml + 2 r: m = -inf and l = 0 when the row sees no key here.
+ * Scratch: kf and vf [CS_KEYS, D], s [R, CS_KEYS], qp [R]. */
+static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0, int64_t nq, int64_t k0,
+                         int64_t k1, float *acc, float *ml, float *kf, float *vf, float *s, const float **qp) {
+    const int64_t G = a->H / a->Hkv, D = a->D, R = nq * G, bs = a->block_size;
+    const int64_t qs = a->query_start[b], qlen = a->query_start[b + 1] - qs;
+    const int64_t prefix = a->seq_lens[b] - qlen;
+    const int32_t *table = a->block_tables + b * a->max_blocks;
     for (int64_t r = 0; r < R; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.f;
-        qp[r] = a->q + (qs + u->q0 + r / G) * a->ldq + (u->g * G + r % G) * D;
+        ml[2 * r] = -INFINITY;
+        ml[2 * r + 1] = 0.f;
+        qp[r] = a->q + (qs + q0 + r / G) * a->ldq + (g * G + r % G) * D;
     }
     memset(acc, 0, (size_t)(R * D) * 4);
-    /* the last key position any row of this unit may see */
-    int64_t kend = prefix + u->q0 + u->nq;
-    if (kend > u->k1) kend = u->k1;
-    for (int64_t j0 = u->k0; j0 < kend; j0 += CS_KEYS) {
+    int64_t kend = prefix + q0 + nq; /* past the last key any row here may see */
+    if (kend > k1) kend = k1;
+    for (int64_t j0 = k0; j0 < kend; j0 += CS_KEYS) {
         const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
         for (int64_t j = 0; j < n; j++) {
             int64_t pos = j0 + j, slot = (int64_t)table[pos / bs] * bs + pos % bs;
-            kv_row_to_f32(kf + j * D, kv_row(a->k_cache, slot, u->g, a), a->kv_bf16, D);
-            kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slot, u->g, a), a->kv_bf16, D);
+            kv_row_to_f32(kf + j * D, kv_row(a->k_cache, slot, g, a), a->kv_bf16, D);
+            kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slot, g, a), a->kv_bf16, D);
         }
-        /* rows of tokens that see none of these keys sit at the start (rows go by token) */
+        /* rows of tokens that see none of these keys come first (rows go by token) */
         int64_t r0 = 0;
-        while (r0 < R && prefix + u->q0 + r0 / G + 1 - j0 <= 0) r0++;
+        while (r0 < R && prefix + q0 + r0 / G + 1 - j0 <= 0) r0++;
         block_scores(qp + r0, R - r0, kf, n, D, a->scale, s + r0 * CS_KEYS);
         for (int64_t r = r0; r < R; r++) {
-            int64_t visible = prefix + u->q0 + r / G + 1 - j0; /* keys j < visible are causal for this row */
+            int64_t visible = prefix + q0 + r / G + 1 - j0; /* keys j < visible are causal for this row */
             if (visible > n) visible = n;
-            float *sr = s + r * CS_KEYS, mx = -INFINITY;
+            float *sr = s + r * CS_KEYS, mx = -INFINITY, m = ml[2 * r];
             for (int64_t j = 0; j < visible; j++) mx = sr[j] > mx ? sr[j] : mx;
-            const float mnew = mx > m[r] ? mx : m[r];
-            const float corr = expf(m[r] - mnew); /* 0 on the first block (m = -inf) */
+            const float mnew = mx > m ? mx : m;
+            const float corr = expf(m - mnew); /* 0 on the first keys (m = -inf) */
             for (int64_t j = 0; j < visible; j++) sr[j] -= mnew;
             exp_inplace(sr, visible);
             float sum = 0.f;
             for (int64_t j = 0; j < visible; j++) sum += sr[j];
             accumulate_values(acc + r * D, corr, sr, vf, visible, D);
-            l[r] = l[r] * corr + sum;
-            m[r] = mnew;
+            ml[2 * r + 1] = ml[2 * r + 1] * corr + sum;
+            ml[2 * r] = mnew;
         }
     }
 }
+
+/* out[0..D) = the attention output of one row from its S chunk partials (acc s at
+ * acc + s * acc_stride, (m, l) at ml + s * ml_stride): a log-sum-exp weighted average,
+ * summed in chunk order. Every row goes through this one merge, whether its chunks were
+ * computed by one work unit or several, so its result does not depend on how the step
+ * was split: the same token gets the same output in a decode step or in a prefill chunk,
+ * alone or in a batch. */
+static void merge_partials(int64_t S, const float *acc, int64_t acc_stride, const float *ml, int64_t ml_stride,
+                           int64_t D, float *out) {
+    float M = -INFINITY, L = 0.f;
+    for (int64_t s = 0; s < S; s++) M = ml[s * ml_stride] > M ? ml[s * ml_stride] : M;
+    memset(out, 0, (size_t)D * 4);
+    for (int64_t s = 0; s < S; s++) {
+        const float m = ml[s * ml_stride];
+        if (m == -INFINITY) continue; /* a chunk this row sees no key of */
+        const float w = expf(m - M);
+        L += w * ml[s * ml_stride + 1];
+        axpy_f32(out, w, acc + s * acc_stride, D);
+    }
+    scale_f32(out, L > 0.f ? 1.0f / L : 0.f, D);
+}
+
+/* One unit of attention work: decode rows (one token) of request b at KV head g over key
+ * chunk `chunk`, or (chunk < 0) a prefill tile of nq tokens over all its chunks. */
+typedef struct {
+    int64_t b, g, q0, nq, chunk, part; /* part: first partial slot of a decode unit */
+} cs_unit;
 
 /* Paged attention over a flat varlen batch (decode rows and prefill chunks together).
  * First the step's new keys and values (k_new, v_new: [T, Hkv, D] float32, rows ldk /
@@ -579,132 +600,165 @@ static void attn_unit(const cs_attn_args *a, const cs_unit *u, float *acc, float
  *   query_start [B + 1] int32 (offsets of each request's query tokens in T)
  *   out [T, H, D] float32, contiguous.
  * Query token i of request b sits at position seq_len - qlen + i and sees keys 0..that
- * position; query head h reads KV head h / (H / Hkv). Returns 0, or -1 if scratch
- * memory could not be allocated. */
+ * position; query head h reads KV head h / (H / Hkv). Keys are taken in fixed chunks of
+ * CS_CHUNK positions, each with its own softmax partial, merged by merge_partials: decode
+ * chunks are separate work units (flash-decoding, so one long request keeps every core
+ * busy), prefill tiles of CS_QT tokens run their chunks in turn. Returns 0, or -1 if
+ * scratch memory could not be allocated. */
 CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new, int64_t ldk, const float *v_new,
                                  int64_t ldv, const int64_t *slots, int64_t T, void *k_cache, void *v_cache,
                                  int kv_bf16, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                  const int32_t *query_start, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                                  int64_t block_size, float scale, float *out, int nt) {
-    const int64_t G = H / Hkv, QT = 16; /* prefill query tokens per unit */
+    const int64_t G = H / Hkv;
     if (nt < 1) nt = 1;
     store_kv(k_new, ldk, v_new, ldv, slots, T, Hkv, D, k_cache, v_cache, kv_bf16, nt);
-    /* Decode requests get their keys split so that there are about 4 units per thread. */
-    int64_t ndec = 0;
-    for (int64_t b = 0; b < B; b++) ndec += (query_start[b + 1] - query_start[b]) == 1;
-    int64_t want = 4 * nt, per = ndec ? (want + ndec * Hkv - 1) / (ndec * Hkv) : 1;
-    int64_t nunits = 0, nparts = 0;
+    int64_t nunits = 0, nparts = 0, max_chunks = 1, work = 0;
     for (int64_t b = 0; b < B; b++) {
-        int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
-        if (qlen == 1) {
-            int64_t chunk = (len + per - 1) / per;
-            if (chunk < 128) chunk = 128;
-            int64_t splits = (len + chunk - 1) / chunk;
-            nunits += Hkv * splits;
-            if (splits > 1) nparts += Hkv * splits;
-        } else {
-            nunits += Hkv * ((qlen + QT - 1) / QT);
-        }
+        const int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
+        const int64_t chunks = (len + CS_CHUNK - 1) / CS_CHUNK;
+        max_chunks = chunks > max_chunks ? chunks : max_chunks;
+        nunits += Hkv * (qlen == 1 ? chunks : (qlen + CS_QT - 1) / CS_QT);
+        nparts += qlen == 1 ? Hkv * chunks : 0;
+        work += Hkv * G * qlen * len;
     }
     cs_unit *units = (cs_unit *)malloc(sizeof(cs_unit) * (size_t)(nunits ? nunits : 1));
-    float *part_acc = nparts ? (float *)malloc(sizeof(float) * (size_t)(nparts * G * D)) : NULL;
-    float *part_ml = nparts ? (float *)malloc(sizeof(float) * (size_t)(nparts * G * 2)) : NULL;
-    if (!units || (nparts && (!part_acc || !part_ml))) {
+    float *part_acc = (float *)malloc(sizeof(float) * (size_t)(nparts * G * D + 1));
+    float *part_ml = (float *)malloc(sizeof(float) * (size_t)(nparts * G * 2 + 1));
+    if (!units || !part_acc || !part_ml) {
         free(units), free(part_acc), free(part_ml);
         return -1;
     }
     int64_t u = 0, p = 0;
     for (int64_t b = 0; b < B; b++) {
-        int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
+        const int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
         for (int64_t g = 0; g < Hkv; g++) {
             if (qlen == 1) {
-                int64_t chunk = (len + per - 1) / per;
-                if (chunk < 128) chunk = 128;
-                int64_t splits = (len + chunk - 1) / chunk;
-                for (int64_t s = 0; s < splits; s++) {
-                    int64_t k1 = (s + 1) * chunk < len ? (s + 1) * chunk : len;
-                    units[u++] = (cs_unit){b, g, 0, 1, s * chunk, k1, splits > 1 ? p++ : -1};
-                }
+                for (int64_t c = 0; c * CS_CHUNK < len; c++) units[u++] = (cs_unit){b, g, 0, 1, c, p++};
             } else {
-                for (int64_t q0 = 0; q0 < qlen; q0 += QT) {
-                    int64_t nq = (qlen - q0) < QT ? (qlen - q0) : QT;
-                    units[u++] = (cs_unit){b, g, q0, nq, 0, len, -1};
-                }
+                for (int64_t q0 = 0; q0 < qlen; q0 += CS_QT)
+                    units[u++] = (cs_unit){b, g, q0, (qlen - q0) < CS_QT ? (qlen - q0) : CS_QT, -1, -1};
             }
         }
     }
-    cs_attn_args a = {q, ldq, k_cache, v_cache, kv_bf16, block_tables, max_blocks, seq_lens, query_start,
-                      H, Hkv, D, block_size, scale, out, part_acc, part_ml};
-    const int64_t maxR = QT * G;
+    const cs_attn_args a = {q, ldq, k_cache, v_cache, kv_bf16, block_tables, max_blocks, seq_lens, query_start,
+                            H, Hkv, D, block_size, scale};
+    const int64_t maxR = CS_QT * G;
+    /* A small step (short contexts, few requests) runs on one thread: forking costs more. */
+    const int threads = work < 8192 ? 1 : nt;
     int failed = 0;
-    /* A small step (short contexts, few requests) runs on one thread: forking would cost more. */
-    int64_t work = 0;
-    for (int64_t i = 0; i < nunits; i++) work += (units[i].k1 - units[i].k0) * units[i].nq * G;
-    const int threads = work < 4096 ? 1 : nt;
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = (float *)malloc(sizeof(float) * (size_t)(maxR * D + 2 * maxR + 2 * CS_KEYS * D + maxR * CS_KEYS));
+        /* per thread: kf, vf, s, qp, and a prefill tile's chunk partials */
+        const size_t floats = (size_t)(2 * CS_KEYS * D + maxR * CS_KEYS + max_chunks * maxR * (D + 2));
+        float *scratch = (float *)malloc(sizeof(float) * floats);
         const float **qp = (const float **)malloc(sizeof(float *) * (size_t)maxR);
         const int ok = scratch != NULL && qp != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-        /* every thread reaches the loop (its barrier), working only if it has scratch */
+        /* every thread reaches each loop (and its barrier), working only if it has scratch */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < nunits; i++) {
             if (!ok) continue;
-            float *acc = scratch, *m = acc + maxR * D, *l = m + maxR, *kf = l + maxR, *vf = kf + CS_KEYS * D;
-            float *sc = vf + CS_KEYS * D;
+            float *kf = scratch, *vf = kf + CS_KEYS * D, *s = vf + CS_KEYS * D, *pacc = s + maxR * CS_KEYS;
             const cs_unit *un = &units[i];
-            attn_unit(&a, un, acc, m, l, kf, vf, sc, qp);
             const int64_t R = un->nq * G, qs = query_start[un->b];
-            for (int64_t r = 0; r < R; r++) {
-                const int64_t t = un->q0 + r / G, h = un->g * G + r % G;
-                if (un->part >= 0) {
-                    memcpy(part_acc + (un->part * G + r) * D, acc + r * D, (size_t)D * 4);
-                    part_ml[(un->part * G + r) * 2] = m[r];
-                    part_ml[(un->part * G + r) * 2 + 1] = l[r];
-                } else {
-                    float *o = out + ((qs + t) * H + h) * D;
-                    float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;
-                    for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
-                }
+            if (un->chunk >= 0) { /* decode: one chunk, merged after the loop */
+                attn_partial(&a, un->b, un->g, 0, 1, un->chunk * CS_CHUNK, (un->chunk + 1) * CS_CHUNK,
+                             part_acc + un->part * G * D, part_ml + un->part * G * 2, kf, vf, s, qp);
+                continue;
             }
+            const int64_t qlen = query_start[un->b + 1] - qs, prefix = seq_lens[un->b] - qlen;
+            const int64_t S = (prefix + un->q0 + un->nq + CS_CHUNK - 1) / CS_CHUNK;
+            float *pml = pacc + S * R * D;
+            for (int64_t c = 0; c < S; c++)
+                attn_partial(&a, un->b, un->g, un->q0, un->nq, c * CS_CHUNK, (c + 1) * CS_CHUNK, pacc + c * R * D,
+                             pml + c * R * 2, kf, vf, s, qp);
+            for (int64_t r = 0; r < R; r++)
+                merge_partials(S, pacc + r * D, R * D, pml + 2 * r, R * 2, D,
+                               out + ((qs + un->q0 + r / G) * H + un->g * G + r % G) * D);
+        }
+        /* merge each decode request's chunks, one (request, KV head) at a time */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nunits; i++) {
+            const cs_unit *un = &units[i];
+            if (!ok || un->chunk != 0) continue; /* the first chunk's unit stands for its row group */
+            const int64_t S = (seq_lens[un->b] + CS_CHUNK - 1) / CS_CHUNK, qs = query_start[un->b];
+            for (int64_t r = 0; r < G; r++)
+                merge_partials(S, part_acc + (un->part * G + r) * D, G * D, part_ml + (un->part * G + r) * 2, G * 2,
+                               D, out + (qs * H + un->g * G + r) * D);
         }
         free(scratch);
         free(qp);
     }
-    /* Merge the partial results of split decode units: a log-sum-exp weighted average. */
-    if (nparts && !failed) {
-        for (int64_t i = 0; i < nunits;) {
-            const cs_unit *first = &units[i];
-            if (first->part < 0) {
-                i++;
-                continue;
-            }
-            int64_t n = 1;
-            while (i + n < nunits && units[i + n].b == first->b && units[i + n].g == first->g) n++;
-            const int64_t qs = query_start[first->b];
-            for (int64_t r = 0; r < G; r++) {
-                float M = -INFINITY, L = 0.f;
-                for (int64_t s = 0; s < n; s++) {
-                    float ms = part_ml[(units[i + s].part * G + r) * 2];
-                    if (ms > M) M = ms;
-                }
-                float *o = out + (qs * H + first->g * G + r) * D;
-                memset(o, 0, (size_t)D * 4);
-                for (int64_t s = 0; s < n; s++) {
-                    const int64_t pi = units[i + s].part * G + r;
-                    float w = part_ml[pi * 2] == -INFINITY ? 0.f : expf(part_ml[pi * 2] - M);
-                    L += w * part_ml[pi * 2 + 1];
-                    axpy_f32(o, w, part_acc + pi * D, D);
-                }
-                scale_f32(o, L > 0.f ? 1.0f / L : 0.f, D);
-            }
-            i += n;
-        }
-    }
     free(units), free(part_acc), free(part_ml);
     return failed ? -1 : 0;
+}
+
+/* ------------------------------------------------------ one decoder layer ---- */
+
+/* What one Llama-family decoder layer holds (engine/models/llama.py), with its weights
+ * packed for cs_linear_i8_packed. Built once at load time by engine/cpu/fused.py. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *attn_norm, *mlp_norm;        /* [hidden] */
+    const int8_t *qkv_w, *o_w, *gate_up_w, *down_w; /* packed */
+    const float *qkv_s, *o_s, *gate_up_s, *down_s;  /* per-row scales */
+    const float *qkv_b;                        /* NULL or [(heads + 2 kv_heads) head_dim] */
+    void *k_cache, *v_cache;                   /* this layer's [num_slots, kv_heads, head_dim] */
+} cs_layer;
+
+/* One step's batch and buffers, shared by every layer (engine/forward_batch.py's fields). */
+typedef struct {
+    int64_t T, B, max_blocks, block_size;
+    int kv_bf16, nt, first; /* first: residual not set yet (the embeddings are in x) */
+    const float *rope;      /* [max_len, 2, head_dim / 2] */
+    const int64_t *positions, *slots;
+    const int32_t *block_tables, *seq_lens, *query_start;
+    float *x;        /* [T, hidden] in: the previous sublayer's output; out: this layer's MLP output */
+    float *residual; /* [T, hidden] the residual stream */
+    float *normed;   /* [T, hidden] scratch */
+    float *qkv;      /* [T, (heads + 2 kv_heads) head_dim] scratch */
+    float *attn;     /* [T, heads head_dim] scratch */
+    float *gate_up;  /* [T, 2 inter] scratch */
+    float *act;      /* [T, inter] scratch */
+    int16_t *xq;     /* [T, max(hidden, inter, heads head_dim)] scratch */
+    float *xd;       /* [T, that / 32] scratch */
+} cs_step;
+
+/* One decoder layer, the same equations as engine/models/llama.py's DecoderLayer:
+ *   residual += x;  n = RMSNorm(residual)
+ *   q, k, v = RoPE(W_qkv n)            (K and V stored in the cache)
+ *   x = W_o Attn(q, k, v);  residual += x;  n = RMSNorm(residual)
+ *   x = W_down (SiLU(W_gate n) * W_up n)
+ * Returns 0, or -1 when attention could not allocate its scratch memory. */
+CS_EXPORT int cs_decoder_layer(const cs_layer *L, cs_step *S) {
+    const int64_t T = S->T, hid = L->hidden, qd = L->heads * L->head_dim, kvd = L->kv_heads * L->head_dim;
+    const int64_t qkv_n = qd + 2 * kvd;
+    if (S->first) {
+        memcpy(S->residual, S->x, (size_t)(T * hid) * 4);
+        cs_add_rms_norm(S->residual, NULL, L->attn_norm, L->eps, T, hid, S->normed, S->nt);
+        S->first = 0;
+    } else {
+        cs_add_rms_norm(S->residual, S->x, L->attn_norm, L->eps, T, hid, S->normed, S->nt);
+    }
+    cs_linear_i8_packed(S->normed, hid, T, hid, L->qkv_w, L->qkv_s, L->qkv_b, qkv_n, S->qkv, qkv_n, S->xq, S->xd,
+                        S->nt);
+    cs_rope(S->qkv, qkv_n, T, L->heads + L->kv_heads, L->head_dim, S->rope, S->positions, S->nt);
+    int rc = cs_paged_attention(S->qkv, qkv_n, S->qkv + qd, qkv_n, S->qkv + qd + kvd, qkv_n, S->slots, T,
+                                L->k_cache, L->v_cache, S->kv_bf16, S->block_tables, S->max_blocks, S->seq_lens,
+                                S->query_start, S->B, L->heads, L->kv_heads, L->head_dim, S->block_size, L->scale,
+                                S->attn, S->nt);
+    if (rc != 0) return rc;
+    cs_linear_i8_packed(S->attn, qd, T, qd, L->o_w, L->o_s, NULL, hid, S->x, hid, S->xq, S->xd, S->nt);
+    cs_add_rms_norm(S->residual, S->x, L->mlp_norm, L->eps, T, hid, S->normed, S->nt);
+    cs_linear_i8_packed(S->normed, hid, T, hid, L->gate_up_w, L->gate_up_s, NULL, 2 * L->inter, S->gate_up,
+                        2 * L->inter, S->xq, S->xd, S->nt);
+    cs_silu_mul(S->gate_up, T, L->inter, S->act, S->nt);
+    cs_linear_i8_packed(S->act, L->inter, T, L->inter, L->down_w, L->down_s, NULL, hid, S->x, hid, S->xq, S->xd,
+                        S->nt);
+    return 0;
 }

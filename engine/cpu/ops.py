@@ -40,17 +40,18 @@ def _need(cond: bool, what: str) -> None:
 
 
 def _rows(t: torch.Tensor, dtype: torch.dtype, name: str) -> int:
-    """Check a 2-D float tensor on the CPU whose rows are contiguous; return its row stride."""
-    _need(t.device.type == "cpu" and t.dtype == dtype,
-          f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
-    _need(t.dim() == 2 and t.stride(1) == 1, f"{name} must be 2-D with contiguous rows, got shape {tuple(t.shape)}"
-          f" strides {t.stride()}")
+    """Check a 2-D tensor of ``dtype`` on the CPU whose rows are contiguous; return its row
+    stride. (Messages are built only on failure: this runs a few hundred times a step.)"""
+    if t.dtype != dtype or t.dim() != 2 or t.stride(1) != 1 or t.is_cuda:
+        _need(False, f"{name} must be a 2-D CPU {dtype} tensor with contiguous rows, got {t.dtype} "
+                     f"{tuple(t.shape)} strides {t.stride()} on {t.device}")
     return t.stride(0)
 
 
 def _contig(t: torch.Tensor, dtype: torch.dtype, name: str) -> int:
-    _need(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous(),
-          f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    """Check a contiguous CPU tensor of ``dtype``; return its data pointer."""
+    if t.dtype != dtype or not t.is_contiguous() or t.is_cuda:
+        _need(False, f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}")
     return t.data_ptr()
 
 
@@ -66,6 +67,7 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         self._lib = lib
+        self.lib = lib  # for callers that bind further entry points (engine.cpu.fused)
         self._buffers: dict[str, torch.Tensor] = {}
         self.simd_level = int(lib.cs_simd_level())  # 2: AVX2 + FMA paths, 0: portable C
 
@@ -133,7 +135,8 @@ class CpuKernels:
         ldx = _rows(x, torch.float32, "x")
         m, k = x.shape
         n = qweight.shape[0]
-        _need(qweight.shape[1] == k, f"qweight is {tuple(qweight.shape)} for x of width {k}")
+        if qweight.shape[1] != k:
+            _need(False, f"qweight is {tuple(qweight.shape)} for x of width {k}")
         out = x.new_empty(m, n) if out is None else out
         ldy = _rows(out, torch.float32, "out")
         bp = None if bias is None else _contig(bias, torch.float32, "bias")
@@ -146,7 +149,8 @@ class CpuKernels:
         """qweight [N, K] int8 (K a multiple of 32) in ``linear_i8_packed``'s layout: tiles of 4
         rows block by block, [ceil(N / 4), K / 32, 4, 32] int8, rows past N zero."""
         n, k = qweight.shape
-        _need(k % 32 == 0, f"K = {k} is not a multiple of 32")
+        if k % 32:
+            _need(False, f"K = {k} is not a multiple of 32")
         out = torch.empty((n + 3) // 4, k // 32, 4, 32, dtype=torch.int8)
         self._lib.cs_pack_i8x4(_contig(qweight, torch.int8, "qweight"), n, k, out.data_ptr())
         return out
@@ -171,8 +175,8 @@ class CpuKernels:
         ldx = _rows(x, torch.float32, "x")
         m, k = x.shape
         n = scale.numel()
-        _need(packed.dim() == 4 and packed.shape[1] * 32 == k and packed.shape[0] == (n + 3) // 4,
-              f"packed weight {tuple(packed.shape)} does not fit x of width {k} and {n} outputs")
+        if packed.dim() != 4 or packed.shape[1] * 32 != k or packed.shape[0] != (n + 3) // 4:
+            _need(False, f"packed weight {tuple(packed.shape)} does not fit x of width {k} and {n} outputs")
         out = x.new_empty(m, n) if out is None else out
         ldy = _rows(out, torch.float32, "out")
         bp = None if bias is None else _contig(bias, torch.float32, "bias")
@@ -223,8 +227,8 @@ class CpuKernels:
         t, h, d = q.shape
         hkv = k.shape[1]
         _need(q.dtype == k.dtype == v.dtype == torch.float32, "q, k, v must be float32")
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            _need(x.stride(2) == 1 and x.stride(1) == d, f"{name} must hold each token's heads contiguously")
+        for x in (q, k, v):
+            _need(x.stride(2) == 1 and x.stride(1) == d, "q, k and v must hold each token's heads contiguously")
         _need(k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
               and k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous float32/bfloat16")
         _need(k_cache.shape[2:] == (hkv, d) and h % hkv == 0, "cache heads/dim must match k")

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
+from engine.cpu.fused import FusedLayers, can_fuse
 from engine.cpu.ops import CpuKernels
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
@@ -171,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
         table = rotary_table(cfg.max_model_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         self.register_buffer("rope", table, persistent=False)
         self.ops: LayerOps = TorchOps()
+        self._kernels: CpuKernels | None = None
+        self._fuse = False
+        self._fused: FusedLayers | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
@@ -191,22 +195,39 @@ class LlamaForCausalLM(nn.Module):
         """
         if batch.attn_metadata is None:
             attn.prepare(batch)
-        step = StepContext(batch, attn, self.ops, self.ops.rope_inputs(self.rope, batch.positions))
         x, residual = embedding(batch.input_ids, self.embed), None
-        for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
-            x, residual = layer(x, residual, k_cache, v_cache, step)
+        fused = self._fused_layers(kv, attn)
+        if fused is not None:  # the same layers, one kernel call each (engine.cpu.fused)
+            x, residual = fused.forward(batch, x)
+        else:
+            step = StepContext(batch, attn, self.ops, self.ops.rope_inputs(self.rope, batch.positions))
+            for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
+                x, residual = layer(x, residual, k_cache, v_cache, step)
         assert residual is not None  # a model has at least one layer
         rows = batch.logits_indices  # RMSNorm and the residual add are per row
         x, _ = self.norm(x.index_select(0, rows), residual.index_select(0, rows), self.ops)
         return linear(x, self.lm_head).float()
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels | None, fuse: bool = True) -> None:
         """Run the norms, rotary and gating on the engine's CPU kernels (``KernelOps``), or
-        on torch again with None. The model must be on the CPU in float32."""
+        on torch again with None. The model must be on the CPU in float32. With ``fuse``,
+        a model whose projections are all packed int8 runs each layer as one kernel call
+        (``engine.cpu.fused``) when its attention backend is the CPU kernels' too."""
         self.ops = TorchOps() if kernels is None else KernelOps(kernels)
         for m in self.modules():
             if isinstance(m, Int8Weight):
                 m.use_kernels(kernels)
+        self._kernels, self._fuse, self._fused = kernels, fuse, None
+
+    def _fused_layers(self, kv: KVCache, attn: AttentionBackend) -> FusedLayers | None:
+        """The fused layers over ``kv`` when this model runs them (see ``use_cpu_kernels``)."""
+        if self._kernels is None or not self._fuse or attn.name != "cpu":
+            return None
+        if self._fused is None or self._fused.kv is not kv:
+            if not can_fuse(self):
+                return None
+            self._fused = FusedLayers(self, kv, self._kernels)
+        return self._fused
 
     @torch.no_grad()
     def quantize_(self, method: str) -> None:

@@ -223,3 +223,43 @@ def test_paged_attention_writes_the_steps_keys_and_values_to_their_slots(k):
     flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
     assert torch.equal(flat_k[slots], kn.to(torch.bfloat16))
     assert torch.equal(flat_v[slots], vn.to(torch.bfloat16))
+
+
+def test_a_rows_attention_does_not_depend_on_how_the_step_is_split(k):
+    """Keys go in fixed chunks with one merge for every row, so a token's output is the same
+    bits whether it is decoded alone, decoded beside other requests, or computed inside a
+    prefill chunk (the kernel-path engine is batch- and cache-invariant, not just close)."""
+    heads, kv_heads, dim, bs = 6, 2, 32, 16
+    g = gen(11)
+    ctx = 600  # three key chunks
+    blocks = -(-(ctx + 1) // bs)
+    k_cache = torch.randn(blocks * 3, bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks * 3, bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    table = list(range(blocks))
+    q_all = torch.randn(40, heads, dim, generator=g)
+    kv_new = torch.randn(40, 2, kv_heads, dim, generator=g)
+
+    def run(qlens, prefixes, tables, rows):
+        t = sum(qlens)
+        width = max(len(x) for x in tables)
+        bt = torch.tensor([x + [0] * (width - len(x)) for x in tables], dtype=torch.int32)
+        slots = []
+        for n, p, tb in zip(qlens, prefixes, tables):
+            slots += [tb[(p + j) // bs] * bs + (p + j) % bs for j in range(n)]
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        q = q_all[rows].contiguous()
+        kn, vn = kv_new[rows, 0].contiguous(), kv_new[rows, 1].contiguous()
+        return k.paged_attention(q, kn, vn, torch.tensor(slots), k_cache, v_cache, bt,
+                                 torch.tensor([p + n for p, n in zip(prefixes, qlens)], dtype=torch.int32),
+                                 torch.tensor(starts, dtype=torch.int32), dim ** -0.5)
+
+    # the token at position ctx: the last row of a 40-token prefill chunk ...
+    chunk = run([40], [ctx - 39], [table], list(range(40)))[-1]
+    # ... decoded alone ...
+    alone = run([1], [ctx], [table], [39])[0]
+    # ... and decoded beside a short and a long request (other blocks of the same cache)
+    other = [list(range(blocks, 2 * blocks)), list(range(2 * blocks, 3 * blocks))]
+    crowded = run([1, 1, 3], [100, ctx, 500], [other[0], table, other[1]], [5, 39, 6, 7, 8])[1]
+    assert torch.equal(chunk, alone) and torch.equal(alone, crowded)
