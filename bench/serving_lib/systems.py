@@ -164,10 +164,9 @@ class Ours(System):
     def describe(self) -> dict[str, Any]:
         import torch
 
-        from engine.loader import ensure_default_model
-
         from engine.config import EngineConfig
         from engine.formats import resolve_format
+        from engine.loader import ensure_default_model
 
         params = count_params(self.model_dir or ensure_default_model())
         fmt = resolve_format(EngineConfig(device="cpu", dtype=self.dtype, quantization=self.quantization or "none"))

@@ -16,8 +16,8 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu.ops import cpu_kernels
 from engine.errors import InvalidRequestError
-from engine.forward_batch import ForwardBatch
 from engine.formats import resolve_format, resolved_config
+from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model_runner import make_attention_backend

@@ -240,7 +240,6 @@ def test_a_rows_attention_does_not_depend_on_how_the_step_is_split(k):
     kv_new = torch.randn(40, 2, kv_heads, dim, generator=g)
 
     def run(qlens, prefixes, tables, rows):
-        t = sum(qlens)
         width = max(len(x) for x in tables)
         bt = torch.tensor([x + [0] * (width - len(x)) for x in tables], dtype=torch.int32)
         slots = []
