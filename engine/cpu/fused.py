@@ -44,9 +44,11 @@ class _Step(Structure):
 
 def can_fuse(model: LlamaForCausalLM) -> bool:
     """True when every layer's four projections are packed int8 weights on the kernels."""
+    from engine.models.quant import Int8Weight  # engine.models imports this module
+
     for layer in model.decoder_layers():
         for w in (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight):
-            if getattr(w, "packed", None) is None or getattr(w, "kernels", None) is None:
+            if not isinstance(w, Int8Weight) or w.packed is None or w.kernels is None:
                 return False
     return True
 
@@ -66,6 +68,8 @@ class FusedLayers:
     """
 
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, kernels: CpuKernels) -> None:
+        from engine.models.quant import Int8Weight  # engine.models imports this module
+
         if not can_fuse(model):
             raise ValueError("every projection must be a packed int8 weight on the CPU kernels")
         if kv.k_caches[0].dtype not in (torch.float32, torch.bfloat16):
@@ -82,12 +86,13 @@ class FusedLayers:
         self.layers: list[_Layer] = []
         for layer, k_cache, v_cache in zip(model.decoder_layers(), kv.k_caches, kv.v_caches):
             a, m = layer.attn, layer.mlp
-            ptr = {name: w.packed.data_ptr() for name, w in  # type: ignore[union-attr]
-                   (("qkv_w", a.qkv_weight), ("o_w", a.o_weight), ("gate_up_w", m.gate_up_weight),
-                    ("down_w", m.down_weight))}
-            scales = {name: w.scale.data_ptr() for name, w in  # type: ignore[union-attr]
-                      (("qkv_s", a.qkv_weight), ("o_s", a.o_weight), ("gate_up_s", m.gate_up_weight),
-                       ("down_s", m.down_weight))}
+            weights: dict[str, Int8Weight] = {}
+            for name, w in (("qkv", a.qkv_weight), ("o", a.o_weight), ("gate_up", m.gate_up_weight),
+                            ("down", m.down_weight)):
+                assert isinstance(w, Int8Weight) and w.packed is not None  # can_fuse checked it
+                weights[name] = w
+            ptr = {f"{name}_w": w.packed.data_ptr() for name, w in weights.items()}  # type: ignore[union-attr]
+            scales = {f"{name}_s": w.scale.data_ptr() for name, w in weights.items()}
             self.layers.append(_Layer(
                 hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                 inter=self.inter, eps=layer.attn_norm.eps, scale=a.scale,

@@ -457,35 +457,40 @@ static inline const char *kv_row(const void *cache, int64_t slot, int64_t g, con
     return (const char *)cache + ((slot * a->Hkv + g) * a->D) * esz;
 }
 
-/* s[r * CS_KEYS + j] = scale * (qp[r] . kf[j]) for rows r < R and keys j < n; four rows
- * share each key's loads. */
+#if CS_AVX2
+/* NR rows' scores against keys j < n (D a multiple of 16), sharing each key's loads. Every
+ * row accumulates in the same order whatever NR is (two accumulators over alternating 8s,
+ * summed, then scaled), so a row's scores do not depend on how rows are grouped. */
+static inline __attribute__((always_inline)) void rows_scores(const float *const *qp, const int NR, const float *kf,
+                                                              int64_t n, int64_t D, float scale, float *s) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *kj = kf + j * D;
+        __m256 a[4], b[4];
+        for (int r = 0; r < NR; r++) a[r] = b[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m256 k0 = _mm256_loadu_ps(kj + d), k1 = _mm256_loadu_ps(kj + d + 8);
+            for (int r = 0; r < NR; r++) {
+                a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp[r] + d), k0, a[r]);
+                b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp[r] + d + 8), k1, b[r]);
+            }
+        }
+        for (int r = 0; r < NR; r++) s[r * CS_KEYS + j] = hsum256(_mm256_add_ps(a[r], b[r])) * scale;
+    }
+}
+#endif
+
+/* s[r * CS_KEYS + j] = scale * (qp[r] . kf[j]) for rows r < R and keys j < n; up to four
+ * rows share each key's loads. (dot_f32 sums in the same order as rows_scores.) */
 static void block_scores(const float *const *qp, int64_t R, const float *kf, int64_t n, int64_t D, float scale,
                          float *s) {
     int64_t r = 0;
 #if CS_AVX2
     if (D % 16 == 0) {
-        for (; r + 4 <= R; r += 4) {
-            const float *q0 = qp[r], *q1 = qp[r + 1], *q2 = qp[r + 2], *q3 = qp[r + 3];
-            for (int64_t j = 0; j < n; j++) {
-                const float *kj = kf + j * D;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-                for (int64_t d = 0; d < D; d += 16) {
-                    const __m256 k0 = _mm256_loadu_ps(kj + d), k1 = _mm256_loadu_ps(kj + d + 8);
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
-                    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k1, b0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, a1);
-                    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), k1, b1);
-                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), k0, a2);
-                    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d + 8), k1, b2);
-                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), k0, a3);
-                    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d + 8), k1, b3);
-                }
-                s[r * CS_KEYS + j] = hsum256(_mm256_add_ps(a0, b0)) * scale;
-                s[(r + 1) * CS_KEYS + j] = hsum256(_mm256_add_ps(a1, b1)) * scale;
-                s[(r + 2) * CS_KEYS + j] = hsum256(_mm256_add_ps(a2, b2)) * scale;
-                s[(r + 3) * CS_KEYS + j] = hsum256(_mm256_add_ps(a3, b3)) * scale;
-            }
-        }
+        for (; r + 4 <= R; r += 4) rows_scores(qp + r, 4, kf, n, D, scale, s + r * CS_KEYS);
+        if (R - r == 3) rows_scores(qp + r, 3, kf, n, D, scale, s + r * CS_KEYS);
+        else if (R - r == 2) rows_scores(qp + r, 2, kf, n, D, scale, s + r * CS_KEYS);
+        else if (R - r == 1) rows_scores(qp + r, 1, kf, n, D, scale, s + r * CS_KEYS);
+        return;
     }
 #endif
     for (; r < R; r++)
@@ -538,10 +543,13 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
     if (kend > k1) kend = k1;
     for (int64_t j0 = k0; j0 < kend; j0 += CS_KEYS) {
         const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
-        for (int64_t j = 0; j < n; j++) {
-            int64_t pos = j0 + j, slot = (int64_t)table[pos / bs] * bs + pos % bs;
-            kv_row_to_f32(kf + j * D, kv_row(a->k_cache, slot, g, a), a->kv_bf16, D);
-            kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slot, g, a), a->kv_bf16, D);
+        for (int64_t j = 0; j < n;) { /* one table lookup (and division) per block, not per key */
+            const int64_t pos = j0 + j, off = pos % bs, run = (bs - off) < (n - j) ? (bs - off) : (n - j);
+            const int64_t slot = (int64_t)table[pos / bs] * bs + off;
+            for (int64_t i = 0; i < run; i++, j++) {
+                kv_row_to_f32(kf + j * D, kv_row(a->k_cache, slot + i, g, a), a->kv_bf16, D);
+                kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slot + i, g, a), a->kv_bf16, D);
+            }
         }
         /* rows of tokens that see none of these keys come first (rows go by token) */
         int64_t r0 = 0;
