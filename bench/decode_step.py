@@ -5,6 +5,7 @@ same run; paged decode attention against SDPA; and where one step's time goes.
                                 [--context 300] [--steps 20] [--threads 2] [--model PATH] [--json]
     python bench/decode_step.py --attention [--contexts 64,256,1024,2048,4096,8192] [--batches 1,16]
     python bench/decode_step.py --profile [--formats default] [--batches 1]
+    python bench/decode_step.py --prefill-chunk [--prefixes 0,1024,2048,4096,6000]
 
 Formats (``engine/formats.py``): ``default`` is what the engine picks on this machine
 ("auto"); ``exact`` is float32 everywhere through torch (transformers parity);
@@ -22,6 +23,7 @@ threads); the table prints both and the ratio.
 heads of 64) at each context: the CPU kernels' paged attention over a bfloat16 cache and
 over a float32 one, against the torch backend (gather through the block tables, then
 SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps.
+``--prefill-chunk`` times one 512-token prefill step after a cached prefix of each size.
 """
 
 from __future__ import annotations
@@ -199,6 +201,38 @@ def attention_table(contexts: list[int], batches: list[int], threads: int) -> st
     return "\n".join(rows)
 
 
+def prefill_chunk_table(model: str | None, overrides: dict[str, Any], prefixes: list[int], chunk: int = 512,
+                        repeats: int = 3) -> str:
+    """Markdown: ms of one ``chunk``-token prefill step after a cached prefix of each size,
+    and the cost added per 1000 cached tokens against the first row (flat or rising is
+    linear growth in the prefix; only attention reads it)."""
+    cfg = EngineConfig(model=model, device="cpu", block_size=16, num_blocks=(max(prefixes) + chunk) // 8 + 64,
+                       max_num_batched_tokens=chunk, max_num_seqs=4, **overrides)
+    engine = AsyncEngine.from_loaded(load_model(cfg), cfg, verbose=False)
+    core = engine.core
+    rows = ["| cached prefix (tokens) | chunk step (ms) | added per 1000 cached tokens (ms) |", "|---|---|---|"]
+    base = None
+    for n, prefix in enumerate(prefixes):
+        times = []
+        for r in range(repeats):
+            rng = [(7919 * (i + 1) * (n + 1) + 13 * r) % 40000 + 100 for i in range(prefix + chunk + 16)]
+            if prefix:  # put the prefix in the radix tree first
+                core.add_request(f"warm{n}.{r}", rng[:prefix + 1], SamplingParams(max_tokens=1, temperature=0.0))
+                while core.has_work():
+                    core.step()
+            core.add_request(f"c{n}.{r}", rng[:prefix + chunk + 1], SamplingParams(max_tokens=1, temperature=0.0))
+            t0 = time.perf_counter()
+            core.step()  # the cached prefix is matched: this step computes the next `chunk` tokens
+            times.append((time.perf_counter() - t0) * 1e3)
+            while core.has_work():
+                core.step()
+        ms = statistics.median(times)
+        base = (prefix, ms) if base is None else base
+        per_k = (ms - base[1]) / ((prefix - base[0]) / 1000) if prefix > base[0] else float("nan")
+        rows.append(f"| {prefix} | {ms:.0f} | {per_k:.1f} |")
+    return "\n".join(rows)
+
+
 def profile_table(model: str | None, overrides: dict[str, Any], batch: int, context: int) -> str:
     """cProfile of 50 decode steps: the functions that hold the most time (own time)."""
     core, fmt = build_core(model, overrides, [batch], context, 60)
@@ -238,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", action="store_true", help="time decode attention alone over --contexts")
     p.add_argument("--contexts", default="64,256,1024,2048,4096,8192")
     p.add_argument("--profile", action="store_true", help="cProfile table of 50 decode steps")
+    p.add_argument("--prefill-chunk", action="store_true",
+                   help="time a 512-token prefill chunk after cached prefixes of --prefixes tokens")
+    p.add_argument("--prefixes", default="0,1024,2048,4096,6000")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -247,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         print(attention_table([int(x) for x in a.contexts.split(",")], batches, a.threads))
         return 0
     names = [n for n in a.formats.split(",") if n]
+    if a.prefill_chunk:
+        print(f"threads {a.threads}; {names[0]} format; median of 3 chunks per prefix")
+        print(prefill_chunk_table(a.model, FORMATS[names[0]], [int(x) for x in a.prefixes.split(",")]))
+        return 0
     if a.profile:
         print(profile_table(a.model, FORMATS[names[0]], batches[0], a.context))
         return 0

@@ -1,6 +1,7 @@
 """Engine throughput and multi-turn latency, ours against transformers, in one run.
 
     python bench/engine_throughput.py [--quick] [--json] [--dtype float32|bfloat16]
+                                      [--ours-dtype auto] [--quantization auto]
     python bench/engine_throughput.py --model-config llama3-8b --random-weights --device cuda --dtype bfloat16
 
 Workloads (all ignore EOS so every system generates the same number of tokens):
@@ -50,7 +51,10 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def build_engine(a: argparse.Namespace, prefix_cache: bool = True) -> AsyncEngine:
-    cfg = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, block_size=16,
+    """Our engine in ``--ours-dtype`` / ``--quantization`` (default: the engine's "auto"
+    format), or in ``--dtype`` with random weights."""
+    dtype, quant = (a.dtype, "none") if a.random_weights else (a.ours_dtype, a.quantization)
+    cfg = EngineConfig(model=a.model, dtype=dtype, quantization=quant, device=a.device, block_size=16,
                        num_blocks=a.num_blocks, max_num_batched_tokens=a.max_batched_tokens,
                        max_num_seqs=a.max_seqs, enable_prefix_cache=prefix_cache,
                        attention_backend=a.attention_backend, threads=a.threads)
@@ -173,7 +177,9 @@ async def run_single(engine: AsyncEngine, vocab: int, n: int) -> dict:
     async for out in engine.generate(GenerateRequest("single", ids, params=SamplingParams(
             max_tokens=n, temperature=0.0, ignore_eos=True))):
         final = out
-    weights = sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
+    from bench.decode_step import batch1_read_bytes
+
+    weights = batch1_read_bytes(engine.core.runner.model)  # int8 weights as their bytes, each tensor once
     return {"tpot_ms": final.timings.tpot_ms, "tok_s": 1000.0 / max(final.timings.tpot_ms, 1e-9),
             "weight_bytes": weights}
 
@@ -227,7 +233,8 @@ async def run_multiturn(engine: AsyncEngine, chats: int, turns: int, rng: random
 async def main_async(a: argparse.Namespace) -> dict:
     rng = random.Random(0)
     eng = build_engine(a)  # sets torch's thread count when --threads is given
-    res: dict = {"dtype": a.dtype, "threads": torch.get_num_threads(), "device": a.device,
+    res: dict = {"dtype": a.dtype, "ours_format": eng.info.format, "threads": torch.get_num_threads(),
+                 "device": a.device,
                  "model": a.model_config if a.random_weights else (a.model or "SmolLM2-135M-Instruct")}
     eng.start()
     vocab = eng.core.model_config.vocab_size
@@ -262,7 +269,8 @@ async def main_async(a: argparse.Namespace) -> dict:
 
 def table(r: dict) -> str:
     m, mt, s = r["mixed"], r["multiturn"], r["single"]
-    lines = [f"engine_throughput: {r['model']} {r['dtype']} on {r['device']}, {r['threads']} threads",
+    lines = [f"engine_throughput: {r['model']} on {r['device']}, {r['threads']} threads; ours: {r['ours_format']}; "
+             f"transformers: {r['dtype']}",
              f"{'metric':44s} {'ours':>12s} {'transformers':>14s} {'ratio':>8s}"]
     hf = m.get("transformers")
     label = f"mixed: output tokens/s ({m['requests']} requests)"
@@ -288,7 +296,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", default="llama3-8b", help="shapes for --random-weights")
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="transformers' dtype (and ours with --random-weights)")
+    p.add_argument("--ours-dtype", default="auto", help="our activations (auto: the engine's default format)")
+    p.add_argument("--quantization", default="auto", help="our weights: auto, int8 or none")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-blocks", type=int, default=2048)

@@ -19,9 +19,11 @@ class Child:
     proc: subprocess.Popen
     match: re.Match
     tail: deque = field(default_factory=lambda: deque(maxlen=50))
+    reader: threading.Thread | None = None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s`` seconds."""
+        """SIGTERM, then SIGKILL after ``timeout_s`` seconds; then close its output pipe
+        once the thread draining it has read to the end."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -29,6 +31,10 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        if self.reader is not None:
+            self.reader.join(5)
+        if self.proc.stdout is not None and (self.reader is None or not self.reader.is_alive()):
+            self.proc.stdout.close()
 
 
 def start_child(cmd: Sequence[str], ready: str, timeout_s: float = 300.0,
@@ -59,13 +65,14 @@ def start_child(cmd: Sequence[str], ready: str, timeout_s: float = 300.0,
                     got.set()
         got.set()
 
-    threading.Thread(target=reader, daemon=True, name=f"child {cmd[0]}").start()
+    thread = threading.Thread(target=reader, daemon=True, name=f"child {cmd[0]}")
+    thread.start()
     deadline = time.monotonic() + timeout_s
     while not got.wait(0.2):
         if time.monotonic() > deadline:
             break
     if not found:
-        child = Child(proc, None, tail)
+        child = Child(proc, None, tail, thread)
         child.stop(2)
         raise RuntimeError(f"{' '.join(cmd[:3])} did not become ready:\n" + "\n".join(tail))
-    return Child(proc, found[0], tail)
+    return Child(proc, found[0], tail, thread)

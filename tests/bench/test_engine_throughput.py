@@ -67,3 +67,19 @@ def test_decode_step_bench_compares_attention_with_sdpa_and_profiles_a_step(caps
     assert decode_step.main(["--profile", "--model", str(tiny_model_dir), "--context", "20"]) == 0
     prof = capsys.readouterr().out
     assert "calls per step" in prof and "linear" in prof
+
+
+def test_prefill_bench_reports_tokens_per_second_per_prompt_size(tiny_model_dir, capsys):
+    """bench/prefill.py end to end on ours (tiny model): every size measured, prompt tokens
+    as the server counted them, and the table's ratio column against ours."""
+    import json
+
+    from bench import prefill
+
+    assert prefill.main(["--systems", "ours", "--prompts", "64,256", "--repeats", "1", "--model",
+                         str(tiny_model_dir), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["results"]["ours"]
+    assert set(r) == {"64", "256"}
+    assert r["256"]["prompt_tokens"] > r["64"]["prompt_tokens"] > 40 and all(x["tok_s"] > 0 for x in r.values())
+    fake = {"ours": {64: {"tok_s": 100.0, "ms": 640.0}}, "llama.cpp": {64: {"tok_s": 50.0, "ms": 1280.0}}}
+    assert "| 64 | 100 (640 ms) | 50 (1280 ms) | 0.50x |" in prefill.table(fake, [64])
