@@ -117,6 +117,11 @@ class EngineConfig:
         cpu_kernels: use the engine's CPU kernels (``engine/cpu``) where the format allows
             (float32 activations over quantized weights); False keeps torch's ops (the
             reference the kernels are tested against).
+        speculative: "auto" (n-gram speculation on the CPU, off elsewhere), "ngram" or
+            "off" (``engine.spec``; it never changes the output, only the speed).
+        num_draft_tokens: most draft tokens verified per request per step.
+        spec_ngram_min, spec_ngram_max: n-gram sizes matched against the request's tokens.
+        spec_max_batch: speculate only while at most this many requests decode in a step.
     """
 
     model: str | None = None
@@ -139,6 +144,11 @@ class EngineConfig:
     quantization: str | None = "auto"
     kv_cache_dtype: str = "auto"
     cpu_kernels: bool = True
+    speculative: str = "auto"
+    num_draft_tokens: int = 4
+    spec_ngram_min: int = 1
+    spec_ngram_max: int = 3
+    spec_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -161,6 +171,11 @@ class EngineConfig:
         if self.quantization == "int8" and self.dtype == "float16":
             # x @ Q^T over integer-valued weights can pass float16's 65504 before the scale.
             raise InvalidRequestError("int8 weights compute in bfloat16 or float32, not float16")
+        if self.speculative not in ("auto", "ngram", "off"):
+            raise InvalidRequestError(f"speculative must be 'auto', 'ngram' or 'off', got {self.speculative!r}")
+        if self.num_draft_tokens < 1 or self.spec_max_batch < 1 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise InvalidRequestError("num_draft_tokens and spec_max_batch must be >= 1, and "
+                                      "1 <= spec_ngram_min <= spec_ngram_max")
         if not (0 < self.gpu_memory_fraction <= 1):
             raise InvalidRequestError("gpu_memory_fraction must be in (0, 1]")
 

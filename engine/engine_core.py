@@ -22,9 +22,11 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, Timings, Usage
 from engine.radix_cache import RadixCache
 from engine.request import Request
-from engine.sampler import PenaltyState
+from engine.sampler import PenaltyState, SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, cdiv
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, cdiv
+from engine.spec.ngram import TokenHistory, propose
+from engine.spec.policy import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,22 @@ class EngineCounters:
     completion_tokens_total: int = 0
     steps_total: int = 0
     aborted_total: int = 0
+    spec_drafted_total: int = 0  # draft tokens verified (speculative decoding)
+    spec_accepted_total: int = 0  # of those, kept
+    spec_steps_total: int = 0  # request-steps that verified drafts
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def spec_config(config: EngineConfig, device: torch.device) -> SpecConfig | None:
+    """The speculation settings of ``config`` on ``device``, or None when it is off: "auto"
+    turns n-gram speculation on on the CPU, where a decode step is bound by reading the
+    weights and verifying a few drafts costs little (``docs/benchmarks.md``), and off
+    elsewhere until measured."""
+    mode = config.speculative
+    if mode == "off" or (mode == "auto" and device.type != "cpu"):
+        return None
+    return SpecConfig(num_draft_tokens=config.num_draft_tokens, min_n=config.spec_ngram_min,
+                      max_n=config.spec_ngram_max, max_batch=config.spec_max_batch)
 
 
 class EngineCore:
@@ -84,6 +101,7 @@ class EngineCore:
             self.pool, self.cache,
         )
         self.runner = ModelRunner(model, model_config, kv, config, device, cpu_kernels)
+        self.spec = spec_config(config, device)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.eos_ids = set(model_config.eos_token_ids)
@@ -130,9 +148,6 @@ class EngineCore:
                       namespace=f"{self.namespace}|{cache_salt}", prefix_reused=prefix_reused)
         if arrival_s is not None:
             req.arrival_s = arrival_s
-        sampler = self.runner.sampler
-        # Seeded requests own their random stream; unseeded ones share the sampler's.
-        req.generator = sampler.make_generator(params.seed) if params.seed is not None else None
         if PenaltyState.needed(params):
             req.token_counts = PenaltyState(self.model_config.vocab_size, self.device, prompt_ids)
         req.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -155,44 +170,115 @@ class EngineCore:
 
     # ----- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs it produced (deltas and finals)."""
+        """Run one engine step; returns the outputs it produced (deltas and finals), at most
+        one per request (a speculative step may add several tokens to one delta)."""
+        if self.spec is not None:
+            self._propose_drafts(self.spec)
         sched = self.scheduler.schedule()
         if not sched.items:
             return []
         sampled = self.runner.execute(sched)
-        self.scheduler.on_step_done(sched)
+        accepted = self._verify(sched, sampled)
+        self.scheduler.on_step_done(sched, accepted)
         self.counters.steps_total += 1
         outputs: list[RequestOutput] = []
         if sampled is None:
             return outputs
         now = time.monotonic()
         k = 0
-        for item in sched.items:
+        for item, kept in zip(sched.items, accepted):
             if not item.sample:
                 continue
             req = item.request
-            tok = sampled.token_ids[k]
-            lp = sampled.logprobs[k] if sampled.logprobs else None
-            k += 1
-            outputs.append(self._on_token(req, tok, lp, now))
+            end = k + kept + 1  # the known token's successor, then one per kept draft
+            lps = sampled.logprobs[k:end] if sampled.logprobs else [None] * (end - k)
+            tokens = sampled.token_ids[k:end]
+            k += item.num_samples
+            if item.spec:
+                assert self.spec is not None
+                req.spec.record(self.spec, len(item.spec), kept)
+                self.counters.spec_drafted_total += len(item.spec)
+                self.counters.spec_accepted_total += kept
+                self.counters.spec_steps_total += 1
+            if req.output_ids:
+                req.decode_steps += 1
+            outputs.append(self._on_tokens(req, tokens, lps, now))
         return outputs
 
-    def _on_token(self, req: Request, tok: int, logprob, now: float) -> RequestOutput:
-        """Append a sampled token, check the stop conditions, and emit a delta or the final output."""
+    def _propose_drafts(self, config: SpecConfig) -> None:
+        """Give each decoding request its draft tokens for this step (prompt lookup), while
+        few requests decode at once (``SpecConfig.max_batch``); never past ``max_tokens``
+        or the context."""
+        decoding = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.output_ids]
+        small = len(decoding) <= config.max_batch
+        for req in decoding:
+            req.spec_drafts = []
+            if not small or not req.spec.wants_drafts(config):
+                continue
+            room = min(config.num_draft_tokens, req.params.max_tokens - len(req.output_ids) - 1,
+                       self.max_model_len - req.num_tokens)
+            if room <= 0:
+                continue
+            req.spec_drafts = self.draft(req, room, config)
+
+    def draft(self, req: Request, room: int, config: SpecConfig) -> list[int]:
+        """At most ``room`` draft tokens for ``req`` by prompt lookup over its own tokens
+        (``engine.spec.ngram``); the proposer the engine uses, one call per request per step."""
+        if req.history is None:
+            req.history = TokenHistory(req.all_ids())
+        return propose(req.history.view(), room, config.min_n, config.max_n)
+
+    @staticmethod
+    def _verify(sched: ScheduledBatch, sampled: SamplerOutput | None) -> list[int]:
+        """Per item, how many of its drafts the step keeps: the longest prefix equal to the
+        tokens sampled at the positions before them. Each position is sampled exactly as
+        one-by-one decoding would sample it (``ModelRunner.execute``), so keeping the drafts
+        that match and then the first sampled token that differs gives the same tokens as
+        decoding without drafts: for greedy rows exact argmax agreement; for sampled rows
+        the draft x is kept with probability p(x) and a differing token is drawn from p
+        without x, which is the rejection rule of Leviathan et al. (2023) and Chen et al.
+        (2023) for a draft distribution that is a point mass on x."""
+        accepted, k = [], 0
+        for item in sched.items:
+            kept = 0
+            if item.spec and sampled is not None:
+                targets = sampled.token_ids[k:k + item.num_samples]
+                while kept < len(item.spec) and item.spec[kept] == targets[kept]:
+                    kept += 1
+            accepted.append(kept)
+            k += item.num_samples
+        return accepted
+
+    def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+        """Append a step's kept tokens one by one, checking the stop conditions after each;
+        emit one delta for them, or the final output at the first that ends the request
+        (the rest are dropped)."""
         if req.first_token_s is None:
             req.first_token_s = now
-        req.output_ids.append(tok)
-        req.pending_ids.append(tok)
-        if logprob is not None:
-            req.pending_logprobs.append(logprob)
         p = req.params
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return self._finish(req, "stop", tok)
-        req.pending_text += req.detok.add(tok)
-        if req.detok.stopped:
-            return self._finish(req, "stop", req.detok.stop_reason)
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return self._finish(req, "length", None)
+        for tok, logprob in zip(tokens, logprobs):
+            req.output_ids.append(tok)
+            req.pending_ids.append(tok)
+            if req.history is not None:
+                req.history.extend((tok,))
+            if req.token_counts is not None:
+                req.token_counts.append(tok)
+            if logprob is not None:
+                req.pending_logprobs.append(logprob)
+            reason: tuple[str, str | int | None] | None = None
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                reason = ("stop", tok)
+            else:
+                req.pending_text += req.detok.add(tok)
+                if req.detok.stopped:
+                    reason = ("stop", req.detok.stop_reason)
+                elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                    reason = ("length", None)
+            if reason is not None:
+                # Ending early inside a step's kept drafts: the KV of the drafts after this
+                # token is dropped (the last token, as always, has none).
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                return self._finish(req, *reason)
         out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
                             logprobs=req.pending_logprobs or None)
         req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
@@ -251,6 +337,9 @@ class EngineCore:
             "cached_tokens_total": c.cached_tokens_total,
             "completion_tokens_total": c.completion_tokens_total,
             "steps_total": c.steps_total,
+            "spec_drafted_total": c.spec_drafted_total,
+            "spec_accepted_total": c.spec_accepted_total,
+            "spec_steps_total": c.spec_steps_total,
         }
 
     def check_invariants(self) -> None:

@@ -36,7 +36,8 @@ class ForwardBatch:
         seq_lens: [B] int32 total context length of each request after this step.
         prefix_lens: [B] int32 context already in the KV cache before this step.
         block_tables: [B, max_blocks] int32 physical block ids, padded with 0.
-        logits_indices: [S] int64 rows of T whose logits are wanted (S <= B).
+        logits_indices: [S] int64 rows of T whose logits are wanted (a request's last row, or
+            its last rows in a speculative step; in request order).
         query_lens_cpu, seq_lens_cpu, prefix_lens_cpu: the same lengths as Python lists.
         max_query_len, max_seq_len: maxima of the above (tokens).
         block_size: tokens per KV block.
@@ -81,6 +82,7 @@ class ForwardBatch:
         sample_mask: list[bool],
         block_size: int,
         device: torch.device | str = "cpu",
+        num_logits: list[int] | None = None,
     ) -> ForwardBatch:
         """Build a batch from per-request token chunks.
 
@@ -92,10 +94,15 @@ class ForwardBatch:
             sample_mask: per request, whether its last token's logits are wanted.
             block_size: tokens per block.
             device: where the tensors go.
+            num_logits: per request, how many of its last tokens' logits are wanted (a
+                speculative step verifies several positions); overrides ``sample_mask``.
 
         Raises:
-            ValueError: an empty chunk or a block table too short for its tokens.
+            ValueError: an empty chunk, a block table too short for its tokens, or more
+                logits than tokens.
         """
+        if num_logits is None:
+            num_logits = [1 if want else 0 for want in sample_mask]
         query_lens = [len(c) for c in token_chunks]
         if any(q < 1 for q in query_lens):
             raise ValueError("every request in a batch computes at least one token")
@@ -105,16 +112,17 @@ class ForwardBatch:
         slots: list[int] = []
         starts = [0]
         logits_idx: list[int] = []
-        for chunk, p, table, want in zip(token_chunks, prefix_lens, block_tables, sample_mask):
+        for chunk, p, table, want in zip(token_chunks, prefix_lens, block_tables, num_logits):
             if len(table) * block_size < p + len(chunk):
                 raise ValueError("block table too short for the request's tokens")
+            if want > len(chunk):
+                raise ValueError("a request wants more logits than it computes tokens")
             ids.extend(chunk)
             for i in range(p, p + len(chunk)):
                 pos.append(i)
                 slots.append(table[i // block_size] * block_size + i % block_size)
             starts.append(starts[-1] + len(chunk))
-            if want:
-                logits_idx.append(starts[-1] - 1)
+            logits_idx.extend(range(starts[-1] - want, starts[-1]))
         max_blocks = max(1, max(len(t) for t in block_tables))
         padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
         dev = torch.device(device)

@@ -15,7 +15,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import Sampler, SamplerOutput, noise_key
 from engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -97,16 +97,18 @@ class ModelRunner:
     def build_batch(self, sched: ScheduledBatch) -> ForwardBatch:
         """The step's ForwardBatch: each request's next ``num_new`` tokens after its
         ``num_computed_tokens``; logits only for requests that sample this step."""
-        chunks, prefix, tables, sample = [], [], [], []
+        chunks, prefix, tables, sample, num_logits = [], [], [], [], []
         for item in sched.items:
             r = item.request
-            chunks.append(r.token_at(r.num_computed_tokens, r.num_computed_tokens + item.num_new))
+            known = item.num_new - len(item.spec)
+            chunks.append(r.token_at(r.num_computed_tokens, r.num_computed_tokens + known) + item.spec)
             prefix.append(r.num_computed_tokens)
             tables.append(r.block_table)
             sample.append(item.sample)
+            num_logits.append(item.num_samples)
         return ForwardBatch.build(
             token_chunks=chunks, prefix_lens=prefix, block_tables=tables,
-            sample_mask=sample, block_size=self.block_size, device=self.device,
+            sample_mask=sample, block_size=self.block_size, device=self.device, num_logits=num_logits,
         )
 
     @torch.inference_mode()
@@ -119,16 +121,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: ScheduledBatch) -> SamplerOutput | None:
-        """Run one step; returns sampled tokens for the items with ``sample`` set, in
-        their order, or None when no item samples (all mid-prefill chunks)."""
+        """Run one step; returns the sampled tokens of the items with ``sample`` set, in
+        their order, ``item.num_samples`` each (the token after the last known one, then
+        after each draft), or None when no item samples (all mid-prefill chunks).
+
+        A seeded request's position i (its i-th output token) is drawn with the noise key
+        ``noise_key(seed, i)``, and a penalised one counts the drafts before each
+        position, so every position gets the token one-by-one sampling would give it.
+        """
         batch = self.build_batch(sched)
         logits = self.forward(batch)
-        reqs = [i.request for i in sched.items if i.sample]
-        if not reqs:
+        params, keys, counts, extra = [], [], [], []
+        for item in sched.items:
+            r = item.request
+            for j in range(item.num_samples):
+                params.append(r.params)
+                keys.append(None if r.params.seed is None else noise_key(r.params.seed, len(r.output_ids) + j))
+                counts.append(r.token_counts)
+                extra.append(item.spec[:j])
+        if not params:
             return None
-        return self.sampler.sample(
-            logits,
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            [r.token_counts for r in reqs],
-        )
+        return self.sampler.sample(logits, params, keys, counts, extra)

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from engine.sampling_params import SamplingParams
+from engine.spec.ngram import TokenHistory
+from engine.spec.policy import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -51,10 +51,15 @@ class Request:
             admission (reported as usage.cached_tokens).
         num_tree_blocks: leading entries of block_table that the radix tree also holds.
         tree_node: the deepest radix node this request has locked (or None).
-        generator: the request's own torch.Generator when it is seeded.
         detok: its incremental detokenizer (engine.detokenizer.IncrementalDetokenizer).
         token_counts: the PenaltyState (prompt mask, output counts) when penalties are on.
         arrival_s, first_scheduled_s, first_token_s, finished_s: time.monotonic() seconds.
+        history: its tokens for draft lookup (engine.spec.ngram.TokenHistory), built when
+            it first decodes with speculation on.
+        spec: its speculation record (engine.spec.policy.SpecState).
+        spec_drafts: draft tokens to verify in the next step (set by the engine, read by
+            the scheduler).
+        decode_steps: steps that sampled for it after its prefill.
     """
 
     request_id: str
@@ -69,7 +74,6 @@ class Request:
     num_cached_tokens: int = -1
     num_tree_blocks: int = 0
     tree_node: Any = None
-    generator: torch.Generator | None = None
     detok: Any = None
     token_counts: Any = None  # engine.sampler.PenaltyState when penalties are on
     num_preemptions: int = 0
@@ -79,6 +83,10 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
+    history: TokenHistory | None = None
+    spec: SpecState = field(default_factory=SpecState)
+    spec_drafts: list[int] = field(default_factory=list)
+    decode_steps: int = 0
     # Text and tokens produced since the last output was emitted.
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)

@@ -3,8 +3,13 @@
 Per row: penalties -> temperature -> top-k -> top-p -> min-p -> sample, or argmax
 when the row is greedy. Randomness is an exponential race in its Gumbel-max form:
 argmax(probs / q) with q ~ Exp(1) equals argmax(log probs + g) with g = -log q =
--log(-log u), u ~ U(0, 1) drawn from the row's own ``torch.Generator``, so a seeded
-row's draw never depends on its batch neighbours (seeded requests are reproducible (docs/acceptance.md)).
+-log(-log u), u ~ U(0, 1). A seeded request's uniforms for its i-th output token come
+from a generator seeded with ``noise_key(seed, i)`` (counter-based randomness, as
+Philox keys a stream by counter), so a seeded row's draw depends only on its seed and
+position: never on its batch neighbours (seeded requests are reproducible,
+docs/acceptance.md), and not on how many tokens a step samples for it at once (a
+speculative step verifies several positions, and keeps exactly the tokens that
+one-by-one sampling would have drawn).
 
 Sources: the CTRL paper (Keskar et al. 2019) for the repetition penalty, the OpenAI
 API reference for frequency/presence penalties, Holtzman et al. 2019 (nucleus
@@ -39,13 +44,22 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
+def noise_key(seed: int, position: int) -> int:
+    """The generator seed for output token ``position`` of a request seeded with ``seed``:
+    splitmix64 (Steele et al. 2014) of the pair, a 64-bit value."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
 class PenaltyState:
     """One request's token history for the repetition/frequency/presence penalties.
 
     Create it once per request (only for requests where ``PenaltyState.needed`` is
-    True) and pass it to every ``Sampler.sample`` call for that request's row;
-    ``sample`` records the token it samples for the row (one in-place add on the
-    device, no host sync), so the caller never appends itself. The state survives
+    True), pass it to every ``Sampler.sample`` call for that request's rows, and
+    ``append`` each token the request keeps (the caller does: a speculative step samples
+    several positions and keeps only some). The state survives
     preemption with the request; a rebuilt state takes the output so far via
     ``output_ids``. Memory: ``vocab_size`` bytes + ``4 * vocab_size`` bytes on ``device``.
 
@@ -80,19 +94,17 @@ class PenaltyState:
         return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
     def append(self, token_id: int) -> None:
-        """Count one more generated ``token_id`` (``sample`` already does this for you)."""
+        """Count one more generated ``token_id``."""
         self.output_counts[token_id] += 1
 
 
 class Sampler:
     """Samples one token per row of a logits batch.
 
-    The result of a seeded row depends only on (its generator's seed, how many
-    non-greedy steps it has sampled before, its own logits and params): every
-    non-greedy row draws exactly ``vocab_size`` uniforms per step from its own
-    generator, whatever the other rows are (greedy rows draw nothing). Unseeded rows
-    share ``self.generator`` (one batched draw), so they depend on their neighbours,
-    which is allowed.
+    The result of a keyed row depends only on (its noise key, its own logits and
+    params): it draws ``vocab_size`` uniforms from a generator seeded with its key,
+    whatever the other rows are. Unkeyed rows share ``self.generator`` (one batched
+    draw), so they depend on their neighbours, which is allowed for unseeded requests.
     """
 
     def __init__(
@@ -120,17 +132,15 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        """A generator on the sampler's device for a request with ``params.seed == seed``."""
-        return torch.Generator(device=self.device).manual_seed(seed)
+        self._keyed = torch.Generator(device=self.device)  # reseeded for every keyed row
 
     def sample(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
+        noise_keys: Sequence[int | None] | None = None,
         token_counts: Sequence[PenaltyState | None] | None = None,
+        extra_tokens: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
         """Pick the next token of every row.
 
@@ -139,12 +149,14 @@ class Sampler:
                 output (any float dtype; computed in float32). A row holding NaN or +-inf
                 is sampled greedily over its finite values (token 0 if none is finite).
             params: B sampling parameters, row b uses ``params[b]``.
-            generators: B entries; a seeded request's own generator (``make_generator``,
-                kept by the caller for the request's lifetime, on ``self.device``), or None
-                to use the shared generator. None means all rows are unseeded.
+            noise_keys: B entries; a seeded request's ``noise_key(seed, position)`` for the
+                output position the row samples, or None to use the shared generator.
+                None means all rows are unkeyed.
             token_counts: B entries; the row's ``PenaltyState`` (required when
-                ``PenaltyState.needed(params[b])``), else None. Each given state gets the
-                sampled token recorded in place. None means no row has a state.
+                ``PenaltyState.needed(params[b])``), else None. Not modified: the caller
+                appends the tokens it keeps. None means no row has a state.
+            extra_tokens: B entries (or None): tokens the row's penalties count as generated
+                beyond its state (the drafts before a speculative position).
 
         Returns:
             ``SamplerOutput`` with B token ids, and for rows with ``params.logprobs`` set, the
@@ -161,8 +173,8 @@ class Sampler:
         Raises:
             ValueError: shapes disagree with ``params``, or a row with a penalty has no state.
         """
-        x, rows = self._prepare(logits, params, generators, token_counts)
-        xp = self._penalise(x, params, token_counts, rows.penal)
+        x, rows = self._prepare(logits, params, noise_keys, token_counts)
+        xp = self._penalise(x, params, token_counts, rows.penal, extra_tokens)
         token_ids = torch.argmax(xp, dim=1) if len(rows.sample) < len(params) else None
         if rows.sample:
             idx = self._index(rows.sample, len(params))
@@ -171,17 +183,14 @@ class Sampler:
             # token (the filters always keep the top token; ties go to the lowest id).
             ok = _take(self._finite_rows(logits), idx).unsqueeze(1)
             # argmax(z + g) with Gumbel g = -log(-log u): the exponential race argmax(p / q).
-            drawn = torch.argmax(z - self._log_exponentials(rows.sample, generators) * ok, dim=1)
+            drawn = torch.argmax(z - self._log_exponentials(rows.sample, noise_keys) * ok, dim=1)
             if idx is None:
                 token_ids = drawn
             else:  # some rows are greedy: token_ids holds their argmax
                 assert token_ids is not None
                 token_ids = token_ids.index_copy(0, idx, drawn)
-        out = self._to_host(x, token_ids, params, rows.logprobs)
-        for b, state in enumerate(token_counts or ()):
-            if state is not None:
-                state.append(out.token_ids[b])
-        return out
+        assert token_ids is not None
+        return self._to_host(x, token_ids, params, rows.logprobs)
 
     def distribution(
         self,
@@ -198,7 +207,7 @@ class Sampler:
             rows and rows with non-finite logits.
         """
         x, rows = self._prepare(logits, params, None, token_counts)
-        xp = self._penalise(x, params, token_counts, rows.penal)
+        xp = self._penalise(x, params, token_counts, rows.penal, None)
         probs = torch.nn.functional.one_hot(torch.argmax(xp, dim=1), self.vocab_size).float()
         if rows.sample:
             idx = self._index(rows.sample, len(params))
@@ -209,11 +218,11 @@ class Sampler:
 
     # -- steps -------------------------------------------------------------------
 
-    def _prepare(self, logits, params, generators, token_counts) -> tuple[torch.Tensor, _Rows]:
+    def _prepare(self, logits, params, noise_keys, token_counts) -> tuple[torch.Tensor, _Rows]:
         """Check shapes, replace non-finite logits, and split the rows by the work they need."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} rows x {self.vocab_size} tokens")
-        for name, seq in (("generators", generators), ("token_counts", token_counts)):
+        for name, seq in (("noise_keys", noise_keys), ("token_counts", token_counts)):
             if seq is not None and len(seq) != len(params):
                 raise ValueError(f"{name} has {len(seq)} entries for {len(params)} rows")
         # One fused pass: NaN/+-inf become the lowest finite value, so argmax is over finite values.
@@ -230,8 +239,9 @@ class Sampler:
                 rows.logprobs.append(b)
         return x, rows
 
-    def _penalise(self, x, params, token_counts, penal: list[int]) -> torch.Tensor:
-        """Apply repetition (CTRL), frequency and presence (OpenAI) penalties to rows ``penal``.
+    def _penalise(self, x, params, token_counts, penal: list[int], extra_tokens) -> torch.Tensor:
+        """Apply repetition (CTRL), frequency and presence (OpenAI) penalties to rows ``penal``,
+        counting each row's ``extra_tokens`` as generated too.
 
         Returns a new tensor when any row is penalised (``x`` itself is left raw for logprobs).
         """
@@ -239,6 +249,11 @@ class Sampler:
             return x
         idx = self._index(penal, x.shape[0])
         counts = torch.stack([token_counts[b].output_counts for b in penal]).float()
+        for i, b in enumerate(penal):
+            extra = extra_tokens[b] if extra_tokens is not None else ()
+            if extra:
+                ids = torch.tensor(list(extra), dtype=torch.long, device=self.device)
+                counts[i].index_add_(0, ids, torch.ones(len(extra), device=self.device))
         generated = counts > 0
         rep, freq, pres = ([getattr(params[b], name) for b in penal]
                            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
@@ -324,18 +339,18 @@ class Sampler:
         lo, hi = torch.aminmax(logits[:, : self.vocab_size], dim=1)
         return torch.isfinite(lo) & torch.isfinite(hi)
 
-    def _log_exponentials(self, rows: list[int], generators) -> torch.Tensor:
+    def _log_exponentials(self, rows: list[int], noise_keys) -> torch.Tensor:
         """``log q`` for q = -log u ~ Exp(1) (minus a Gumbel sample), float32 ``[S, V]``:
-        each seeded row from its own generator (V uniforms per step, always), the
-        unseeded rows in one draw from the shared generator."""
+        each keyed row's V uniforms from a generator seeded with its key, the unkeyed rows
+        in one draw from the shared generator."""
         noise = torch.empty(len(rows), self.vocab_size, device=self.device)
         unseeded: list[int] = []
         for i, b in enumerate(rows):
-            gen = generators[b] if generators is not None else None
-            if gen is None:
+            key = noise_keys[b] if noise_keys is not None else None
+            if key is None:
                 unseeded.append(i)
             else:
-                noise[i].uniform_(generator=gen)
+                noise[i].uniform_(generator=self._keyed.manual_seed(key))
         if unseeded:
             shared = torch.empty(len(unseeded), self.vocab_size, device=self.device).uniform_(generator=self.generator)
             noise = _put(noise, self._index(unseeded, len(rows)), shared)

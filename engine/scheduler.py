@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from engine.radix_cache import RadixCache
 from engine.request import Request, RequestStatus
 
@@ -49,11 +49,21 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledItem:
-    """One request's share of a step: ``num_new`` tokens from ``num_computed_tokens``."""
+    """One request's share of a step: ``num_new`` tokens from ``num_computed_tokens``.
+
+    ``spec``: draft tokens verified this step (speculative decoding): they follow the
+    request's known tokens in its chunk, are counted in ``num_new``, and the step samples
+    every position from the last known token on (``1 + len(spec)`` tokens)."""
 
     request: Request
     num_new: int
     sample: bool  # the chunk reaches the last known token, so the step samples a token
+    spec: list[int] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        """Positions the step samples for this request (0 mid-prefill)."""
+        return (1 + len(self.spec)) if self.sample else 0
 
 
 @dataclass
@@ -174,6 +184,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and requeue it at the head (recompute later)."""
         self.running.remove(req)
+        req.spec_drafts = []
         self._release(req, cache_pages=True)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -187,11 +198,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        # 1. Running requests, oldest first; preempt the newest when out of blocks.
+        # 1. Running requests, oldest first; preempt the newest when out of blocks. A
+        # decoding request's drafts (``req.spec_drafts``) ride along while the budget lasts.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_uncomputed, budget)
+            drafts = req.spec_drafts[: max(0, budget - req.num_uncomputed)] if req.num_uncomputed == 1 else []
+            num_new = min(req.num_uncomputed, budget) + len(drafts)
             while not self._ensure_blocks(req, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 if id(victim) in scheduled:  # never take back blocks given this step
@@ -202,7 +215,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue  # req itself was preempted; self.running shifted
-            batch.items.append(ScheduledItem(req, num_new, num_new == req.num_uncomputed))
+            batch.items.append(ScheduledItem(req, num_new, num_new >= req.num_uncomputed, list(drafts)))
             scheduled.add(id(req))
             budget -= num_new
             i += 1
@@ -258,14 +271,27 @@ class Scheduler:
         scored.sort(key=lambda t: (t[0], t[1]))
         self.waiting = deque(r for _, _, r in scored)
 
-    def on_step_done(self, batch: ScheduledBatch) -> None:
+    def on_step_done(self, batch: ScheduledBatch, accepted: list[int] | None = None) -> None:
         """Advance each scheduled request past the tokens this step computed, and cache
         the pages of prompts whose prefill just completed (so later arrivals that
-        share them, such as a common system prompt, hit the tree at once)."""
-        for item in batch.items:
+        share them, such as a common system prompt, hit the tree at once).
+
+        ``accepted``: per item, how many of its drafts the step kept (None: all). The KV
+        written for rejected drafts is dropped: the request advances past its known token
+        and the kept drafts only, and gives back any block that then holds none of its
+        tokens (the radix tree only ever sees pages of kept tokens).
+        """
+        bs = self.config.block_size
+        for n, item in enumerate(batch.items):
             req = item.request
-            req.num_computed_tokens += item.num_new
-            if item.sample and item.num_new > 1:
+            rejected = len(item.spec) - (accepted[n] if accepted is not None else len(item.spec))
+            req.num_computed_tokens += item.num_new - rejected
+            if rejected:
+                keep = blocks_needed(req.num_computed_tokens + 1, bs)  # room for the next token
+                if len(req.block_table) > keep:
+                    self.pool.decref(req.block_table[keep:])
+                    del req.block_table[keep:]
+            if item.sample and item.num_new > 1 and not item.spec:
                 self.cache_computed_pages(req)
 
     # ----- accounting ---------------------------------------------------------------

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import LOGPROB_FLOOR, PenaltyState, Sampler
+from engine.sampler import LOGPROB_FLOOR, PenaltyState, Sampler, noise_key
 from engine.sampling_params import SamplingParams as SP
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -130,8 +130,7 @@ def test_seeded_draws_follow_the_distribution(device):
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().unsqueeze(0).to(device)
     sampler = Sampler(3, device)
-    gen = sampler.make_generator(7)
-    ids = [sampler.sample(logits, [SP(temperature=1.0, seed=7)], [gen]).token_ids[0] for _ in range(3000)]
+    ids = [sampler.sample(logits, [SP(temperature=1.0, seed=7)], [noise_key(7, i)]).token_ids[0] for i in range(3000)]
     freq = torch.bincount(torch.tensor(ids), minlength=3).float() / 3000
     assert torch.allclose(freq, probs, atol=0.03)
 
@@ -186,7 +185,6 @@ def _run_seeded(device, layout, steps: int = 12, vocab: int = 1000) -> list[int]
     ``layout(step)`` describes (a list of neighbour kinds and ``TARGET``); return the
     target's tokens. Neighbours get fresh random logits every step."""
     sampler = Sampler(vocab, device, seed=123)
-    target_gen = sampler.make_generator(42)
     target = SP(temperature=0.8, top_p=0.95, seed=42)
     neighbour_params = {
         "unseeded": SP(temperature=1.0),
@@ -194,7 +192,6 @@ def _run_seeded(device, layout, steps: int = 12, vocab: int = 1000) -> list[int]
         "penalised": SP(temperature=0.9, repetition_penalty=1.3, frequency_penalty=0.5),
         "seeded": SP(temperature=0.7, seed=1000),
     }
-    gens: dict[int, torch.Generator] = {}
     states: dict[int, PenaltyState] = {}
     tokens = []
     for step in range(steps):
@@ -206,15 +203,18 @@ def _run_seeded(device, layout, steps: int = 12, vocab: int = 1000) -> list[int]
             p = target if kind == TARGET else neighbour_params[kind]
             params.append(p)
             if kind == TARGET:
-                row_gens.append(target_gen)
+                row_gens.append(noise_key(42, step))
             elif kind == "seeded":
-                row_gens.append(gens.setdefault(i, sampler.make_generator(1000 + i)))
+                row_gens.append(noise_key(1000 + i, step))
             else:
                 row_gens.append(None)
             if PenaltyState.needed(p) and i not in states:
                 states[i] = PenaltyState(vocab, device, prompt_ids=[1, 2, 3])
             counts.append(states.get(i) if PenaltyState.needed(p) else None)
         out = sampler.sample(logits, params, row_gens, counts)
+        for i, state in states.items():  # the caller records the tokens it keeps
+            if i < len(kinds) and PenaltyState.needed(params[i]):
+                state.append(out.token_ids[i])
         tokens.append(out.token_ids[kinds.index(TARGET)])
     return tokens
 
@@ -239,8 +239,7 @@ def test_different_seeds_give_different_streams(device):
     sampler = Sampler(1000, device)
     streams = []
     for seed in (1, 2):
-        gen = sampler.make_generator(seed)
-        streams.append([sampler.sample(logits, [SP(seed=seed)], [gen]).token_ids[0] for _ in range(10)])
+        streams.append([sampler.sample(logits, [SP(seed=seed)], [noise_key(seed, i)]).token_ids[0] for i in range(10)])
     assert streams[0] != streams[1]
 
 
@@ -272,16 +271,19 @@ def test_frequency_and_presence_penalties_use_output_counts_only(device):
     assert torch.allclose(shift - shift[3], change, atol=1e-5)
 
 
-def test_penalties_change_greedy_choice_and_are_recorded(device):
+def test_penalties_change_greedy_choice_and_count_kept_and_extra_tokens(device):
     logits = torch.tensor([[5.0, 4.0, 0.0]], device=device)
     sampler = Sampler(3, device)
     state = PenaltyState(3, device)
     params = SP(temperature=0.0, presence_penalty=2.0)
-    # 5 -> 3 after token 0 was generated once, so token 1 (4.0) wins next.
     assert sampler.sample(logits, [params], None, [state]).token_ids == [0]
-    assert state.output_counts.tolist() == [1, 0, 0]
+    assert state.output_counts.tolist() == [0, 0, 0]  # sampling records nothing: the caller keeps tokens
+    state.append(0)
+    # 5 -> 3 after token 0 was generated once, so token 1 (4.0) wins next.
     assert sampler.sample(logits, [params], None, [state]).token_ids == [1]
-    assert state.output_counts.tolist() == [1, 1, 0]
+    # a draft token before the position counts too (speculative verification), in that row only
+    both = sampler.sample(logits.repeat(2, 1), [params] * 2, None, [state, state], [[], [1]])
+    assert both.token_ids == [1, 0] and state.output_counts.tolist() == [1, 0, 0]  # row 2: 3 > 4 - 2
 
 
 def test_penalties_of_one_row_never_affect_another(device):
@@ -382,7 +384,7 @@ def test_bad_shapes_raise_value_error(device):
     with pytest.raises(ValueError):
         sampler.sample(torch.zeros(1, 4, device=device), [SP()])
     with pytest.raises(ValueError):
-        sampler.sample(torch.zeros(1, 8, device=device), [SP()], generators=[None, None])
+        sampler.sample(torch.zeros(1, 8, device=device), [SP()], noise_keys=[None, None])
 
 
 def test_bfloat16_logits_greedy_is_exact_argmax(device):
