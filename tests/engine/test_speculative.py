@@ -182,7 +182,7 @@ def test_rejected_drafts_leave_no_kv_no_blocks_and_nothing_in_the_tree(tiny_mode
     kept tokens need, and what the radix tree stores equals the tokens it kept."""
     core = make_engine(tiny_model_dir, dtype="auto", quantization="auto", speculative="ngram", num_draft_tokens=6,
                        block_size=4).core
-    core.draft = Oracle({}, "random")
+    core.draft = Oracle({}, "random")  # type: ignore[method-assign]
     core.add_request("a", PROMPTS["p2"], SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True))
     while core.has_work():
         core.step()
@@ -205,7 +205,7 @@ def test_blocks_stay_exact_under_preemption_and_random_aborts_while_speculating(
     hit requests with drafts in flight. Afterwards every block is free or evictable."""
     core = make_engine(tiny_model_dir, dtype="auto", quantization="auto", speculative="ngram", num_draft_tokens=5,
                        num_blocks=24, block_size=8, spec_max_batch=8).core
-    core.draft = Oracle({}, "random", seed=3)
+    core.draft = Oracle({}, "random", seed=3)  # type: ignore[method-assign]
     rng = random.Random(5)
     for i in range(10):
         core.add_request(f"r{i}", PROMPTS[f"p{i % 8}"][:40], SamplingParams(max_tokens=30, temperature=0.0,
@@ -233,7 +233,7 @@ def test_a_verified_position_keeps_the_samplers_distribution():
     logits = probs.log().repeat(20000, 1)
     sampler = Sampler(4, "cpu", seed=11)
     drawn = sampler.sample(logits, [SamplingParams(temperature=1.0)] * 20000).token_ids
-    item = ScheduledItem(request=None, num_new=2, sample=True, spec=[1])  # type: ignore[arg-type]
+    item = ScheduledItem(request=None, num_new=2, sample=True, spec=[1])
     kept = []
     for b in range(0, 20000, 2):  # pairs: the draft's position, then the bonus position
         batch = ScheduledBatch(items=[item])
