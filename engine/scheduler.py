@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from engine.radix_cache import RadixCache
 from engine.request import Request, RequestStatus
 
@@ -67,11 +67,6 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         """Tokens computed by this step."""
         return sum(i.num_new for i in self.items)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative integers."""
-    return -(-a // b)
 
 
 class Scheduler:
@@ -128,7 +123,7 @@ class Scheduler:
 
     def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.block_table`` to cover ``num_tokens`` tokens; False if out of blocks."""
-        need = cdiv(num_tokens, self.config.block_size) - len(req.block_table)
+        need = blocks_needed(num_tokens, self.config.block_size) - len(req.block_table)
         if need <= 0:
             return True
         blocks = self._allocate(need)
@@ -145,18 +140,17 @@ class Scheduler:
         if not self.cache.enabled or n_full <= req.num_tree_blocks:
             return
         tokens = req.token_at(0, n_full * bs)
-        self.cache.insert(tokens, req.block_table[:n_full], req.namespace)
-        match = self.cache.match_prefix(tokens, req.namespace)
-        self.cache.lock(match.node)
+        inserted = self.cache.insert(tokens, req.block_table[:n_full], req.namespace)
+        self.cache.lock(inserted.node)
         if req.tree_node is not None:
             self.cache.unlock(req.tree_node)
-        req.tree_node = match.node
-        for i, b in enumerate(match.blocks):
+        req.tree_node = inserted.node
+        for i, b in enumerate(inserted.blocks):
             if b != req.block_table[i]:
                 self.pool.incref([b])
                 self.pool.decref([req.block_table[i]])
                 req.block_table[i] = b
-        req.num_tree_blocks = len(match.blocks)
+        req.num_tree_blocks = len(inserted.blocks)
 
     def _release(self, req: Request, cache_pages: bool) -> None:
         """Drop every block reference and tree lock the request holds."""
@@ -231,7 +225,7 @@ class Scheduler:
         # At least one token must be computed to get logits for the next sample.
         match = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1)
         num_new = min(len(tokens) - match.num_tokens, budget)
-        need = cdiv(match.num_tokens + num_new, bs) - len(match.blocks)
+        need = blocks_needed(match.num_tokens + num_new, bs) - len(match.blocks)
         self.cache.lock(match.node)  # protect the match from the eviction below
         blocks = self._allocate(need)
         if blocks is None:
