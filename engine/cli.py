@@ -1,10 +1,17 @@
-"""Command line: ``python -m engine serve`` and ``python -m engine generate``."""
+"""Command line: ``python -m engine serve`` and ``python -m engine generate``.
+
+What the engine says while it starts and serves goes to the ``logging`` module (on
+stderr, at ``--log-level``); stdout carries only what a caller reads: the
+``ENGINE READY ws://HOST:PORT`` line of ``serve`` (the gateway waits for it) and the
+reply of ``generate``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
 import os
 import socket
 import sys
@@ -12,7 +19,7 @@ import uuid
 from dataclasses import asdict
 
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import ConfigError, EngineError
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
 
@@ -65,16 +72,49 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     )
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """Log records at ``level`` and above to stderr, one line each. The websockets
+    library's per-connection lines are kept for ``debug``."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if level != "debug":
+        logging.getLogger("websockets").setLevel(logging.WARNING)
+
+
+def env_port(name: str, default: int) -> int:
+    """The port in environment variable ``name``, or ``default`` when unset.
+
+    Raises:
+        ConfigError: the value is not an integer in [0, 65535] (the message names the variable).
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"bad environment variable {name}: expected a port in [0, 65535], got {raw!r}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m engine`` argument parser."""
     p = argparse.ArgumentParser(prog="python -m engine", description="LLM engine: serve or generate once")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="what the engine logs on stderr: loading, sizes, warnings (default: %(default)s)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="serve the internal WebSocket protocol")
-    s.add_argument("--host", default=os.environ.get("ENGINE_HOST", "127.0.0.1"))
-    s.add_argument("--port", type=int, default=int(os.environ.get("ENGINE_PORT", "9000")),
-                   help="0 picks a free port")
+    s = sub.add_parser("serve", parents=[common], help="serve the internal WebSocket protocol")
+    s.add_argument("--host", default=os.environ.get("ENGINE_HOST", "127.0.0.1"), help="listen address (ENGINE_HOST)")
+    s.add_argument("--port", type=int, default=None,
+                   help="listen port, 0 picks a free one (ENGINE_PORT; default: 9000)")
     add_engine_args(s)
-    g = sub.add_parser("generate", help="generate one reply and print it")
+    g = sub.add_parser("generate", parents=[common], help="generate one reply and print it")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
     g.add_argument("--system", default=None, help="system prompt (with --chat)")
@@ -89,10 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _generate_once(a: argparse.Namespace) -> int:
+async def _generate_once(a: argparse.Namespace, config: EngineConfig) -> int:
     from engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(engine_config_from_args(a), verbose=not a.json)
+    engine = AsyncEngine.from_config(config, verbose=not a.json)
     engine.start()
     try:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
@@ -126,15 +166,19 @@ async def _generate_once(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 on a clear user error)."""
+    """Entry point; returns the process exit code (2 on a clear user error: a bad
+    setting, model or request, said in one line on stderr)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    a = build_parser().parse_args(argv)
     try:
+        a = build_parser().parse_args(argv)
+        configure_logging(a.log_level)
+        config = engine_config_from_args(a)
         if a.cmd == "serve":
             from engine.async_engine import AsyncEngine
             from engine.server import serve_forever
 
-            config = engine_config_from_args(a)
+            if a.port is None:
+                a.port = env_port("ENGINE_PORT", 9000)
             try:  # before the model loads: a taken port is reported at once
                 with socket.socket() as probe:
                     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -149,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: cannot serve on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
                 return 1
             return 0
-        return asyncio.run(_generate_once(a))
+        return asyncio.run(_generate_once(a, config))
     except EngineError as e:
         print(f"error ({e.code}): {e.message}", file=sys.stderr)
         return 2

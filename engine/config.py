@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -122,6 +122,9 @@ class EngineConfig:
         num_draft_tokens: most draft tokens verified per request per step.
         spec_ngram_min, spec_ngram_max: n-gram sizes matched against the request's tokens.
         spec_max_batch: speculate only while at most this many requests decode in a step.
+
+    Raises:
+        ConfigError: a setting is out of range or unknown (from ``__post_init__``).
     """
 
     model: str | None = None
@@ -152,42 +155,42 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
-            raise InvalidRequestError(f"kv_cache_dtype must be 'auto' or one of {list(DTYPES)}, "
-                                      f"got {self.kv_cache_dtype!r}")
+            raise ConfigError(f"kv_cache_dtype must be 'auto' or one of {list(DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
-            raise InvalidRequestError("block_size must be >= 1")
+            raise ConfigError("block_size must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidRequestError("num_blocks must be >= 1")
+            raise ConfigError("num_blocks must be >= 1")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be >= 1")
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
-            raise InvalidRequestError("schedule_policy must be 'fcfs' or 'lpm'")
+            raise ConfigError("schedule_policy must be 'fcfs' or 'lpm'")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
-            raise InvalidRequestError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu'")
+            raise ConfigError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu'")
         if self.quantization not in (None, "none", "auto", "int8"):
-            raise InvalidRequestError(f"quantization must be 'auto', 'int8' or 'none', got {self.quantization!r}")
+            raise ConfigError(f"quantization must be 'auto', 'int8' or 'none', got {self.quantization!r}")
         if self.quantization == "int8" and self.dtype == "float16":
             # x @ Q^T over integer-valued weights can pass float16's 65504 before the scale.
-            raise InvalidRequestError("int8 weights compute in bfloat16 or float32, not float16")
+            raise ConfigError("int8 weights compute in bfloat16 or float32, not float16")
         if self.speculative not in ("auto", "ngram", "off"):
-            raise InvalidRequestError(f"speculative must be 'auto', 'ngram' or 'off', got {self.speculative!r}")
+            raise ConfigError(f"speculative must be 'auto', 'ngram' or 'off', got {self.speculative!r}")
         if self.num_draft_tokens < 1 or self.spec_max_batch < 1 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
-            raise InvalidRequestError("num_draft_tokens and spec_max_batch must be >= 1, and "
-                                      "1 <= spec_ngram_min <= spec_ngram_max")
+            raise ConfigError("num_draft_tokens and spec_max_batch must be >= 1, and "
+                              "1 <= spec_ngram_min <= spec_ngram_max")
         if not (0 < self.gpu_memory_fraction <= 1):
-            raise InvalidRequestError("gpu_memory_fraction must be in (0, 1]")
+            raise ConfigError("gpu_memory_fraction must be in (0, 1]")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by ``dtype``.
 
         Raises:
-            InvalidRequestError: ``dtype`` is still "auto" (resolve the config first).
+            ConfigError: ``dtype`` is still "auto" (resolve the config first).
         """
         if self.dtype == "auto":
-            raise InvalidRequestError("dtype 'auto' is not resolved yet (engine.formats.resolved_config)")
+            raise ConfigError("dtype 'auto' is not resolved yet (engine.formats.resolved_config)")
         return DTYPES[self.dtype]
 
     @property

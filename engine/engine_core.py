@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, blocks_needed
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
 from engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +24,7 @@ from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.sampler import PenaltyState, SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, cdiv
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.spec.ngram import TokenHistory, propose
 from engine.spec.policy import SpecConfig
 
@@ -126,7 +126,7 @@ class EngineCore:
                 f"the model's context of {self.max_model_len} tokens"
             )
         # The last sampled token never needs KV.
-        blocks = cdiv(total - 1, self.config.block_size)
+        blocks = blocks_needed(total - 1, self.config.block_size)
         if blocks > self.pool.num_blocks:
             raise ContextLengthError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the pool has {self.pool.num_blocks}"

@@ -32,6 +32,14 @@ class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class ConfigError(EngineError):
+    """A setting of the engine is invalid (``EngineConfig``, a command-line option, an
+    environment variable, a KV budget that holds no block). Raised at start-up, never
+    for a request; the CLI prints its message on one line."""
+
+    code = "config_error"
+
+
 class ModelLoadError(EngineError):
     """Unknown model path, unreadable weights, or an unsupported architecture."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def resolve_format(config: EngineConfig) -> ServingFormat:
     """The concrete serving format for ``config`` on its resolved device (see the module doc).
 
     Raises:
-        InvalidRequestError: a combination the engine cannot serve (int8 with float16
+        ConfigError: a combination the engine cannot serve (int8 with float16
             activations; int8 with float32 activations on a CPU without the kernels).
     """
     device = config.resolved_device()
@@ -102,16 +102,16 @@ def resolve_format(config: EngineConfig) -> ServingFormat:
             dtype = "float32" if (quant is None or kernels_ok) else "bfloat16"
         if quant == "int8" and dtype == "float32" and not kernels_ok and config.cpu_kernels:
             # (with cpu_kernels False this is the slow torch reference path that tests compare against)
-            raise InvalidRequestError("int8 weights with float32 activations need the engine's CPU kernels, which "
+            raise ConfigError("int8 weights with float32 activations need the engine's CPU kernels, which "
                                       "could not be built (is gcc installed?); use --dtype bfloat16")
         # The kernels serve float32 activations; the exact mode keeps torch's own ops.
         kernels = kernels_ok and dtype == "float32" and quant is not None
     if quant == "int8" and dtype == "float16":
-        raise InvalidRequestError("int8 weights compute in bfloat16 or float32, not float16")
+        raise ConfigError("int8 weights compute in bfloat16 or float32, not float16")
     if kv == "auto":
         kv = "bfloat16" if kernels else dtype
     if kv != dtype and not kernels and device.type == "cpu" and config.cpu_kernels:
-        raise InvalidRequestError(f"a {kv} KV cache with {dtype} activations needs the CPU kernels")
+        raise ConfigError(f"a {kv} KV cache with {dtype} activations needs the CPU kernels")
     return ServingFormat(dtype=dtype, quantization=quant, kv_cache_dtype=kv, cpu_kernels=kernels)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError
 
 _GIB = float(1 << 30)
 
@@ -63,7 +63,7 @@ def plan_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, devic
     still free (``torch.cuda.mem_get_info``), so call this after the weights are loaded.
 
     Raises:
-        InvalidRequestError: the budget does not hold a single block.
+        ConfigError: the budget does not hold a single block.
     """
     device = torch.device(device)
     dtype = engine_config.kv_torch_dtype
@@ -76,7 +76,7 @@ def plan_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, devic
     else:
         num_blocks = engine_config.kv_cache_bytes // per_block
     if num_blocks < 1:
-        raise InvalidRequestError(
+        raise ConfigError(
             f"the KV budget holds no block of {engine_config.block_size} tokens ({per_block} bytes); "
             "raise kv_cache_bytes / gpu_memory_fraction or set num_blocks"
         )

@@ -20,9 +20,9 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +38,8 @@ from engine.errors import ModelLoadError
 from engine.formats import ServingFormat, resolved_config
 from engine.models import model_class_for
 from engine.models.weights import iter_tensors, weight_files, weights_fingerprint
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,16 +81,12 @@ class LoadedModel:
     cpu_kernels: CpuKernels | None = None
 
 
-def _log(message: str) -> None:
-    print(f"[loader] {message}", file=sys.stderr, flush=True)
-
-
 @contextlib.contextmanager
 def _phase(what: str) -> Iterator[None]:
     """Log ``what`` with the seconds it took."""
     start = time.perf_counter()
     yield
-    _log(f"{what}: {time.perf_counter() - start:.1f} s")
+    log.info("%s: %.1f s", what, time.perf_counter() - start)
 
 
 def default_model_gguf() -> Path:
@@ -175,7 +173,7 @@ def _convert_once(gguf: Path, dest: Path, source: dict[str, Any], expect_bos_eos
         tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _log(f"converting {gguf} -> {dest} (once)")
+            log.info("converting %s -> %s (once)", gguf, dest)
             _convert_into(gguf, tmp, expect_bos_eos)
             (tmp / MARKER_FILE).write_text(json.dumps({"source": source, "created": time.time()}))
             shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier attempt
@@ -283,7 +281,7 @@ def _read_config(folder: Path, config: EngineConfig) -> tuple[Any, ModelConfig]:
         limit = min(limit, int(window))
     if config.max_model_len is not None:
         if config.max_model_len > limit:
-            _log(f"warning: max_model_len {config.max_model_len} exceeds the model's {limit}")
+            log.warning("max_model_len %s exceeds the model's %s", config.max_model_len, limit)
         limit = config.max_model_len
     return hf_config, dataclasses.replace(model_config, max_model_len=limit)
 
@@ -340,9 +338,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     kernels = cpu_kernels() if fmt.cpu_kernels else None
     if kernels is not None:
         model.use_cpu_kernels(kernels)
-    _log(f"{name}: {model_config.num_layers} layers, {num_params / 1e6:.0f}M parameters, "
-         f"{model_weight_bytes(model) / 2**20:.0f} MiB of weights, context {model_config.max_model_len} tokens, "
-         f"{fmt.describe()}; ready in {time.perf_counter() - start:.1f} s")
+    log.info("%s: %d layers, %.0fM parameters, %.0f MiB of weights, context %d tokens, %s; ready in %.1f s",
+             name, model_config.num_layers, num_params / 1e6, model_weight_bytes(model) / 2**20,
+             model_config.max_model_len, fmt.describe(), time.perf_counter() - start)
     weights_id = weights_fingerprint(files, dtype, config.quantization, config.kv_cache_dtype)
     return LoadedModel(model=model, model_config=model_config, hf_config=hf_config, tokenizer=tokenizer,
                        name=name, path=folder, weights_id=weights_id, dtype=dtype, device=device, format=fmt,

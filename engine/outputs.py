@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
@@ -99,7 +98,3 @@ class RequestOutput:
     output_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     prefix_reused: bool | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (None fields dropped)."""
-        return {k: v for k, v in asdict(self).items() if v is not None}

@@ -36,9 +36,9 @@ Rules:
   Only nodes with lock_ref 0 are evictable, leaves first, least recently used first.
 - A running request keeps locked a node whose path covers exactly the tree blocks it
   holds, and holds a reference on every block of that path. After a mid-run insert
-  it adopts the tree's path: ``match_prefix`` the inserted tokens, ``lock`` +
-  ``incref`` the result, then ``unlock`` its old node and ``decref`` its own blocks of
-  those pages (some of them were duplicates of pages the tree already had).
+  it adopts the tree's path: ``lock`` the result's ``node`` and ``incref`` its
+  ``blocks``, then ``unlock`` its old node and ``decref`` its own blocks of those
+  pages (some of them were duplicates of pages the tree already had).
 
 Accounting identity (the engine checks it when idle; block accounting (docs/acceptance.md))::
 
@@ -64,7 +64,7 @@ from engine.block_pool import BlockPool
 
 class RadixCacheError(RuntimeError):
     """A caller broke the cache's contract: unlock below 0, lock of a node that was
-    evicted or invalidated, or insert of a block that the tree already stores."""
+    evicted, or insert of a block that the tree already stores."""
 
 
 class RadixNode:
@@ -104,14 +104,11 @@ class MatchResult:
         blocks: block ids of the matched pages, in order (``num_tokens / block_size``).
         num_tokens: matched tokens, a multiple of block_size (0 when nothing matched).
         node: the deepest matched node (the root when nothing matched); lock it.
-        epoch: the namespace's invalidation epoch at match time; pass it to ``insert``
-            so that KV computed before an ``invalidate_namespace`` is never stored.
     """
 
     blocks: list[int]
     num_tokens: int
     node: RadixNode
-    epoch: int = 0
 
 
 @dataclass
@@ -126,12 +123,16 @@ class InsertResult:
             already had an equal page under a different block id (redundant copies).
         node: the deepest node of the inserted path (the root when nothing was stored
             or matched); lock it to keep the path pinned while the request runs.
+        blocks: the tree's block ids of every inserted page, in order (what a
+            ``match_prefix`` of the inserted tokens would return now); a caller that
+            keeps running swaps its duplicates for these.
     """
 
     num_existing_tokens: int
     num_new_tokens: int
     duplicate_blocks: list[int]
     node: RadixNode
+    blocks: list[int]
 
 
 class RadixCache:
@@ -139,8 +140,7 @@ class RadixCache:
 
     Counters (each tree block counted once): ``num_cached_blocks`` (all blocks the tree
     holds a reference on), ``num_evictable_blocks`` (those in nodes with lock_ref 0)
-    and ``num_locked_blocks`` (the rest, including blocks of invalidated but still
-    locked nodes).
+    and ``num_locked_blocks`` (the rest).
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enabled: bool = True) -> None:
@@ -160,8 +160,6 @@ class RadixCache:
         self._uids = itertools.count()
         self._clock = 0  # logical time: bumped by every match and insert
         self._root = RadixNode(None, (), [], next(self._uids), 0)
-        self._epochs: dict[str, int] = {}  # only namespaces invalidated at least once
-        self._detached: set[RadixNode] = set()  # invalidated namespace nodes still locked
         self._tree_blocks: set[int] = set()
         self._num_cached = 0
         self._num_locked = 0
@@ -170,7 +168,7 @@ class RadixCache:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks the tree holds a reference on (live and invalidated-but-locked)."""
+        """Blocks the tree holds a reference on."""
         return self._num_cached
 
     @property
@@ -187,10 +185,6 @@ class RadixCache:
     def root(self) -> RadixNode:
         """The root node (what an empty match returns; locking it is a no-op)."""
         return self._root
-
-    def namespace_epoch(self, namespace: str) -> int:
-        """How many times ``namespace`` has been invalidated (0 if never)."""
-        return self._epochs.get(namespace, 0)
 
     # --- match / lock ------------------------------------------------------------------
 
@@ -209,29 +203,17 @@ class RadixCache:
         the blocks. The blocks are complete (a page enters the tree only after its KV
         was written), so they can be read at once and must never be written.
         """
-        epoch = self.namespace_epoch(namespace)
         bs = self.block_size
         limit = len(token_ids) if max_tokens is None else max(0, min(len(token_ids), max_tokens))
         num_pages = limit // bs
         ns_node = self._root.children.get(namespace) if self.enabled else None
         if ns_node is None or num_pages == 0:
-            return MatchResult([], 0, self._root, epoch)
-        tokens = tuple(token_ids[: num_pages * bs])
+            return MatchResult([], 0, self._root)
         self._clock += 1
-        node, pos, blocks = ns_node, 0, []
-        while pos < num_pages:
-            child = node.children.get(tokens[pos * bs:(pos + 1) * bs])
-            if child is None:
-                break
-            m = _common_pages(child.tokens, tokens, pos * bs, bs)
-            if m < len(child.blocks):
-                child = self._split(child, m)
-            blocks.extend(child.blocks)
-            child.last_access = self._clock
-            node, pos = child, pos + m
-        if pos == 0:
-            return MatchResult([], 0, self._root, epoch)
-        return MatchResult(blocks, pos * bs, node, epoch)
+        node, blocks = self._walk(ns_node, tuple(token_ids[: num_pages * bs]))
+        if not blocks:
+            return MatchResult([], 0, self._root)
+        return MatchResult(blocks, len(blocks) * bs, node)
 
     def lock(self, node: RadixNode) -> None:
         """Pin ``node`` and its ancestors against eviction (lock_ref += 1 on the path).
@@ -239,22 +221,20 @@ class RadixCache:
         Locking the root is a no-op (it holds no blocks).
 
         Raises:
-            RadixCacheError: the node was evicted or invalidated since it was returned
-                (lock right after ``match_prefix``/``insert``, before other cache calls).
+            RadixCacheError: the node was evicted since it was returned (lock right
+                after ``match_prefix``/``insert``, before other cache calls).
         """
         if node is self._root:
             return
-        path = self._path(node)
-        if node.removed or path[-1].parent is not self._root:
+        if node.removed:
             raise RadixCacheError(f"lock of {node!r}, which is no longer in the cache")
-        for n in path:
+        for n in self._path(node):
             if n.lock_ref == 0 and n.blocks:
                 self._num_locked += len(n.blocks)
             n.lock_ref += 1
 
     def unlock(self, node: RadixNode) -> None:
-        """Undo one ``lock(node)``. Nodes of an invalidated namespace whose lock_ref
-        reaches 0 are dropped at once (their blocks are decrefed).
+        """Undo one ``lock(node)``: its path becomes evictable where lock_ref reaches 0.
 
         Raises:
             RadixCacheError: the node's lock_ref is already 0 (more unlocks than locks).
@@ -263,26 +243,14 @@ class RadixCache:
             return
         if node.removed or node.lock_ref <= 0:
             raise RadixCacheError(f"unlock of {node!r} below lock_ref 0")
-        path = self._path(node)
-        for n in path:
+        for n in self._path(node):
             n.lock_ref -= 1
             if n.lock_ref == 0 and n.blocks:
                 self._num_locked -= len(n.blocks)
-        top = path[-1]
-        if top.parent is None and top in self._detached:
-            # Invalidated subtree: every node with lock_ref 0 is unreachable garbage.
-            # Walking bottom-up, each such node has no children left (children have
-            # lock_ref <= the parent's, so they were dropped before it).
-            for n in path:
-                if n.lock_ref == 0:
-                    self._remove_leaf(n)
-            if top.removed:
-                self._detached.discard(top)
 
     # --- insert ------------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], namespace: str = "",
-               epoch: int | None = None) -> InsertResult:
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], namespace: str = "") -> InsertResult:
         """Store the pages ``token_ids`` -> ``blocks`` (full blocks only) in ``namespace``.
 
         ``len(token_ids) == len(blocks) * block_size``: the caller trims its partial
@@ -291,9 +259,10 @@ class RadixCache:
         ``num_existing_tokens``; the caller's block, if different, in
         ``duplicate_blocks``); new pages are stored with one new tree reference each
         (incref). So the caller afterwards decrefs *all* of its own blocks, whatever
-        the result. Nothing is stored when the cache is disabled or when ``epoch``
-        (from ``MatchResult.epoch``) is older than the namespace's current epoch.
-        Refreshes the last-access time of the path.
+        the result. Nothing is stored when the cache is disabled. Refreshes the
+        last-access time of the path. One walk of the tree: the result carries the
+        deepest node and the tree's blocks of the whole path, so a caller that keeps
+        running locks and adopts them without a second ``match_prefix``.
 
         Raises:
             ValueError: the lengths disagree, or ``blocks`` lists a block twice.
@@ -307,24 +276,17 @@ class RadixCache:
                              f"got {len(token_ids)} tokens for {n} blocks")
         if len(set(blocks)) != n:
             raise ValueError("insert got the same block id twice")
-        if not self.enabled or n == 0 or (epoch is not None and epoch != self.namespace_epoch(namespace)):
-            return InsertResult(0, 0, [], self._root)
+        if not self.enabled or n == 0:
+            return InsertResult(0, 0, [], self._root, [])
         tokens = tuple(token_ids)
         self._clock += 1
         ns_node = self._root.children.get(namespace)
-        node, pos, duplicates = ns_node, 0, []
-        while node is not None and pos < n:
-            child = node.children.get(tokens[pos * bs:(pos + 1) * bs])
-            if child is None:
-                break
-            m = _common_pages(child.tokens, tokens, pos * bs, bs)
-            if m < len(child.blocks):
-                child = self._split(child, m)
-            for tree_block, mine in zip(child.blocks, blocks[pos:pos + m]):
-                if tree_block != mine:
-                    duplicates.append(mine)
-            child.last_access = self._clock
-            node, pos = child, pos + m
+        node: RadixNode | None = ns_node
+        tree_blocks: list[int] = []
+        if ns_node is not None:
+            node, tree_blocks = self._walk(ns_node, tokens)
+        pos = len(tree_blocks)
+        duplicates = [mine for tree_block, mine in zip(tree_blocks, blocks) if tree_block != mine]
         new_blocks = list(blocks[pos:])
         for b in itertools.chain(duplicates, new_blocks):
             if b in self._tree_blocks:
@@ -343,9 +305,9 @@ class RadixCache:
             node = leaf
         if node is None or node is ns_node:
             node = self._root
-        return InsertResult(pos * bs, (n - pos) * bs, duplicates, node)
+        return InsertResult(pos * bs, (n - pos) * bs, duplicates, node, tree_blocks + new_blocks)
 
-    # --- eviction and invalidation -------------------------------------------------------
+    # --- eviction ------------------------------------------------------------------------
 
     def evict(self, num_blocks: int) -> int:
         """Free at least ``num_blocks`` blocks by evicting unlocked leaves, least recently
@@ -377,36 +339,6 @@ class RadixCache:
         """Evict everything that is not locked. Returns the blocks freed."""
         return self.evict(self._num_cached)
 
-    def invalidate_namespace(self, namespace: str) -> int:
-        """Forget ``namespace`` (its weights or salt changed; cache namespaces (docs/acceptance.md)).
-
-        Its unlocked nodes are dropped now; its locked ones stay with the requests that
-        use them but are unreachable by new matches, and are dropped when unlocked.
-        The namespace's epoch moves on, so ``insert(..., epoch=old)`` stores nothing.
-
-        Returns:
-            Blocks that went back to the pool's free list now.
-        """
-        self._epochs[namespace] = self.namespace_epoch(namespace) + 1
-        ns_node = self._root.children.pop(namespace, None)
-        if ns_node is None:
-            return 0
-        ns_node.parent = None
-        freed = 0
-        # Post-order: drop every unlocked node; locked nodes have only locked ancestors,
-        # so what remains is a (possibly empty) subtree hanging from ns_node.
-        stack: list[tuple[RadixNode, bool]] = [(ns_node, False)]
-        while stack:
-            n, seen = stack.pop()
-            if not seen:
-                stack.append((n, True))
-                stack.extend((c, False) for c in n.children.values())
-            elif n.lock_ref == 0:
-                freed += self._remove_leaf(n)
-        if not ns_node.removed:
-            self._detached.add(ns_node)
-        return freed
-
     # --- checks and debugging ------------------------------------------------------------
 
     def check_invariants(self) -> None:
@@ -423,21 +355,16 @@ class RadixCache:
         assert not root.tokens and not root.blocks and root.lock_ref == 0, "root must be empty"
         seen: set[int] = set()
         cached = locked = 0
-        tops = [(n, True) for n in root.children.values()] + [(n, False) for n in self._detached]
-        for top, live in tops:
+        for top in root.children.values():
             assert top.namespace is not None and not top.tokens and not top.blocks
             assert not top.removed, f"{top!r} is marked removed"
-            if live:
-                assert top.parent is root and root.children[top.namespace] is top
-                assert top.children or top.lock_ref > 0, f"empty namespace node {top!r}"
-            else:
-                assert top.parent is None and top.lock_ref > 0, f"unlocked detached {top!r}"
+            assert top.parent is root and root.children[top.namespace] is top
+            assert top.children or top.lock_ref > 0, f"empty namespace node {top!r}"
             stack = [top]
             while stack:
                 n = stack.pop()
                 assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), (
                     f"{n!r} lock_ref below its children's sum")
-                assert live or n.lock_ref > 0, f"unlocked node {n!r} left in an invalidated subtree"
                 for key, c in n.children.items():
                     assert c.parent is n and not c.removed, f"bad parent link at {c!r}"
                     assert c.namespace is None and c.blocks, f"{c!r} holds no blocks"
@@ -466,7 +393,7 @@ class RadixCache:
             for c in n.children.values():
                 walk(c, depth + 1)
 
-        for top in list(self._root.children.values()) + [d for d in self._detached]:
+        for top in self._root.children.values():
             walk(top, 1)
         return "\n".join(lines)
 
@@ -480,6 +407,32 @@ class RadixCache:
             path.append(n)
             n = n.parent
         return path
+
+    def _walk(self, ns_node: RadixNode, tokens: tuple[int, ...]) -> tuple[RadixNode, list[int]]:
+        """Follow ``tokens`` (whole pages) down from ``ns_node`` as far as the tree has them.
+
+        The one walk of ``match_prefix`` and ``insert``: an edge that the tokens leave
+        midway is split at that page boundary, so the returned node covers exactly the
+        matched pages; every node passed gets the current clock as its last access.
+
+        Returns:
+            (the deepest matched node, or ``ns_node`` when none; the tree's block ids of
+            the matched pages, in order).
+        """
+        bs = self.block_size
+        num_pages = len(tokens) // bs
+        node, pos, blocks = ns_node, 0, []
+        while pos < num_pages:
+            child = node.children.get(tokens[pos * bs:(pos + 1) * bs])
+            if child is None:
+                break
+            m = _common_pages(child.tokens, tokens, pos * bs, bs)
+            if m < len(child.blocks):
+                child = self._split(child, m)
+            blocks.extend(child.blocks)
+            child.last_access = self._clock
+            node, pos = child, pos + m
+        return node, blocks
 
     def _split(self, child: RadixNode, m: int) -> RadixNode:
         """Cut ``child``'s edge after ``m`` pages (0 < m < pages); returns the new upper node.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -93,15 +93,6 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not (0 <= self.logprobs <= 20)
         ):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature below ``GREEDY_EPS``)."""
-        return self.temperature < GREEDY_EPS
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of all fields."""
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:

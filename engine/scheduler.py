@@ -79,11 +79,6 @@ class ScheduledBatch:
         return sum(i.num_new for i in self.items)
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative integers."""
-    return -(-a // b)
-
-
 class Scheduler:
     """Owns the waiting queue and the running set, and every block a request holds.
 
@@ -138,7 +133,7 @@ class Scheduler:
 
     def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.block_table`` to cover ``num_tokens`` tokens; False if out of blocks."""
-        need = cdiv(num_tokens, self.config.block_size) - len(req.block_table)
+        need = blocks_needed(num_tokens, self.config.block_size) - len(req.block_table)
         if need <= 0:
             return True
         blocks = self._allocate(need)
@@ -155,18 +150,17 @@ class Scheduler:
         if not self.cache.enabled or n_full <= req.num_tree_blocks:
             return
         tokens = req.token_at(0, n_full * bs)
-        self.cache.insert(tokens, req.block_table[:n_full], req.namespace)
-        match = self.cache.match_prefix(tokens, req.namespace)
-        self.cache.lock(match.node)
+        inserted = self.cache.insert(tokens, req.block_table[:n_full], req.namespace)
+        self.cache.lock(inserted.node)
         if req.tree_node is not None:
             self.cache.unlock(req.tree_node)
-        req.tree_node = match.node
-        for i, b in enumerate(match.blocks):
+        req.tree_node = inserted.node
+        for i, b in enumerate(inserted.blocks):
             if b != req.block_table[i]:
                 self.pool.incref([b])
                 self.pool.decref([req.block_table[i]])
                 req.block_table[i] = b
-        req.num_tree_blocks = len(match.blocks)
+        req.num_tree_blocks = len(inserted.blocks)
 
     def _release(self, req: Request, cache_pages: bool) -> None:
         """Drop every block reference and tree lock the request holds."""
@@ -244,7 +238,7 @@ class Scheduler:
         # At least one token must be computed to get logits for the next sample.
         match = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1)
         num_new = min(len(tokens) - match.num_tokens, budget)
-        need = cdiv(match.num_tokens + num_new, bs) - len(match.blocks)
+        need = blocks_needed(match.num_tokens + num_new, bs) - len(match.blocks)
         self.cache.lock(match.node)  # protect the match from the eviction below
         blocks = self._allocate(need)
         if blocks is None:

@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     p.add_argument("--data-dir", type=Path, default=base.data_dir, help="data folder (DATA_DIR)")
     p.add_argument("--max-frame-bytes", type=int, default=base.limits.max_frame_bytes,
                    help="largest browser frame (LIMIT_MAX_FRAME_BYTES)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="what the gateway (and a local engine) log on stderr (default: %(default)s)")
     a = p.parse_args(_glue_engine_args(sys.argv[1:] if argv is None else argv))
     hard = max(base.limits.hard_frame_bytes, 4 * a.max_frame_bytes)
     cfg = base.with_overrides(
@@ -58,7 +59,6 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else base.allowed_origins,
         session_ttl_s=a.session_ttl if a.session_ttl and a.session_ttl > 0 else None,
         limits={"max_frame_bytes": a.max_frame_bytes, "hard_frame_bytes": hard})
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return cfg, a.log_level
 
 
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # uvicorn handles SIGTERM while serving, then re-raises it once it stopped: this
     # handler turns that (or one during start-up) into a clean exit through `finally`
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         local_redis = ensure_redis(cfg.redis_url, cfg.data_dir)
         if not cfg.engine_urls:
             print(f"Starting a local engine ({cfg.model or 'bundled SmolLM2-135M-Instruct'})...", flush=True)
-            engine = LocalEngine(model=cfg.model, extra_args=cfg.engine_args,
+            # the gateway's level first: a --log-level in --engine-args comes later and wins
+            engine = LocalEngine(model=cfg.model, extra_args=(f"--log-level={log_level}", *cfg.engine_args),
                                  echo=lambda line: print(f"[engine] {line}", flush=True))
             cfg = cfg.with_overrides(engine_urls=(engine.start(),))
             engine.supervise(say=lambda line: print(line, flush=True))

@@ -11,15 +11,11 @@ or, step by step::
     for m in middleware:
         app.add_middleware(m.cls, *m.args, **m.kwargs)
 
-The API key is ``api_key`` when given, else ``config.api_key`` once ``GatewayConfig``
-has that field, else the ``API_KEY`` environment variable read by ``api_key_from_env``
-(``python -m gateway`` should pass it); None or "" leaves the API open.
+The API key is ``api_key`` when given, else ``config.api_key`` (the ``API_KEY``
+environment variable of ``GatewayConfig``); None or "" leaves the API open.
 """
 
 from __future__ import annotations
-
-import os
-from collections.abc import Mapping
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -31,14 +27,6 @@ from gateway.events import GenerationEvents
 from gateway.metrics import GatewayMetrics, MetricsEvents, MetricsMiddleware, metrics_routes
 from gateway.openai_api import openai_routes
 
-API_KEY_ENV = "API_KEY"
-
-
-def api_key_from_env(env: Mapping[str, str] | None = None) -> str | None:
-    """The ``API_KEY`` environment variable, or None when unset or empty."""
-    value = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
-    return value or None
-
 
 def default_extras(config: GatewayConfig, api_key: str | None = None,
                    metrics: GatewayMetrics | None = None
@@ -46,7 +34,7 @@ def default_extras(config: GatewayConfig, api_key: str | None = None,
     """The routes (``/v1/chat/completions``, ``/v1/models``, ``/metrics``), event hooks
     and middleware to add to one app. Each call makes a fresh metrics registry unless
     ``metrics`` is given."""
-    key = api_key if api_key is not None else getattr(config, "api_key", None)
+    key = api_key if api_key is not None else config.api_key
     m = metrics if metrics is not None else GatewayMetrics()
     routes: list[BaseRoute] = [*openai_routes(key), *metrics_routes(m)]
     return routes, [MetricsEvents(m)], [Middleware(MetricsMiddleware, metrics=m)]

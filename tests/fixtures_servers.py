@@ -1,7 +1,11 @@
 """Server fixtures: real engines as subprocesses, and real gateways in a thread.
 
-* ``engine_url`` (session): ``python -m engine serve`` on the tiny random model
-  (``--num-blocks 512 --block-size 16``), HF_HUB_OFFLINE=1; yields its ``ws://`` URL.
+* ``tiny_engine`` (session): ``python -m engine serve`` on the tiny random model
+  (``--num-blocks 512 --block-size 16``), HF_HUB_OFFLINE=1, as a ``LocalEngine``;
+  ``engine_url`` (session) is its ``ws://`` URL.
+* ``engine_gate`` (function): an ``EngineGate`` (tests/engine_gate.py) in front of
+  ``tiny_engine``: point a gateway at ``engine_gate.url`` to pause and resume the engine
+  mid-reply. The engine is resumed when the test ends.
 * ``smollm2_engine_url`` (session): the same on the bundled SmolLM2 (no ``--model``).
 * ``gateway_factory`` (function): ``gateway_factory(engine_urls=None, **overrides)``
   starts the real gateway app (as ``python -m gateway`` builds it: with the OpenAI API
@@ -16,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,29 +37,60 @@ from gateway.config import GatewayConfig
 from gateway.extensions import create_app_with_extras
 from gateway.local import LocalEngine
 from gateway.serving import ThreadedServer
+from tests.engine_gate import EngineGate
 
 ENGINE_ARGS = ["--num-blocks", "512", "--block-size", "16"]
 
 
-def _start_engine(model: Path | None, extra: list[str]) -> Iterator[str]:
+@contextlib.contextmanager
+def _running_engine(model: Path | None, extra: list[str]) -> Iterator[LocalEngine]:
     engine = LocalEngine(model=str(model) if model else None, extra_args=extra, env={"HF_HUB_OFFLINE": "1"})
-    url = engine.start(timeout_s=600)
+    engine.start(timeout_s=600)
     try:
-        yield url
+        yield engine
     finally:
         engine.stop()
 
 
 @pytest.fixture(scope="session")
-def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    """A real engine on the tiny random Llama (512 blocks of 16 tokens)."""
-    yield from _start_engine(tiny_model_dir, ENGINE_ARGS + ["--threads", "1"])
+def tiny_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
+    """A real engine process on the tiny random Llama (512 blocks of 16 tokens)."""
+    with _running_engine(tiny_model_dir, ENGINE_ARGS + ["--threads", "1"]) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_engine: LocalEngine) -> str:
+    """The ``ws://`` URL of ``tiny_engine``."""
+    assert tiny_engine.url is not None
+    return tiny_engine.url
+
+
+def gate_in_front_of(engine: LocalEngine) -> EngineGate:
+    """A started ``EngineGate`` relaying to ``engine`` (whichever process it runs now);
+    ``close()`` it when done."""
+    assert engine.url is not None
+    gate = EngineGate(engine.url, lambda: engine.process.pid if engine.process is not None else None)
+    gate.start()
+    return gate
+
+
+@pytest.fixture
+def engine_gate(tiny_engine: LocalEngine) -> Iterator[EngineGate]:
+    """An ``EngineGate`` in front of the shared tiny engine (see the module doc)."""
+    gate = gate_in_front_of(tiny_engine)
+    try:
+        yield gate
+    finally:
+        gate.close()  # resumes the engine first: later tests share it
 
 
 @pytest.fixture(scope="session")
 def smollm2_engine_url() -> Iterator[str]:
     """A real engine on the bundled SmolLM2-135M-Instruct."""
-    yield from _start_engine(None, ENGINE_ARGS + ["--threads", "2"])
+    with _running_engine(None, ENGINE_ARGS + ["--threads", "2"]) as engine:
+        assert engine.url is not None
+        yield engine.url
 
 
 @dataclass

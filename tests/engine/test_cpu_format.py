@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu.ops import cpu_kernels
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError
 from engine.formats import resolve_format, resolved_config
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
@@ -38,7 +38,7 @@ def test_auto_picks_int8_float32_bfloat16_kv_on_the_cpu_kernels_and_float32_alon
     assert resolve_format(EngineConfig(device="cpu", quantization="none")).quantization is None
     gpu = resolve_format(EngineConfig(device="cuda"))
     assert (gpu.dtype, gpu.quantization, gpu.kv_cache_dtype, gpu.cpu_kernels) == ("bfloat16", None, "bfloat16", False)
-    with pytest.raises(InvalidRequestError, match="KV"):  # torch's ops need one dtype throughout
+    with pytest.raises(ConfigError, match="KV"):  # torch's ops need one dtype throughout
         resolve_format(EngineConfig(device="cpu", dtype="float32", quantization="none", kv_cache_dtype="bfloat16"))
     concrete, _ = resolved_config(EngineConfig(device="cpu"))
     assert (concrete.dtype, concrete.quantization, concrete.kv_cache_dtype) == ("float32", "int8", "bfloat16")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import loader
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import ConfigError, ModelLoadError
 from engine.kv_cache import KVCache, bytes_per_block, plan_kv_blocks
 from engine.loader import MARKER_FILE, ensure_default_model, load_model
 from tests.fixtures_models import TOKENIZER_FILES, tiny_engine_config
@@ -270,7 +270,7 @@ def test_kv_plan_fills_the_cpu_byte_budget(tiny_model_dir: Path) -> None:
     plan = plan_kv_blocks(cfg, engine_cfg, "cpu")
     assert plan.num_blocks == 10 and plan.total_bytes <= engine_cfg.kv_cache_bytes
     assert re.fullmatch(r"KV cache: 10 blocks x 16 tokens = 160 tokens, \d+\.\d\d GiB bfloat16", plan.describe())
-    with pytest.raises(InvalidRequestError, match="no block"):
+    with pytest.raises(ConfigError, match="no block"):
         plan_kv_blocks(cfg, EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16",
                                       kv_cache_bytes=per_block - 1), "cpu")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError
 from engine.loader import load_model
 from engine.models import quant
 from engine.models.quant import Int8Weight, quantize_int8
@@ -100,9 +100,9 @@ def test_int8_embedding_returns_the_dequantized_rows():
 
 
 def test_engine_config_refuses_an_unknown_quantization_and_float16_activations():
-    with pytest.raises(InvalidRequestError, match="quantization"):
+    with pytest.raises(ConfigError, match="quantization"):
         EngineConfig(quantization="int4", dtype="bfloat16")
-    with pytest.raises(InvalidRequestError, match="float16"):  # x @ Q^T could pass float16's range
+    with pytest.raises(ConfigError, match="float16"):  # x @ Q^T could pass float16's range
         EngineConfig(quantization="int8", dtype="float16")
     for dtype in ("bfloat16", "float32"):  # float32 activations run on the CPU kernels
         assert EngineConfig(quantization="int8", dtype=dtype).quantization == "int8"

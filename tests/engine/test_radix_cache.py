@@ -25,7 +25,6 @@ class Req:
     tokens: tuple[int, ...]
     node: RadixNode
     locked_pages: int  # pages covered by `node`
-    epoch: int
     blocks: list[int]  # one per page (last may be partial); the request holds a ref on each
 
 
@@ -37,13 +36,13 @@ def admit(cache: RadixCache, tokens, ns: str = "", cap_last: bool = True) -> Req
     pool.incref(m.blocks)
     need = blocks_needed(len(tokens), cache.block_size) - len(m.blocks)
     private = pool.allocate(need)
-    return Req(ns, tuple(tokens), m.node, len(m.blocks), m.epoch, list(m.blocks) + private)
+    return Req(ns, tuple(tokens), m.node, len(m.blocks), list(m.blocks) + private)
 
 
 def finish(cache: RadixCache, req: Req):
     """Insert the full pages, drop the request's own references, unlock."""
     n_full = len(req.tokens) // cache.block_size
-    res = cache.insert(req.tokens[: n_full * cache.block_size], req.blocks[:n_full], req.ns, epoch=req.epoch)
+    res = cache.insert(req.tokens[: n_full * cache.block_size], req.blocks[:n_full], req.ns)
     cache.pool.decref(req.blocks)
     cache.unlock(req.node)
     return res
@@ -253,35 +252,46 @@ def test_namespaces_never_share_blocks():
     cache.check_invariants()
 
 
-def test_invalidate_namespace_frees_unlocked_now_and_locked_on_unlock():
+def test_a_namespace_no_longer_used_ages_out_by_lru_and_its_locked_pages_stay():
+    # New weights get a new namespace (their weights id); the old one is never matched
+    # again, so its pages go by plain LRU eviction, and its node with its last page.
     pool = BlockPool(16)
     cache = RadixCache(pool, block_size=2)
-    finish(cache, admit(cache, [1, 1, 2, 2, 3, 3], ns="X", cap_last=False))
-    finish(cache, admit(cache, [8, 8, 9], ns="X", cap_last=False))
-    finish(cache, admit(cache, [1, 1, 2, 2], ns="Y", cap_last=False))
-    running = admit(cache, [1, 1, 2, 2, 5, 5], ns="X")  # locks [1 1 2 2]
+    finish(cache, admit(cache, [1, 1, 2, 2, 3, 3], ns="old", cap_last=False))
+    finish(cache, admit(cache, [8, 8, 9], ns="old", cap_last=False))
+    running = admit(cache, [1, 1, 2, 2, 5, 5], ns="old")  # still running on the old weights
     assert running.locked_pages == 2
-    free_before = pool.num_free
-    # Unlocked X nodes ([3 3] and [8 8]) go at once; the locked [1 1 2 2] stays held.
-    assert cache.invalidate_namespace("X") == 2
-    assert pool.num_free == free_before + 2
-    assert cache.match_prefix([1, 1, 2, 2], "X").num_tokens == 0
-    assert cache.match_prefix([1, 1, 2, 2], "Y").num_tokens == 4  # other namespaces untouched
+    finish(cache, admit(cache, [1, 1, 2, 2], ns="new", cap_last=False))
+    # The old namespace's unlocked pages ([3 3] and [8 8]) are the least recently used.
+    assert cache.evict(2) == 2
+    assert cache.match_prefix([1, 1, 2, 2], "new").num_tokens == 4
+    assert cache.match_prefix([8, 8], "old").num_tokens == 0
+    assert cache.evict(100) == 2  # only the new namespace's pages: the locked ones stay
     assert cache.num_locked_blocks == 2 and identity_holds(cache, [running])
-    with pytest.raises(RadixCacheError):
-        cache.lock(running.node)  # no new users of invalidated KV
     cache.check_invariants()
-    # A fresh request under the reloaded X computes and caches its own blocks.
-    fresh = admit(cache, [1, 1, 2, 2, 6], ns="X")
-    assert fresh.locked_pages == 0
-    finish(cache, fresh)
-    # The old request finishes: its stale KV is not stored, and its locked pages are freed.
-    res = finish(cache, running)
-    assert res.num_new_tokens == 0 and res.num_existing_tokens == 0
-    assert cache.match_prefix([1, 1, 2, 2, 5, 5], "X").blocks == fresh.blocks[:2]
-    cache.check_invariants()
-    cache.reset()
+    finish(cache, running)
+    assert cache.reset() == 3  # [1 1 2 2] and the finished request's [5 5]
+    assert "old" not in cache.pretty(), "an emptied namespace node is dropped with its last page"
     assert pool.num_free == 16 and cache.num_cached_blocks == 0
+    cache.check_invariants()
+
+
+def test_insert_returns_the_path_a_match_would_find():
+    pool = BlockPool(16)
+    cache = RadixCache(pool, block_size=2)
+    a = admit(cache, [1, 1, 2, 2, 3, 3], cap_last=False)
+    finish(cache, a)
+    b = admit(cache, [1, 1, 2, 2, 4, 4, 5], cap_last=False)  # [1 1 2 2] matched, the rest private
+    c = admit(cache, [1, 1, 2, 2, 4, 4, 6], cap_last=False)
+    finish(cache, b)
+    res = cache.insert(c.tokens[:6], c.blocks[:3])  # [4 4] is now the tree's (b's) page
+    assert res.blocks == a.blocks[:2] + b.blocks[2:3]
+    assert res.duplicate_blocks == c.blocks[2:3]
+    m = cache.match_prefix(c.tokens[:6])
+    assert (m.node, m.blocks) == (res.node, res.blocks)
+    cache.pool.decref(c.blocks)
+    cache.unlock(c.node)
+    cache.check_invariants()
 
 
 def test_max_tokens_caps_the_match_to_whole_blocks():
@@ -358,9 +368,9 @@ NAMESPACES = ("a", "b")
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random arrivals, finishes, aborts, mid-run inserts, evictions and invalidations,
-    checked against a flat reference: per namespace, a dict from every cached page-aligned
-    prefix to the block the tree stores for it, with a last-access stamp per prefix."""
+    """Random arrivals, finishes, aborts, mid-run inserts and evictions, checked against
+    a flat reference: per namespace, a dict from every cached page-aligned prefix to the
+    block the tree stores for it, with a last-access stamp per prefix."""
 
     @initialize(bs=st.sampled_from([1, 2, 4, 16]), total=st.integers(4, 48))
     def setup(self, bs, total):
@@ -390,12 +400,8 @@ class CacheMachine(RuleBasedStateMachine):
             pages += 1
         return pages, blocks
 
-    def _live(self, r: Req) -> bool:
-        return r.epoch == self.cache.namespace_epoch(r.ns)
-
     def _locked_prefixes(self) -> set[tuple[str, tuple[int, ...]]]:
-        return {(r.ns, r.tokens[: i * self.bs]) for r in self.running if self._live(r)
-                for i in range(1, r.locked_pages + 1)}
+        return {(r.ns, r.tokens[: i * self.bs]) for r in self.running for i in range(1, r.locked_pages + 1)}
 
     def _check_insert(self, ns, tokens, blocks, res):
         pages = len(blocks)
@@ -408,6 +414,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert res.duplicate_blocks == dups
         for i in range(existing, pages):
             self.ref[ns][tokens[: (i + 1) * self.bs]] = blocks[i]
+        assert res.blocks == [self.ref[ns][tokens[: (i + 1) * self.bs]] for i in range(pages)]
         self._touch(ns, tokens, pages)
 
     def _match(self, ns, tokens, cap):
@@ -415,7 +422,6 @@ class CacheMachine(RuleBasedStateMachine):
         pages, blocks = self._expected_match(ns, tokens, min(cap, len(tokens)))
         assert m.num_tokens == pages * self.bs, (m.num_tokens, pages, self.cache.pretty())
         assert m.blocks == blocks
-        assert m.epoch == self.cache.namespace_epoch(ns)
         if pages:
             self._touch(ns, tuple(tokens), pages)
         return m
@@ -475,7 +481,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.pool.decref(m.blocks)
             self.cache.unlock(m.node)
             return
-        req = Req(ns, tokens, m.node, len(m.blocks), m.epoch, list(m.blocks) + self.pool.allocate(need))
+        req = Req(ns, tokens, m.node, len(m.blocks), list(m.blocks) + self.pool.allocate(need))
         self.running.append(req)
 
     @precondition(lambda self: self.running)
@@ -484,9 +490,8 @@ class CacheMachine(RuleBasedStateMachine):
         req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
         n_full = len(req.tokens) // self.bs
         toks = req.tokens[: n_full * self.bs]
-        live = self._live(req)
-        res = self.cache.insert(toks, req.blocks[:n_full], req.ns, epoch=req.epoch)
-        if live and n_full:
+        res = self.cache.insert(toks, req.blocks[:n_full], req.ns)
+        if n_full:
             self._check_insert(req.ns, toks, req.blocks[:n_full], res)
         else:
             assert res.num_new_tokens == res.num_existing_tokens == 0 and res.node is self.cache.root
@@ -500,38 +505,28 @@ class CacheMachine(RuleBasedStateMachine):
         self.pool.decref(req.blocks)
         self.cache.unlock(req.node)
 
-    @precondition(lambda self: any(len(r.tokens) // self.bs > r.locked_pages and self._live(r) for r in self.running))
+    @precondition(lambda self: any(len(r.tokens) // self.bs > r.locked_pages for r in self.running))
     @rule(data=st.data())
     def insert_mid_run(self, data):
         """A long-running request caches what it has computed so far and adopts the tree's
         blocks for those pages (SGLang's "cache unfinished request")."""
         req = data.draw(st.sampled_from(
-            [r for r in self.running if len(r.tokens) // self.bs > r.locked_pages and self._live(r)]))
+            [r for r in self.running if len(r.tokens) // self.bs > r.locked_pages]))
         k = data.draw(st.integers(req.locked_pages + 1, len(req.tokens) // self.bs))
         toks = req.tokens[: k * self.bs]
-        res = self.cache.insert(toks, req.blocks[:k], req.ns, epoch=req.epoch)
-        self._check_insert(req.ns, toks, req.blocks[:k], res)
-        m = self._match(req.ns, toks, len(toks))
-        assert m.num_tokens == k * self.bs
-        self.cache.lock(m.node)
-        self.pool.incref(m.blocks)
+        res = self.cache.insert(toks, req.blocks[:k], req.ns)
+        self._check_insert(req.ns, toks, req.blocks[:k], res)  # res.blocks: the tree's pages
+        self.cache.lock(res.node)
+        self.pool.incref(res.blocks)
         self.cache.unlock(req.node)
         self.pool.decref(req.blocks[:k])
-        req.blocks[:k] = m.blocks
-        req.node, req.locked_pages = m.node, k
+        req.blocks[:k] = res.blocks
+        req.node, req.locked_pages = res.node, k
 
     @precondition(lambda self: self.cache.num_evictable_blocks > 0)
     @rule(k=st.integers(-1, 12))
     def evict(self, k):
         self._evict(k)
-
-    @rule(ns=st.sampled_from(NAMESPACES))
-    def invalidate(self, ns):
-        locked = self._locked_prefixes()
-        expect_freed = sum(1 for p in self.ref[ns] if (ns, p) not in locked)
-        assert self.cache.invalidate_namespace(ns) == expect_freed
-        self.ref[ns].clear()
-        self.stamp[ns].clear()
 
     # --- checks ---
 
@@ -545,9 +540,8 @@ class CacheMachine(RuleBasedStateMachine):
         live_locked_blocks = {self.ref[ns][p] for ns, p in self._locked_prefixes()}
         in_ref = sum(len(d) for d in self.ref.values())
         assert self.cache.num_evictable_blocks == in_ref - len(live_locked_blocks)
-        detached = {b for r in self.running if not self._live(r) for b in r.blocks[: r.locked_pages]}
-        assert self.cache.num_cached_blocks == in_ref + len(detached)
-        tree_blocks = {b for d in self.ref.values() for b in d.values()} | detached
+        assert self.cache.num_cached_blocks == in_ref
+        tree_blocks = {b for d in self.ref.values() for b in d.values()}
         for b in range(self.total):
             holders = sum(r.blocks.count(b) for r in self.running) + (b in tree_blocks)
             assert self.pool.refcount(b) == holders, f"block {b}: refcount {self.pool.refcount(b)} != {holders}"

@@ -128,9 +128,34 @@ def test_cli_generate_json_prints_text_tokens_usage_and_timings(tiny_model_dir):
                         "Hello", "--chat", "--max-tokens", "4", "--json", "--num-blocks", "64"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    (line,) = r.stdout.strip().splitlines()  # stdout holds the reply only; the engine logs on stderr
+    out = json.loads(line)
     assert set(out) >= {"text", "token_ids", "usage", "timings"}
     assert 1 <= len(out["token_ids"]) <= 4 == out["usage"]["completion_tokens"] or out["finish_reason"] == "stop"
+    assert " INFO engine.loader: " in r.stderr  # the default level says what it loaded
+
+
+def test_cli_log_level_warning_keeps_the_loading_lines_out(tiny_model_dir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "engine", "generate", "--log-level", "warning", "--model",
+                        str(tiny_model_dir), "--prompt", "Hello", "--max-tokens", "2", "--json", "--num-blocks", "64"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["usage"]["completion_tokens"] >= 1
+    assert "engine.loader" not in r.stderr and " INFO " not in r.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "expect"), [
+    (["serve", "--block-size", "0"], {}, "error (config_error): block_size must be >= 1"),
+    (["generate", "--prompt", "x", "--quantization", "int8", "--dtype", "float16"], {},
+     "error (config_error): int8 weights compute in bfloat16 or float32, not float16"),
+    (["serve"], {"ENGINE_PORT": "ninety"}, "error (config_error): bad environment variable ENGINE_PORT"),
+])
+def test_cli_bad_settings_are_one_line_config_errors(args, env, expect):
+    r = subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **env), timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith(expect) and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_cli_reports_unknown_model_path_clearly(tmp_path):
@@ -158,7 +183,7 @@ def test_cli_serve_on_a_taken_port_says_so_without_a_traceback(tiny_model_dir):
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert "cannot serve on 127.0.0.1" in err and "Traceback" not in err
-    assert "[loader]" not in err  # said before the model loads
+    assert "engine.loader" not in err  # said before the model loads
 
 
 async def test_ctrl_c_ends_live_requests_with_abort_and_the_server_exits(tiny_model_dir):

@@ -4,8 +4,11 @@ files (Docker itself does not run here)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,3 +59,40 @@ def test_dockerfile_builds_both_targets_and_they_match_compose():
     assert "ARG TORCH_INDEX_URL" in text and "HF_HUB_OFFLINE=1" in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".data" in ignored and ".git" in ignored
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_each_image_installs_its_extra_and_the_gateways_has_no_torch():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert not project["dependencies"], "every dependency belongs to the engine's or the gateway's extra"
+    assert "torch" in _names(extras["engine"])
+    assert not _names(extras["gateway"]) & {"torch", "transformers", "tokenizers", "safetensors", "gguf", "triton"}
+    text = (ROOT / "Dockerfile").read_text()
+    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", text, flags=re.M | re.S))
+    assert 'pip install -e ".[engine]"' in stages["engine"]
+    assert 'pip install -e ".[gateway]"' in stages["gateway"]
+    for name in _names(extras["engine"]) | _names(extras["gateway"]):  # no second list to keep in step
+        assert f'"{name}' not in text, f"the Dockerfile lists {name} again instead of using the extra"
+
+
+def test_the_gateway_imports_and_builds_its_app_without_torch():
+    # What the gateway's image lacks is made unimportable; every gateway module is imported
+    # and the app is built, so a stray `import torch` (or transformers...) anywhere fails here.
+    code = (
+        "import sys, importlib, pkgutil\n"
+        "for m in ('torch', 'transformers', 'tokenizers', 'safetensors', 'gguf', 'triton', 'numpy'):\n"
+        "    sys.modules[m] = None\n"
+        "import gateway\n"
+        "for m in pkgutil.iter_modules(gateway.__path__):\n"
+        "    importlib.import_module('gateway.' + m.name)\n"
+        "from gateway.config import GatewayConfig\n"
+        "from gateway.extensions import create_app_with_extras\n"
+        "create_app_with_extras(GatewayConfig())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

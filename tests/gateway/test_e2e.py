@@ -1,4 +1,8 @@
-"""The browser protocol end to end: real gateway, real Redis, real engine (tiny model)."""
+"""The browser protocol end to end: real gateway, real Redis, real engine (tiny model).
+
+Where a test acts while a reply runs (Stop, a dropped socket, a busy chat), the gateway
+reaches the engine through an ``EngineGate`` (tests/engine_gate.py) that pauses the
+engine at the right frame, so the reply is still running however fast the engine is."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import redis.asyncio as aioredis
 from websockets.exceptions import InvalidStatus
 
 from gateway.auth import UserIds
+from tests.engine_gate import of_type, text_delta
 from tests.gateway_helpers import Reply, chat, read_reply, recv, send, wait_for
 
 BLOCK = 16  # the engine fixture's --block-size
@@ -84,12 +89,18 @@ async def idle(gw) -> dict:
 
 
 @pytest.mark.parametrize("when", ["after_first_delta", "before_first_delta"])
-async def test_cancel_stops_the_engine_frees_its_blocks_and_stores_the_partial_reply(gateway_factory, when):
-    """Stop frees the engine (docs/acceptance.md): Stop aborts the engine request at once; only cache blocks stay."""
-    gw = gateway_factory()
+async def test_cancel_stops_the_engine_frees_its_blocks_and_stores_the_partial_reply(gateway_factory, engine_gate,
+                                                                                     when):
+    """Stop frees the engine (docs/acceptance.md): Stop aborts the engine request at once; only cache blocks stay.
+    The engine is paused from its first delta (or from before the request) until the abort reaches it."""
+    gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     before = await idle(gw)
     async with gw.connect(cookie) as ws:
+        if when == "after_first_delta":
+            engine_gate.pause_on(text_delta())
+        else:
+            engine_gate.pause()  # the abort reaches the engine with the request (during its tokenization)
         await send(ws, {"type": "chat", "content": "Write a 3,000-word story about a canal.",
                         "params": {"max_tokens": 1800, "temperature": 0, "ignore_eos": True}})
         cancelled = False
@@ -99,7 +110,10 @@ async def test_cancel_stops_the_engine_frees_its_blocks_and_stores_the_partial_r
             trigger = f["type"] == ("delta" if when == "after_first_delta" else "start")
             if trigger and not cancelled:
                 cancelled = True
+                await engine_gate.paused()
                 await send(ws, {"type": "cancel", "request_id": r.request_id})
+                await engine_gate.sent(of_type("abort", r.request_id))
+                engine_gate.resume()
 
         r = await read_reply(ws, on_frame=cancel_at)
     assert r.error is None and r.done["finish_reason"] == "abort"
@@ -114,22 +128,25 @@ async def test_cancel_stops_the_engine_frees_its_blocks_and_stores_the_partial_r
     assert reply["content"] == r.text and body["active"] is None
 
 
-async def test_dropped_socket_keeps_generating_and_resume_gets_every_delta_once(gateway_factory):
-    gw = gateway_factory()
+async def test_dropped_socket_keeps_generating_and_resume_gets_every_delta_once(gateway_factory, engine_gate):
+    gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as ws:
+        engine_gate.pause_on(text_delta())  # the reply is a few tokens in when the socket drops
         await send(ws, {"type": "chat", "content": "Count slowly.",
                         "params": {"max_tokens": 80, "temperature": 0, "ignore_eos": True}})
         first = await recv(ws)
         assert first["type"] == "start"
-        seen = [await recv(ws) for _ in range(3)]
-    assert [f["seq"] for f in seen] == [1, 2, 3]
+        seen = [await recv(ws)]
+        await engine_gate.paused()
+    assert [f["seq"] for f in seen] == [1]
+    engine_gate.resume()  # the rest is generated with no socket watching
     rid, sid = first["request_id"], first["session_id"]
     async with gw.connect(cookie) as ws2:
-        await send(ws2, {"type": "resume", "request_id": rid, "last_seq": 3})
+        await send(ws2, {"type": "resume", "request_id": rid, "last_seq": 1})
         rest = await read_reply(ws2, rid)
     assert rest.start["message_id"] == first["message_id"]
-    assert rest.seqs == list(range(4, 4 + len(rest.deltas)))  # exactly the rest, once
+    assert rest.deltas and rest.seqs == list(range(2, 2 + len(rest.deltas)))  # exactly the rest, once
     whole = "".join(f["text"] for f in seen) + rest.text
     body = await stored(gw, cookie, sid)
     assert body["messages"][-1]["content"] == whole and body["messages"][-1]["status"] == "complete"
@@ -222,18 +239,22 @@ async def test_handshake_without_allowed_origin_or_valid_cookie_is_refused_with_
         assert await recv(ws) == {"type": "pong"}
 
 
-async def test_second_request_on_a_busy_chat_gets_busy_and_two_tabs_lose_nothing(gateway_factory):
+async def test_second_request_on_a_busy_chat_gets_busy_and_two_tabs_lose_nothing(gateway_factory, engine_gate):
     """No lost writes (docs/acceptance.md) through the socket: both tabs send at once; one is told busy,
     retries, and every message and reply is stored in the order the tabs saw."""
-    gw = gateway_factory()
+    gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as a, gw.connect(cookie) as b:
         first = await chat(a, "start", max_tokens=4)
         sid = first.start["session_id"]
         frames = [{"type": "chat", "session_id": sid, "content": f"from {n}",
                    "params": {"max_tokens": 30, "temperature": 0, "ignore_eos": True}} for n in "ab"]
+        engine_gate.pause()  # the winner's reply cannot end before the other tab's frame is handled
         await asyncio.gather(send(a, frames[0]), send(b, frames[1]))
-        ra, rb = await asyncio.gather(read_reply(a), read_reply(b))
+        reads = [asyncio.create_task(read_reply(a)), asyncio.create_task(read_reply(b))]
+        await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)  # the loser's answer
+        engine_gate.resume()
+        ra, rb = await asyncio.gather(*reads)
         winner, loser, loser_ws, loser_frame = (ra, rb, b, frames[1]) if ra.start else (rb, ra, a, frames[0])
         assert winner.done is not None
         assert loser.error["code"] == "busy" and loser.error["session_id"] == sid
@@ -295,8 +316,8 @@ async def test_context_length_error_is_passed_on_and_the_chat_stays_usable(gatew
     assert [m["content"] for m in body["messages"]] == ["Short one.", ok.text, "Short two.", again.text]
 
 
-async def test_http_api_creates_reads_renames_and_deletes_chats(gateway_factory):
-    gw = gateway_factory()
+async def test_http_api_creates_reads_renames_and_deletes_chats(gateway_factory, engine_gate):
+    gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     async with gw.http(cookie) as c:
         r = await c.post("/api/sessions", json={"title": "Notes", "system_prompt": "Be terse.",
@@ -312,11 +333,13 @@ async def test_http_api_creates_reads_renames_and_deletes_chats(gateway_factory)
         r = await c.post("/api/sessions", content=b"x" * (2 << 20))
         assert r.status_code == 413
         async with gw.connect(cookie) as ws:
+            engine_gate.pause()  # the reply is still running when the chat is read
             await send(ws, {"type": "chat", "session_id": sid, "content": "go"})
             start = await recv(ws)
             mid = (await c.get(f"/api/sessions/{sid}")).json()
             assert mid["active"]["request_id"] == start["request_id"] and mid["active"]["last_seq"] >= 0
             assert [m["role"] for m in mid["messages"]] == ["user"]
+            engine_gate.resume()
             r = await read_reply(ws, start["request_id"], reply=Reply(start=start))
         assert r.done["usage"]["completion_tokens"] == 30  # the chat's stored params applied
         r = await c.patch(f"/api/sessions/{sid}", json={"title": "Renamed"})
@@ -389,21 +412,30 @@ async def test_keys_written_by_a_conversation_all_keep_the_configured_ttl(gatewa
         await client.aclose()
 
 
-async def test_a_reply_can_be_watched_and_stopped_from_another_gateway_replica(gateway_factory):
+async def test_a_reply_can_be_watched_and_stopped_from_another_gateway_replica(gateway_factory, engine_gate):
     """Replicas share Redis: a socket on gateway B resumes and cancels a reply that
-    gateway A is generating."""
+    gateway A is generating (the engine paused from its first delta until the abort)."""
     secret = "shared-secret-for-both-replicas"
-    gw_a, gw_b = gateway_factory(secret_key=secret), gateway_factory(secret_key=secret)
+    gw_a = gateway_factory(secret_key=secret, engine_urls=[engine_gate.url])
+    gw_b = gateway_factory(secret_key=secret, engine_urls=[engine_gate.url])
     cookie = gw_a.new_cookie()
     async with gw_a.connect(cookie) as a, gw_b.connect(cookie) as b:
+        engine_gate.pause_on(text_delta())
         await send(a, {"type": "chat", "content": "Go on.",
                        "params": {"max_tokens": 1800, "temperature": 0, "ignore_eos": True}})
         start = await recv(a)
         rid = start["request_id"]
         assert rid in gw_a.app.state.generations.running and not gw_b.app.state.generations.running
         await send(b, {"type": "resume", "request_id": rid, "last_seq": 0})
-        on_b = await read_reply(b, rid, on_frame=lambda f, r: send(b, {"type": "cancel", "request_id": rid})
-                                if f["type"] == "delta" and f["seq"] == 2 else None)
+
+        async def cancel_from_b(f, r):
+            if f["type"] == "delta" and f["seq"] == 1:
+                await engine_gate.paused()
+                await send(b, {"type": "cancel", "request_id": rid})
+                await engine_gate.sent(of_type("abort", rid))  # gateway A got it through Redis
+                engine_gate.resume()
+
+        on_b = await read_reply(b, rid, on_frame=cancel_from_b)
         on_a = await read_reply(a, rid, reply=Reply(start=start))
     assert on_b.done["finish_reason"] == on_a.done["finish_reason"] == "abort"
     assert on_b.text == on_a.text and on_b.seqs == list(range(1, len(on_b.deltas) + 1))
@@ -411,21 +443,35 @@ async def test_a_reply_can_be_watched_and_stopped_from_another_gateway_replica(g
     assert body["messages"][-1]["status"] == "partial" and body["messages"][-1]["content"] == on_a.text
 
 
-async def test_repeated_stops_leave_no_engine_blocks_locks_or_tasks_behind(gateway_factory, redis_url, key_prefix):
-    """stop frees the engine repeated: many start-then-stop cycles; afterwards the engine holds no blocks
-    for requests, the gateway runs no replies and no chat lock is left in Redis."""
-    gw = gateway_factory()
+async def test_repeated_stops_leave_no_engine_blocks_locks_or_tasks_behind(gateway_factory, engine_gate, redis_url,
+                                                                          key_prefix):
+    """stop frees the engine repeated: many start-then-stop cycles, stopped before the engine started
+    and after its first delta in turn; afterwards the engine holds no blocks for requests, the
+    gateway runs no replies and no chat lock is left in Redis."""
+    gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     before = await idle(gw)
     async with gw.connect(cookie) as ws:
         sids = []
         for i in range(20):  # a new chat each time, so partial replies never fill the context
+            mid_reply = i % 2 == 1
+            if mid_reply:
+                engine_gate.pause_on(text_delta())
+            else:
+                engine_gate.pause()
             await send(ws, {"type": "chat", "content": f"story {i}",
                             "params": {"max_tokens": 1000, "ignore_eos": True}})
             start = await recv(ws)
             sids.append(start["session_id"])
+            r = Reply(start=start)
+            if mid_reply:
+                r.deltas.append(await recv(ws))
+                assert r.deltas[0]["type"] == "delta", r.deltas
+            await engine_gate.paused()
             await send(ws, {"type": "cancel", "request_id": start["request_id"]})
-            r = await read_reply(ws, start["request_id"], reply=Reply(start=start))
+            await engine_gate.sent(of_type("abort", start["request_id"]))
+            engine_gate.resume()
+            r = await read_reply(ws, start["request_id"], reply=r)
             assert r.error is None and r.done["finish_reason"] == "abort", (r.error, r.others)
             # stopped within a few steps, even when the stop raced the engine's tokenization
             assert r.done["usage"]["completion_tokens"] < 150, r.done

@@ -9,7 +9,8 @@ import pytest
 
 from gateway.engines import EngineClient, EngineRouter
 from gateway.local import LocalEngine
-from tests.fixtures_servers import ENGINE_ARGS
+from tests.engine_gate import of_type, text_delta
+from tests.fixtures_servers import ENGINE_ARGS, gate_in_front_of
 from tests.gateway_helpers import read_reply, recv, send, wait_for
 
 
@@ -50,6 +51,31 @@ async def test_one_connection_multiplexes_many_requests_by_id(engine_url):
     assert not client.healthy
 
 
+async def test_the_engine_gate_holds_a_reply_still_until_resumed_and_relays_every_frame(engine_gate):
+    """The tests that act mid-reply rely on this: a paused engine sends nothing more (so a
+    reply cannot end behind the test's back), and resumed it goes on where it stopped."""
+    client = EngineClient(engine_gate.url)
+    await client.start()
+    try:
+        assert await client.wait_ready(30)
+        engine_gate.pause_on(of_type("delta", "r"))
+        req = await client.generate("r", [{"role": "user", "content": "Go on."}],
+                                    params={"max_tokens": 200, "temperature": 0, "ignore_eos": True})
+        await engine_gate.paused()
+        held = len(engine_gate.from_engine)
+        await asyncio.sleep(0.5)  # a running engine writes dozens of tokens in this time
+        assert len(engine_gate.from_engine) == held, "a paused engine sent more frames"
+        engine_gate.resume()
+        deltas, done = await drain(req)
+        assert done["type"] == "done" and done["usage"]["completion_tokens"] == 200
+        assert "".join(d["text"] for d in deltas) + done["text"] == done["output_text"]
+        assert [f for f in engine_gate.from_engine if f.get("request_id") == "r"] == deltas + [done]
+        assert engine_gate.wait_sent(of_type("generate", "r"))["params"]["max_tokens"] == 200
+        req.close()
+    finally:
+        await client.close()
+
+
 async def test_router_keeps_each_chat_on_its_engine_and_moves_only_the_dead_ones(engine_url):
     port = engine_url.rsplit(":", 1)[1]
     a, b = EngineClient(f"ws://127.0.0.1:{port}"), EngineClient(f"ws://localhost:{port}")
@@ -73,22 +99,25 @@ async def test_router_keeps_each_chat_on_its_engine_and_moves_only_the_dead_ones
 
 async def test_engine_dying_mid_reply_stores_what_was_shown_and_says_so(gateway_factory, tiny_model_dir):
     engine = LocalEngine(model=str(tiny_model_dir), extra_args=ENGINE_ARGS + ["--threads", "1"])
-    url = engine.start(timeout_s=600)
+    engine.start(timeout_s=600)
+    gate = gate_in_front_of(engine)
     try:
-        gw = gateway_factory(engine_urls=[url])
+        gw = gateway_factory(engine_urls=[gate.url])
         cookie = gw.new_cookie()
         async with gw.connect(cookie) as ws:
+            gate.pause_on(text_delta())  # it dies mid-reply, however fast it writes
             await send(ws, {"type": "chat", "content": "Go on and on.",
                             "params": {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}})
             killed = False
 
-            async def kill_after_three(f, r):
+            async def kill_after_the_first(f, r):
                 nonlocal killed
-                if f["type"] == "delta" and len(r.deltas) == 3 and not killed:
+                if f["type"] == "delta" and not killed:
                     killed = True
+                    await gate.paused()
                     engine.process.kill()
 
-            r = await read_reply(ws, on_frame=kill_after_three)
+            r = await read_reply(ws, on_frame=kill_after_the_first)
             assert r.done["finish_reason"] == "error" and r.done["error"]["code"] == "engine_unavailable"
             await send(ws, {"type": "chat", "content": "again?", "session_id": r.start["session_id"]})
             err = await recv(ws)
@@ -100,6 +129,7 @@ async def test_engine_dying_mid_reply_stores_what_was_shown_and_says_so(gateway_
         assert (reply["status"], reply["finish_reason"], reply["content"]) == ("partial", "error", r.text)
         assert [m["role"] for m in body["messages"]] == ["user", "assistant"] and body["active"] is None
     finally:
+        gate.close()
         engine.stop()
 
 

@@ -12,6 +12,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway.auth import COOKIE_NAME
+from tests.engine_gate import of_type
 from tests.gateway_helpers import chat, masked_frame, raw_ws_connect, read_reply, recv, send, wait_for
 
 MIB = 1 << 20
@@ -60,10 +61,12 @@ async def test_frame_sizes_follow_the_documented_limit_and_the_chat_continues(ga
     assert [m["content"] for m in body["messages"]] == ["first", first.text, "after", after.text]
 
 
-async def test_a_huge_message_does_not_stall_other_sockets_pings_or_streams(gateway_factory):
+async def test_a_huge_message_does_not_stall_other_sockets_pings_or_streams(gateway_factory, engine_gate):
     """the event loop is never blocked: while a ~4 MiB message is decoded, stored and tokenized, other sockets'
-    pings are answered and their replies keep streaming (order of events, not times)."""
-    gw = gateway_factory(limits={"max_generations_per_user": 8})
+    pings are answered and their replies keep streaming (order of events, not times). The two
+    replies reach the gateway at most one engine frame per 20 ms, so they are still streaming
+    when the big message is handled, however fast the engine writes them."""
+    gw = gateway_factory(limits={"max_generations_per_user": 8}, engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     phase = {"big_sent": False, "big_done": False}
     during = {"pongs": 0, "b": 0, "c": 0}
@@ -74,6 +77,7 @@ async def test_a_huge_message_does_not_stall_other_sockets_pings_or_streams(gate
                             "params": {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}})
         starts = [await recv(b), await recv(c)]
         assert all(s["type"] == "start" for s in starts)
+        engine_gate.throttle(0.02, [s["request_id"] for s in starts])
 
         async def stream(ws, name: str) -> None:
             while not phase["big_done"]:
@@ -102,6 +106,8 @@ async def test_a_huge_message_does_not_stall_other_sockets_pings_or_streams(gate
         await asyncio.gather(big(), pinger(), stream(b, "b"), stream(c, "c"))
         for s in starts:
             await send(a, {"type": "cancel", "request_id": s["request_id"]})
+            await engine_gate.sent(of_type("abort", s["request_id"]))
+        engine_gate.resume()  # what the relay held back passes at once
         await asyncio.gather(read_reply(b, starts[0]["request_id"]), read_reply(c, starts[1]["request_id"]))
     assert during["pongs"] >= 1, during
     assert during["b"] >= 1 and during["c"] >= 1, during
@@ -154,17 +160,20 @@ async def test_a_client_that_stops_reading_is_bounded_closed_and_its_reply_still
         sock.close()
 
 
-async def test_per_user_limits_answer_with_their_codes(gateway_factory):
+async def test_per_user_limits_answer_with_their_codes(gateway_factory, engine_gate):
     gw = gateway_factory(limits={"max_messages_per_minute": 4, "max_generations_per_user": 1,
-                                 "max_sessions_per_user": 2})
+                                 "max_sessions_per_user": 2}, engine_urls=[engine_gate.url])
     cookie, other = gw.new_cookie(), gw.new_cookie()
     async with gw.connect(cookie) as a, gw.connect(cookie) as b:
+        engine_gate.pause()  # the first reply is still running when the second chat asks
         await send(a, {"type": "chat", "content": "long", "params": {"max_tokens": 400, "ignore_eos": True}})
         start = await recv(a)
         await send(b, {"type": "chat", "content": "second chat at once"})  # message 2
         err = await recv(b)
         assert err["code"] == "too_many_generations"
         await send(a, {"type": "cancel", "request_id": start["request_id"]})
+        await engine_gate.sent(of_type("abort", start["request_id"]))
+        engine_gate.resume()
         done = await read_reply(a, start["request_id"])
         assert done.done["finish_reason"] == "abort"
         r = await chat(b, "now it fits", max_tokens=2)  # message 3, chat 2

@@ -174,22 +174,27 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
 async def test_a_killed_local_engine_is_restarted_on_the_same_port_and_chats_work_again(tiny_model_dir,
                                                                                          gateway_factory):
     from gateway.local import LocalEngine
+    from tests.engine_gate import text_delta
+    from tests.fixtures_servers import gate_in_front_of
     from tests.gateway_helpers import chat, read_reply, send
 
     said: list[str] = []
     engine = LocalEngine(model=str(tiny_model_dir), extra_args=["--num-blocks", "256", "--threads", "1"])
     url = engine.start()
     engine.supervise(say=said.append, backoff_s=(0.2, 2.0))
+    gate = gate_in_front_of(engine)  # relays to whichever engine process listens at url
     try:
-        gw = gateway_factory(engine_urls=[url])
+        gw = gateway_factory(engine_urls=[gate.url])
         cookie = gw.new_cookie()
         async with gw.connect(cookie) as ws:
+            gate.pause_on(text_delta())  # killed mid-reply, however fast it writes
             await send(ws, {"type": "chat", "content": "Go on and on.",
                             "params": {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}})
             first_pid = engine.process.pid
 
-            def kill_on_first_delta(frame, reply):
+            async def kill_on_first_delta(frame, reply):
                 if frame["type"] == "delta" and engine.process.pid == first_pid and engine.process.poll() is None:
+                    await gate.paused()
                     os.kill(first_pid, signal.SIGKILL)
 
             cut = await read_reply(ws, on_frame=kill_on_first_delta)
@@ -208,6 +213,7 @@ async def test_a_killed_local_engine_is_restarted_on_the_same_port_and_chats_wor
         assert msgs[1]["status"] == "partial" and msgs[1]["error"]["code"] == "engine_unavailable"
         assert msgs[1]["content"] == cut.text
     finally:
+        gate.close()
         engine.stop()
     assert wait_until(lambda: not port_open(int(url.rsplit(":", 1)[1])), 20)  # stop() stops supervising
 

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.auth import COOKIE_NAME
 from gateway.openai_api import key_user_id
+from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import RunningGateway
 from tests.gateway_helpers import openai_client as client
 
@@ -276,6 +277,8 @@ def test_an_api_key_is_required_when_configured(api_gateway):
 
 
 # ---- a dropped client aborts (stop frees the engine) ----------------------------------------------
+# The engine is paused at its first delta until the abort that the drop causes reaches it
+# (tests/engine_gate.py): the reply cannot end before the client goes, however fast it is.
 
 
 def assert_aborted_and_freed(gw: RunningGateway, before: dict[str, Any], max_tokens: int) -> None:
@@ -287,29 +290,33 @@ def assert_aborted_and_freed(gw: RunningGateway, before: dict[str, Any], max_tok
     assert after["completion_tokens_total"] - before["completion_tokens_total"] < max_tokens
 
 
-def test_a_dropped_streaming_client_aborts_the_engine_request_and_frees_its_blocks(api_gateway):
-    gw = api_gateway()
+def test_a_dropped_streaming_client_aborts_the_engine_request_and_frees_its_blocks(api_gateway, engine_gate):
+    gw = api_gateway(engine_urls=[engine_gate.url])
     oa = client(gw)
     before = idle_stats(gw)
     max_tokens = 1900
+    engine_gate.pause_on(text_delta())
     stream = oa.chat.completions.create(model="default", messages=QUESTION, max_tokens=max_tokens, stream=True,
                                         extra_body={"ignore_eos": True})
-    seen = 0
     for chunk in stream:
-        seen += bool(chunk.choices and chunk.choices[0].delta.content)
-        if seen >= 2:
+        if chunk.choices and chunk.choices[0].delta.content:
             break
     stream.close()  # drops the connection mid-reply
+    engine_gate.wait_sent(of_type("abort"))
+    engine_gate.resume()
     assert_aborted_and_freed(gw, before, max_tokens)
 
 
-def test_a_dropped_non_streaming_client_aborts_too(api_gateway):
-    gw = api_gateway()
+def test_a_dropped_non_streaming_client_aborts_too(api_gateway, engine_gate):
+    gw = api_gateway(engine_urls=[engine_gate.url])
     before = idle_stats(gw)
     max_tokens = 1900
     body = {"model": "default", "messages": QUESTION, "max_tokens": max_tokens, "ignore_eos": True}
+    engine_gate.pause_on(text_delta())
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{gw.base_url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    engine_gate.wait_sent(of_type("abort"))
+    engine_gate.resume()
     assert_aborted_and_freed(gw, before, max_tokens)
 
 
@@ -429,20 +436,23 @@ def test_an_idempotency_key_makes_a_linked_retry_reattach_to_the_same_turn(api_g
     assert [m["role"] for m in chat_messages(gw, cookie, sid)] == ["user", "assistant"]
 
 
-def test_a_dropped_linked_stream_stops_the_reply_and_stores_it_as_partial(api_gateway):
-    gw = api_gateway()
+def test_a_dropped_linked_stream_stops_the_reply_and_stores_it_as_partial(api_gateway, engine_gate):
+    gw = api_gateway(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     sid = new_chat(gw, cookie)
     before = idle_stats(gw)
     oa = client(gw, default_headers={"Cookie": f"{COOKIE_NAME}={cookie}", "X-Chat-Session": sid})
+    engine_gate.pause_on(text_delta())  # mid-reply when the client drops (see above)
     stream = oa.chat.completions.create(model="default", messages=QUESTION, max_tokens=1900, stream=True,
                                         extra_body={"ignore_eos": True})
     got = ""
     for chunk in stream:
         got += (chunk.choices[0].delta.content or "") if chunk.choices else ""
-        if len(got) > 10:
+        if got:
             break
     stream.close()
+    engine_gate.wait_sent(of_type("abort"))
+    engine_gate.resume()
     assert_aborted_and_freed(gw, before, 1900)
     deadline = time.monotonic() + 30
     while len(chat_messages(gw, cookie, sid)) < 2:

@@ -1,12 +1,15 @@
 """Failures a user hit from a fresh clone, each reproduced with real parts: Redis
 killed mid-reply (a private redis-server), the chat's max_tokens set to the whole
-context, and a second tab on the same chat. Real gateway, real engine (tiny model)."""
+context, and a second tab on the same chat. Real gateway, real engine (tiny model);
+where a test acts while a reply runs, the engine is paused through an ``EngineGate``
+(tests/engine_gate.py), so the reply is still running however fast the engine is."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from tests.engine_gate import of_type, text_delta
 from tests.gateway_helpers import chat, read_reply, recv, send, wait_for
 
 
@@ -18,19 +21,22 @@ async def session_body(gw, cookie: str, sid: str) -> dict:
 
 
 async def test_redis_killed_mid_reply_keeps_the_reply_and_stores_it_once_when_redis_returns(
-        gateway_factory, private_redis, caplog):
+        gateway_factory, engine_gate, private_redis, caplog):
     caplog.set_level(logging.WARNING, logger="gateway")
-    gw = gateway_factory(redis_url=private_redis.url)
+    gw = gateway_factory(redis_url=private_redis.url, engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as ws:
+        engine_gate.pause_on(text_delta())  # the rest of the reply waits for Redis to go
         await send(ws, {"type": "chat", "content": "Tell me a long story.",
                         "params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
         killed: list[bool] = []
 
         async def kill_after_first_delta(frame, reply):
             if frame["type"] == "delta" and not killed:
+                await engine_gate.paused()
                 private_redis.kill()
                 killed.append(True)
+                engine_gate.resume()
                 await asyncio.sleep(3.0)  # the reply goes on (or ends) while Redis is away
                 private_redis.start()
 
@@ -53,21 +59,27 @@ async def test_redis_killed_mid_reply_keeps_the_reply_and_stores_it_once_when_re
     assert len(listener) <= 1, [rec.getMessage() for rec in listener]  # no per-second log spam
 
 
-async def test_a_reply_finished_while_redis_is_down_is_stored_after_it_returns(gateway_factory, private_redis):
-    gw = gateway_factory(redis_url=private_redis.url)
+async def test_a_reply_finished_while_redis_is_down_is_stored_after_it_returns(gateway_factory, engine_gate,
+                                                                              private_redis):
+    gw = gateway_factory(redis_url=private_redis.url, engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as ws:
         first = await chat(ws, "Hello.", max_tokens=4)
         sid = first.start["session_id"]
+        engine_gate.pause()  # the reply cannot be written (let alone stored) before Redis goes
         await send(ws, {"type": "chat", "session_id": sid, "content": "More please.",
                         "params": {"temperature": 0, "max_tokens": 40, "ignore_eos": True}})
         start = await recv(ws)
         assert start["type"] == "start"
+        await engine_gate.sent(of_type("generate", start["request_id"]))  # the chat was read from Redis
         private_redis.kill()
+        engine_gate.resume()
         gens = gw.app.state.generations
-        # the engine finishes the reply while Redis is down; the task waits to store it
-        await wait_for(lambda: all(t.request is not None and t.request.queue.empty() and t.output_ids
-                                   for t in gens.running.values()), timeout=60)
+        turn = gens.running[start["request_id"]]
+        # the engine finishes the reply while Redis is down; the task takes it all and waits to store it
+        await wait_for(lambda: any(of_type("done", start["request_id"])(f) for f in engine_gate.from_engine)
+                       and turn.request is not None and turn.request.queue.empty() and len(turn.output_ids) == 40,
+                       timeout=60)
         await asyncio.sleep(1.0)
         assert start["request_id"] in gens.running  # kept in memory, not dropped
         private_redis.start()
@@ -118,19 +130,22 @@ async def test_a_refused_first_message_leaves_no_title_from_the_rejected_text(ga
     assert body["messages"] == [] and body["title"] == ""
 
 
-async def test_renaming_a_new_chat_while_its_first_reply_streams_is_not_undone(gateway_factory):
-    gw = gateway_factory()
+async def test_renaming_a_new_chat_while_its_first_reply_streams_is_not_undone(gateway_factory, engine_gate):
+    gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as ws:
+        engine_gate.pause_on(text_delta())  # still streaming when the rename lands
         await send(ws, {"type": "chat", "content": "First words",
                         "params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
         renamed: list[int] = []
 
         async def rename_once(frame, reply):
             if frame["type"] == "delta" and not renamed:
+                await engine_gate.paused()
                 async with gw.http(cookie) as c:
                     res = await c.patch(f"/api/sessions/{frame_sid(reply)}", json={"title": "My name"})
                     renamed.append(res.status_code)
+                engine_gate.resume()
 
         r = await read_reply(ws, on_frame=rename_once)
     assert renamed == [200] and r.done is not None

@@ -8,6 +8,11 @@ rename and delete, the 390 px layout, clear messages when a chat is busy, the en
 is down or Redis is unreachable, and model output holding markup shown as text
 (nothing runs). Screenshots go to artifacts/screenshots/ (ignored by git).
 
+The gateway reaches the engine through an ``EngineGate`` (tests/engine_gate.py): flows
+that act mid-reply pause the engine at its first text and resume it once the page did
+what it tests, so the reply is still streaming when the page acts, however fast the
+engine writes.
+
 Chromium comes from ``apt-get install chromium``; Playwright's own browser download
 does not work on these machines.
 """
@@ -24,6 +29,8 @@ import pytest
 import redis
 from playwright.sync_api import Browser, Page, WebSocketRoute, sync_playwright
 
+from tests.engine_gate import EngineGate, of_type, text_delta
+
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -33,9 +40,8 @@ SHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 
-# Short replies for flows that wait for the end; long ones (stopped by the test, and
-# clamped by the gateway to the tiny model's 2048-token context) for flows that act
-# mid-stream: at the tiny model's speed they run for seconds after their first text.
+# Short replies for flows that wait for the end; long ones (stopped by the test) for flows
+# that act mid-stream, which pause the engine, so a reply cannot end while the page acts.
 # ignore_eos keeps a random model from ending a reply before the test looks at it.
 SHORT = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_tokens": 1900, "temperature": 0.0, "ignore_eos": True}
@@ -63,9 +69,17 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture
-def gateway(gateway_factory: Callable[..., Any]) -> Any:
-    """The real gateway on the tiny engine and this test's Redis key prefix."""
-    return gateway_factory()
+def gateway(gateway_factory: Callable[..., Any], engine_gate: EngineGate) -> Any:
+    """The real gateway on the tiny engine (through ``engine_gate``) and this test's
+    Redis key prefix."""
+    return gateway_factory(engine_urls=[engine_gate.url])
+
+
+def stop_and_resume(page: Page, gate: EngineGate) -> None:
+    """Press Stop while the engine is paused; resume it once the abort reached it."""
+    page.click("#stop")
+    gate.wait_sent(of_type("abort"))
+    gate.resume()
 
 
 class PageWatch:
@@ -194,7 +208,8 @@ def assert_nothing_ran(page: Page, watch: PageWatch) -> None:
 # ---- tests ------------------------------------------------------------------------
 
 
-def test_reply_streams_in_and_history_returns_after_reload(new_page: Callable[..., Page]) -> None:
+def test_reply_streams_in_and_history_returns_after_reload(new_page: Callable[..., Page],
+                                                          engine_gate: EngineGate) -> None:
     page = new_page()
     open_chat(page)
     # settings of a chat not sent yet travel with its creation
@@ -204,8 +219,8 @@ def test_reply_streams_in_and_history_returns_after_reload(new_page: Callable[..
     page.click("#settings-dialog .save")
     page.wait_for_selector("#settings-dialog", state="hidden")
     # What the page showed at each change while the reply streamed: its length and
-    # whether Stop was offered. Recorded by the page itself, so the checks below hold
-    # however fast the engine writes (a fast reply may be over before the test looks).
+    # whether Stop was offered. Recorded by the page itself; the engine pauses twice
+    # mid-reply, so the page shows it at two lengths at least however fast it writes.
     page.evaluate("""() => {
         window.__frames = [];
         const stop = document.getElementById('stop');
@@ -216,9 +231,16 @@ def test_reply_streams_in_and_history_returns_after_reload(new_page: Callable[..
         }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
     }""")
 
+    engine_gate.pause_on(text_delta())
     send(page, "Tell me about lighthouses")
     assert page.input_value("#input") == ""
     page.wait_for_selector(".msg.user >> text=Tell me about lighthouses")
+    engine_gate.wait_paused()
+    shown = wait_streaming_text(page, 0)
+    engine_gate.resume(pause_on=text_delta())
+    engine_gate.wait_paused()
+    wait_streaming_text(page, shown)
+    engine_gate.resume()
     wait_finished(page)
 
     final = last_reply_text(page)
@@ -254,15 +276,16 @@ def test_reply_streams_in_and_history_returns_after_reload(new_page: Callable[..
     shot(page, "desktop-dark-reply")
 
 
-def test_stop_keeps_the_partial_reply_with_a_badge(new_page: Callable[..., Page]) -> None:
+def test_stop_keeps_the_partial_reply_with_a_badge(new_page: Callable[..., Page], engine_gate: EngineGate) -> None:
     page = new_page()
     sid = create_chat(page, LONG)
     open_chat(page, sid)
+    engine_gate.pause_on(text_delta())
     send(page, "Write a very long story about a canal.")
-    wait_streaming_text(page, 10)
+    wait_streaming_text(page, 0)
     assert page.is_visible("#stop") and page.is_hidden("#send")
 
-    page.click("#stop")
+    stop_and_resume(page, engine_gate)
     page.wait_for_selector(".msg.assistant .badge-partial", timeout=WAIT_MS)
     assert page.locator(".badge-partial").text_content() == "partial"
     assert page.is_hidden("#stop") and page.is_visible("#send")
@@ -280,27 +303,31 @@ def test_stop_keeps_the_partial_reply_with_a_badge(new_page: Callable[..., Page]
     shot(page, "desktop-light-stopped")
 
 
-def test_reply_in_progress_continues_after_reload(new_page: Callable[..., Page]) -> None:
+def test_reply_in_progress_continues_after_reload(new_page: Callable[..., Page], engine_gate: EngineGate) -> None:
     page = new_page()
     sid = create_chat(page, LONG)
     open_chat(page, sid)
+    engine_gate.pause_on(text_delta())
     send(page, "Count slowly to a thousand.")
-    wait_streaming_text(page, 10)
+    wait_streaming_text(page, 0)
 
     page.reload()
     page.wait_for_selector("body[data-connection=open]")
     first = wait_streaming_text(page, 0)  # re-attached: resumed from seq 0
+    engine_gate.resume(pause_on=text_delta())
+    engine_gate.wait_paused()
     wait_streaming_text(page, first)  # and it keeps growing
     assert page.is_visible("#stop")
     assert page.locator(".msg.user").count() == 1 and page.locator(".msg.assistant").count() == 1
 
-    page.click("#stop")
+    stop_and_resume(page, engine_gate)
     page.wait_for_selector(".msg.assistant .badge-partial", timeout=WAIT_MS)
     stored = get_chat(page, sid)["messages"][-1]["content"]
     assert rendered_text(page, stored) == last_reply_text(page)  # every delta exactly once
 
 
-def test_dropped_socket_reconnects_and_resumes_from_last_seq(new_page: Callable[..., Page]) -> None:
+def test_dropped_socket_reconnects_and_resumes_from_last_seq(new_page: Callable[..., Page],
+                                                            engine_gate: EngineGate) -> None:
     page = new_page()
     sockets: list[WebSocketRoute] = []
     servers: list[Any] = []
@@ -326,8 +353,9 @@ def test_dropped_socket_reconnects_and_resumes_from_last_seq(new_page: Callable[
         new MutationObserver(() => { if (!banner.hidden) window.__bannerSeen = true; })
             .observe(banner, {attributes: true});
     }""")
+    engine_gate.pause_on(text_delta())
     send(page, "Tell me everything about rivers.")
-    before = wait_streaming_text(page, 10)
+    before = wait_streaming_text(page, 0)
 
     sockets[0].close(code=4000, reason="test drop")
     servers[0].close()
@@ -335,11 +363,13 @@ def test_dropped_socket_reconnects_and_resumes_from_last_seq(new_page: Callable[
     page.wait_for_function("() => document.body.dataset.connection === 'open'", timeout=WAIT_MS)
     assert len(sockets) >= 2
     page.wait_for_selector("#conn-banner", state="hidden")
+    engine_gate.resume(pause_on=text_delta())
+    engine_gate.wait_paused()
     wait_streaming_text(page, before)  # the same reply goes on after the reconnect
 
     resumes = [f for f in sent if f["type"] == "resume"]
     assert resumes and all(f["last_seq"] > 0 for f in resumes), sent  # from where it was, not from 0
-    page.click("#stop")
+    stop_and_resume(page, engine_gate)
     page.wait_for_selector(".msg.assistant .badge-partial", timeout=WAIT_MS)
     stored = get_chat(page, sid)["messages"][-1]["content"]
     assert rendered_text(page, stored) == last_reply_text(page)  # nothing lost, nothing doubled
@@ -522,15 +552,16 @@ def test_markup_in_a_stored_reply_shows_as_text_after_reload(
 
 
 def test_second_tab_sending_to_a_busy_chat_gets_a_clear_message(
-        browser: Browser, gateway: Any, watch: PageWatch) -> None:
+        browser: Browser, gateway: Any, watch: PageWatch, engine_gate: EngineGate) -> None:
     context = browser.new_context(base_url=gateway.base_url, viewport=DESKTOP)
     try:
         a, b = watch.attach(context.new_page()), watch.attach(context.new_page())
         sid = create_chat(a, LONG)
         open_chat(a, sid)
         open_chat(b, sid)
+        engine_gate.pause_on(text_delta())  # the chat stays busy while tab b tries
         send(a, "Write a long poem.")
-        wait_streaming_text(a, 5)
+        wait_streaming_text(a, 0)
 
         send(b, "Hello from the other tab")
         b.wait_for_selector("#notice:not([hidden])", timeout=WAIT_MS)
@@ -543,7 +574,7 @@ def test_second_tab_sending_to_a_busy_chat_gets_a_clear_message(
         assert b.locator(".msg.user", has_text="Hello from the other tab").count() == 0
         shot(b, "desktop-light-busy")
 
-        a.click("#stop")
+        stop_and_resume(a, engine_gate)
         a.wait_for_selector(".msg.assistant .badge-partial", timeout=WAIT_MS)
         assert watch.errors == []
     finally:
