@@ -37,6 +37,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only int8 with one scale per output row, or none (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache element type (default: %(default)s: bfloat16 on the CPU kernels, else the dtype)")
+    p.add_argument("--speculative", default=d.speculative, choices=["auto", "ngram", "off"],
+                   help="speculative decoding by prompt lookup: drafts from the request's own tokens, verified "
+                        "in the decode step; never changes the output (default: %(default)s: on for the CPU)")
+    p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens,
+                   help="most draft tokens verified per request per step (default: %(default)s)")
+    p.add_argument("--spec-ngram", default=f"{d.spec_ngram_min},{d.spec_ngram_max}", metavar="MIN,MAX",
+                   help="n-gram sizes looked up, longest first (default: %(default)s)")
+    p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch,
+                   help="speculate only while at most this many requests decode at once (default: %(default)s)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="run torch's ops instead of the engine's CPU kernels (slower; for comparisons)")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
@@ -60,7 +69,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """Build the EngineConfig from parsed arguments (validated on construction)."""
+    """Build the EngineConfig from parsed arguments (validated on construction).
+
+    Raises:
+        ConfigError: a bad setting, including ``--spec-ngram`` not of the form MIN,MAX.
+    """
+    try:
+        ngram = [int(x) for x in a.spec_ngram.split(",")]
+        if len(ngram) not in (1, 2):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--spec-ngram must be MIN,MAX (two integers), got {a.spec_ngram!r}") from None
     return EngineConfig(
         model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size, num_blocks=a.num_blocks,
         kv_cache_bytes=int(a.kv_cache_gib * 2**30), gpu_memory_fraction=a.gpu_memory_fraction,
@@ -69,6 +88,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs, threads=a.threads, seed=a.engine_seed,
         quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=not a.no_cpu_kernels,
+        speculative=a.speculative, num_draft_tokens=a.num_draft_tokens, spec_ngram_min=ngram[0],
+        spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch,
     )
 
 

@@ -215,7 +215,7 @@ class EngineCore:
             req.spec_drafts = []
             if not small or not req.spec.wants_drafts(config):
                 continue
-            room = min(config.num_draft_tokens, req.params.max_tokens - len(req.output_ids) - 1,
+            room = min(req.spec.draft_budget(config), req.params.max_tokens - len(req.output_ids) - 1,
                        self.max_model_len - req.num_tokens)
             if room <= 0:
                 continue

@@ -1,35 +1,34 @@
-"""Weight-only int8 quantization: int8 weights with one scale per output row, bfloat16
-activations (float16 is refused by ``EngineConfig``: the integer-valued matmul below
-could exceed float16's range before the scale brings it back).
+"""Weight-only int8 quantization: int8 weights with one scale per output row.
 
 Decode at small batch reads every weight once per step, so its time is the bytes of
 weights over memory bandwidth; int8 weights read a quarter of float32's bytes and half
-of bfloat16's. Activations, the KV cache and the norms stay in the model dtype.
+of bfloat16's. Activations, the KV cache and the norms stay in their own dtypes.
 
 Scheme (symmetric, per output channel, as in gpt-fast's ``WeightOnlyInt8QuantHandler``
 and LLM.int8()'s vector-wise weights; Dettmers et al., 2022)::
 
-    scale[n] = max_k |W[n, k]| / 127              (float32, then the model dtype)
+    scale[n] = max_k |W[n, k]| / 127              (float32, then the activation dtype)
     Q[n, k]  = round(W[n, k] / scale[n])          in [-127, 127], int8
     y        = (x @ Q^T) * scale                  (the product accumulated before scaling)
 
-Two kernels compute ``y`` and agree up to accumulation order:
+Kernels, by activation dtype and device:
 
-* small batches on the CPU (at most ``SMALL_BATCH_ROWS`` rows, bfloat16/float16
-  activations): ``torch.ops.aten._weight_int8pack_mm``, which streams the int8 weight
-  once (measured on this project's 2-core dev machine, all of SmolLM2's projections at
-  batch 1: 11.5 ms against 23 ms for bfloat16 weights and 49 ms for float32);
-* otherwise: ``F.linear`` over ``Q`` in the activation dtype (exact: integers up to
-  256 are representable in bfloat16 and float16), then the scale. On the CPU that copy
-  of ``Q`` is kept (``wide``): converting it every step cost about 40 ms a step for
-  SmolLM2, more than the matmul at batch 16. So on the CPU int8 trades memory (1 + 2
-  bytes a weight in bfloat16, still below float32's 4) for small-batch speed; on CUDA
-  only the int8 copy is kept and converted per step (the memory saving is the point;
-  no int8 GPU kernel here, so on CUDA int8 is slower than bfloat16 weights).
+* float32 activations on the CPU kernels (the CPU's default format, ``engine/formats.py``):
+  ``CpuKernels.linear_i8_packed`` over a copy of ``Q`` packed in tiles of 4 rows, with x
+  quantized to int16 in blocks of 32 values (``docs/cpu_kernels.md``); one kernel for
+  every batch size, each row computed alone;
+* bfloat16/float16 activations on the CPU, at most ``SMALL_BATCH_ROWS`` rows:
+  ``torch.ops.aten._weight_int8pack_mm``, which streams the int8 weight once;
+* otherwise: ``F.linear`` over ``Q`` in the activation dtype (exact: integers up to 256
+  are representable in bfloat16 and float16), then the scale. With bfloat16 activations
+  on the CPU that copy of ``Q`` is kept (``wide``): converting it every step cost about
+  40 ms a step for SmolLM2, more than the matmul at batch 16. On CUDA only the int8 copy
+  is kept and converted per step (the memory saving is the point).
 
-Both kernels multiply by the same integers and scale after accumulating, so their
-results differ only in summation order: a request decoded alone and one decoded in a
-large batch agree except at near-ties (the policy of docs/acceptance.md, batch-invariant greedy output).
+All compute ``(x @ Q^T) * scale`` up to rounding, so a request decoded alone and one
+decoded in a large batch agree except at near-ties (and exactly on the CPU kernels).
+float16 activations are refused by ``EngineConfig``: the integer-valued matmul could
+exceed float16's range before the scale brings it back.
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ class Int8Weight(nn.Module):
         self.register_buffer("wide", qweight.to(scale.dtype) if keep_wide else None)
         # Set by ``use_kernels`` when float32 activations run on the CPU kernels.
         self.kernels: CpuKernels | None = None
-        self.packed: torch.Tensor | None = None
+        self.register_buffer("packed", None, persistent=False)  # counted in the model's weight bytes
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, keep_wide: bool | None = None) -> Int8Weight:
@@ -123,9 +122,9 @@ class Int8Weight(nn.Module):
         return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
 
     def nbytes(self) -> int:
-        """Bytes held: ``read_bytes`` plus the wide copy if kept."""
-        wide = 0 if self.wide is None else self.wide.numel() * self.wide.element_size()
-        return self.read_bytes() + wide
+        """Bytes held: ``read_bytes`` plus the wide or packed copy if kept."""
+        extra = sum(t.numel() * t.element_size() for t in (self.wide, self.packed) if t is not None)
+        return self.read_bytes() + extra
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W^T (+ bias)`` with W = qweight * scale.

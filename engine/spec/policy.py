@@ -14,6 +14,7 @@ would have produced: ``engine.spec.verify``), so the policy affects speed only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -22,7 +23,8 @@ class SpecConfig:
     """Settings of n-gram speculation (validated on construction).
 
     Attributes:
-        num_draft_tokens: most drafts verified per request per step (k).
+        num_draft_tokens: most drafts verified per request per step (k); a request gets k
+            times its average accepted fraction (``SpecState.draft_budget``).
         min_n, max_n: n-gram sizes matched, longest first.
         max_batch: speculate only while at most this many requests decode in a step.
         min_acceptance: back off a request whose average accepted fraction falls below this.
@@ -78,6 +80,12 @@ class SpecState:
                 self.acceptance = config.min_acceptance  # one more try, then decide again
             return False
         return True
+
+    def draft_budget(self, config: SpecConfig) -> int:
+        """How many drafts to propose: ``num_draft_tokens`` scaled by the request's average
+        accepted fraction (at least 1), so a request whose drafts often fail verifies
+        fewer of them (each costs a row of the step)."""
+        return max(1, min(config.num_draft_tokens, math.ceil(config.num_draft_tokens * self.acceptance)))
 
     def record(self, config: SpecConfig, drafted: int, accepted: int) -> None:
         """Fold one verification (``accepted`` of ``drafted`` drafts kept) into the record."""
