@@ -338,17 +338,20 @@ static void quantize_rows_q16(const float *x, int64_t ldx, int64_t M, int64_t K,
  * packed block by block ([K / 32][4][32] bytes), so a tile is one sequential stream,
  * prefetched 8 blocks ahead. */
 static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, const float *xd, int64_t K,
-                                                           const int MR, const int8_t *w, float sums[4][4]) {
+                                                           const int MR, const int8_t *w, const int J0, const int NJ,
+                                                           float sums[4][4]) {
+    /* weight rows J0..J0+NJ-1 of the tile: NJ * 2 widened registers + MR * NJ accumulators
+     * must fit the 16 ymm registers (NJ 4 with one row, 2 with two or three) */
     const int64_t nb = K / 32;
     __m256 a[3][4];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NJ; j++) a[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i lo[4], hi[4];
         _mm_prefetch((const char *)(w + (b + 8) * 128), _MM_HINT_T0);
         _mm_prefetch((const char *)(w + (b + 8) * 128 + 64), _MM_HINT_T0);
-        for (int j = 0; j < 4; j++) {
-            const int8_t *wb = w + (b * 4 + j) * 32;
+        for (int j = 0; j < NJ; j++) {
+            const int8_t *wb = w + (b * 4 + J0 + j) * 32;
             lo[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
             hi[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
         }
@@ -356,14 +359,14 @@ static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, co
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * 32));
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * 32 + 16));
             const __m256 d = _mm256_set1_ps(xd[i * nb + b]);
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < NJ; j++) {
                 __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo[j], x0), _mm256_madd_epi16(hi[j], x1));
                 a[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a[i][j]);
             }
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < 4; j++) sums[i][j] = hsum256(a[i][j]);
+        for (int j = 0; j < NJ; j++) sums[i][J0 + j] = hsum256(a[i][j]);
 }
 #endif
 
@@ -387,9 +390,16 @@ CS_EXPORT void cs_linear_i8_packed(const float *x, int64_t ldx, int64_t M, int64
             const int64_t mm = (M - m0) < 3 ? (M - m0) : 3;
             float sums[4][4] = {{0}};
 #if CS_AVX2
-            if (mm == 1) tile_q16(xq + m0 * K, xd + m0 * nb, K, 1, w, sums);
-            else if (mm == 2) tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, sums);
-            else tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, sums);
+            /* each (row, weight row) accumulates in the same order whatever the grouping */
+            if (mm == 1) {
+                tile_q16(xq + m0 * K, xd + m0 * nb, K, 1, w, 0, 4, sums);
+            } else if (mm == 2) {
+                tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, 0, 2, sums);
+                tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, 2, 2, sums);
+            } else {
+                tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, 0, 2, sums);
+                tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, 2, 2, sums);
+            }
 #else
             for (int64_t i = 0; i < mm; i++)
                 for (int64_t j = 0; j < nn; j++)
