@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 
+from engine.errors import InvariantError
+
 
 class NoFreeBlocksError(RuntimeError):
     """Fewer free blocks than asked for; nothing was allocated. The scheduler answers it
@@ -138,22 +140,25 @@ class BlockPool:
         """Recount everything and compare.
 
         Raises:
-            AssertionError: a refcount is negative, the free list holds a duplicate or a
+            InvariantError: a refcount is negative, the free list holds a duplicate or a
                 referenced block, or free + referenced != num_blocks.
         """
         free = set(self._free)
-        assert len(free) == len(self._free), "free list holds a duplicate block"
+        if not (len(free) == len(self._free)):
+            raise InvariantError("free list holds a duplicate block")
         referenced = 0
         for b, rc in enumerate(self._refcount):
-            assert rc >= 0, f"block {b} has refcount {rc} < 0"
+            if not (rc >= 0):
+                raise InvariantError(f"block {b} has refcount {rc} < 0")
             if rc > 0:
                 referenced += 1
-                assert b not in free, f"block {b} is on the free list with refcount {rc}"
+                if not (b not in free):
+                    raise InvariantError(f"block {b} is on the free list with refcount {rc}")
             else:
-                assert b in free, f"block {b} has refcount 0 but is not on the free list"
-        assert len(free) + referenced == self._num_blocks, (
-            f"free {len(free)} + referenced {referenced} != num_blocks {self._num_blocks}"
-        )
+                if b not in free:
+                    raise InvariantError(f"block {b} has refcount 0 but is not on the free list")
+        if not (len(free) + referenced == self._num_blocks):
+            raise InvariantError(f"free {len(free)} + referenced {referenced} != num_blocks {self._num_blocks}")
 
     def _check_id(self, block: int) -> None:
         if not 0 <= block < self._num_blocks:

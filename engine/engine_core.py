@@ -17,7 +17,7 @@ from engine.block_pool import BlockPool, blocks_needed
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthError, InvalidRequestError
+from engine.errors import ContextLengthError, InvalidRequestError, InvariantError
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, Timings, Usage
 from engine.radix_cache import RadixCache
@@ -346,13 +346,12 @@ class EngineCore:
         """Block conservation and tree consistency; run when idle and in tests.
 
         Raises:
-            AssertionError: an invariant does not hold.
+            InvariantError: an invariant does not hold (the message names the numbers).
         """
         self.scheduler.check_invariants()
-        if not self.has_work():
-            assert self.pool.num_free + self.cache.num_evictable_blocks == self.pool.num_blocks, (
-                "idle engine: free + evictable != total"
-            )
+        free, evictable = self.pool.num_free, self.cache.num_evictable_blocks
+        if not self.has_work() and free + evictable != self.pool.num_blocks:
+            raise InvariantError(f"idle engine: free {free} + evictable {evictable} != total {self.pool.num_blocks}")
 
     def evict_all(self) -> int:
         """Evict every unlocked cached page; returns blocks freed."""

@@ -40,6 +40,15 @@ class ConfigError(EngineError):
     code = "config_error"
 
 
+class InvariantError(EngineError, AssertionError):
+    """An internal consistency check failed (block pool, radix cache, scheduler): a bug,
+    never a bad request. Raised explicitly, so ``python -O`` keeps it; an
+    ``AssertionError`` too, for callers that catch those. The message names the state
+    that broke."""
+
+    code = "invariant_failed"
+
+
 class ModelLoadError(EngineError):
     """Unknown model path, unreadable weights, or an unsupported architecture."""
 

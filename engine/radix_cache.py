@@ -60,6 +60,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
+from engine.errors import InvariantError
 
 
 class RadixCacheError(RuntimeError):
@@ -345,41 +346,55 @@ class RadixCache:
         """Check the tree's structure and recount its counters (also checks the pool).
 
         Raises:
-            AssertionError: an edge is not page-aligned, a parent/child link or key is
+            InvariantError: an edge is not page-aligned, a parent/child link or key is
                 wrong, a lock_ref is negative or smaller than its children's sum, a block
                 is stored twice or is free in the pool, or a counter disagrees.
         """
         self.pool.check_invariants()
         bs = self.block_size
         root = self._root
-        assert not root.tokens and not root.blocks and root.lock_ref == 0, "root must be empty"
+        if not (not root.tokens and not root.blocks and root.lock_ref == 0):
+            raise InvariantError("root must be empty")
         seen: set[int] = set()
         cached = locked = 0
         for top in root.children.values():
-            assert top.namespace is not None and not top.tokens and not top.blocks
-            assert not top.removed, f"{top!r} is marked removed"
-            assert top.parent is root and root.children[top.namespace] is top
-            assert top.children or top.lock_ref > 0, f"empty namespace node {top!r}"
+            if not (top.namespace is not None and not top.tokens and not top.blocks):
+                raise InvariantError(f"namespace node {top!r} holds tokens or blocks")
+            if not (not top.removed):
+                raise InvariantError(f"{top!r} is marked removed")
+            if not (top.parent is root and root.children[top.namespace] is top):
+                raise InvariantError(f"namespace node {top!r} is not linked under the root")
+            if not (top.children or top.lock_ref > 0):
+                raise InvariantError(f"empty namespace node {top!r}")
             stack = [top]
             while stack:
                 n = stack.pop()
-                assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), (
-                    f"{n!r} lock_ref below its children's sum")
+                if not (n.lock_ref >= sum(c.lock_ref for c in n.children.values())):
+                    raise InvariantError(f"{n!r} lock_ref below its children's sum")
                 for key, c in n.children.items():
-                    assert c.parent is n and not c.removed, f"bad parent link at {c!r}"
-                    assert c.namespace is None and c.blocks, f"{c!r} holds no blocks"
-                    assert len(c.tokens) == len(c.blocks) * bs, f"{c!r} edge not page-aligned"
-                    assert key == c.tokens[:bs], f"{c!r} keyed by the wrong page"
+                    if not (c.parent is n and not c.removed):
+                        raise InvariantError(f"bad parent link at {c!r}")
+                    if not (c.namespace is None and c.blocks):
+                        raise InvariantError(f"{c!r} holds no blocks")
+                    if not (len(c.tokens) == len(c.blocks) * bs):
+                        raise InvariantError(f"{c!r} edge not page-aligned")
+                    if not (key == c.tokens[:bs]):
+                        raise InvariantError(f"{c!r} keyed by the wrong page")
                     for b in c.blocks:
-                        assert b not in seen, f"block {b} stored twice in the tree"
+                        if not (b not in seen):
+                            raise InvariantError(f"block {b} stored twice in the tree")
                         seen.add(b)
-                        assert self.pool.refcount(b) >= 1, f"tree block {b} is free in the pool"
+                        if not (self.pool.refcount(b) >= 1):
+                            raise InvariantError(f"tree block {b} is free in the pool")
                     cached += len(c.blocks)
                     locked += len(c.blocks) if c.lock_ref > 0 else 0
                     stack.append(c)
-        assert seen == self._tree_blocks, "tree block set out of sync"
-        assert cached == self._num_cached, f"num_cached_blocks {self._num_cached} != recount {cached}"
-        assert locked == self._num_locked, f"num_locked_blocks {self._num_locked} != recount {locked}"
+        if not (seen == self._tree_blocks):
+            raise InvariantError("tree block set out of sync")
+        if not (cached == self._num_cached):
+            raise InvariantError(f"num_cached_blocks {self._num_cached} != recount {cached}")
+        if not (locked == self._num_locked):
+            raise InvariantError(f"num_locked_blocks {self._num_locked} != recount {locked}")
 
     def pretty(self) -> str:
         """A multi-line dump of the tree (debugging aid; token lists are abbreviated)."""

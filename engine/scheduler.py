@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
+from engine.errors import InvariantError
 from engine.radix_cache import RadixCache
 from engine.request import Request, RequestStatus
 
@@ -300,7 +301,8 @@ class Scheduler:
         """free + evictable + held by running requests == total (block accounting (docs/acceptance.md)).
 
         Raises:
-            AssertionError: with the four numbers, when the identity fails.
+            InvariantError: with the four numbers, when the identity fails (or from the
+                pool's and the tree's own checks).
         """
         self.pool.check_invariants()
         self.cache.check_invariants()
@@ -308,7 +310,6 @@ class Scheduler:
         evictable = self.cache.num_evictable_blocks
         held = self.blocks_held_by_requests()
         # Locked tree pages are held by some running request; private blocks only by it.
-        assert free + evictable + held == self.pool.num_blocks, (
-            f"block accounting: free {free} + evictable {evictable} + held {held} "
-            f"!= total {self.pool.num_blocks}"
-        )
+        if free + evictable + held != self.pool.num_blocks:
+            raise InvariantError(f"block accounting: free {free} + evictable {evictable} + held {held} "
+                                 f"!= total {self.pool.num_blocks}")

@@ -138,3 +138,17 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+def test_a_broken_invariant_raises_its_own_error_even_under_python_dash_o():
+    """The checks raise InvariantError explicitly (an `assert` would vanish under -O), with
+    the numbers that broke in the message."""
+    import subprocess
+    import sys
+
+    code = ("from engine.block_pool import BlockPool\n"
+            "from engine.errors import InvariantError\n"
+            "p = BlockPool(4); p.allocate(2); p._refcount[3] = 1\n"
+            "try:\n    p.check_invariants()\nexcept InvariantError as e:\n    print('raised', e.code, e)\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("raised invariant_failed") and "block 3" in out

@@ -189,11 +189,34 @@ async def test_greedy_output_does_not_depend_on_staggered_neighbours(tiny_model_
         assert first_divergence_is_a_near_tie(refs[0], outs[0])
 
 
-def test_seed_outside_the_generator_range_is_refused_up_front():
-    for seed in (-1, 2**64, 2**70):
-        with pytest.raises(InvalidRequestError):
+def test_seed_outside_the_64_bit_range_is_refused_up_front_and_minus_one_means_random():
+    for seed in (-(2**63) - 1, 2**64, 2**70, True, 1.5):
+        with pytest.raises(InvalidRequestError, match="seed"):
             SamplingParams(seed=seed)
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-7).seed == -7 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=-1).seed is None  # OpenAI clients send -1 for "random"
+
+
+def test_ranges_table_is_what_validation_enforces():
+    """RANGES is the one source other layers read: each bound is accepted and just past it
+    refused (open bounds at 0 for top_p and repetition_penalty)."""
+    from engine.sampling_params import RANGES
+
+    for name, (lo, hi) in RANGES.items():
+        if name == "seed":
+            continue
+        step = 1 if isinstance(lo, int) and not isinstance(lo, bool) else 1e-3
+        open_lo = name in ("top_p", "repetition_penalty")
+        if lo is not None:
+            if not open_lo:
+                SamplingParams(**{name: lo})
+            with pytest.raises(InvalidRequestError):
+                SamplingParams(**{name: lo - step if not open_lo else lo})
+        if hi is not None:
+            SamplingParams(**{name: hi})
+            with pytest.raises(InvalidRequestError):
+                SamplingParams(**{name: hi + step})
 
 
 async def test_abort_while_the_prompt_is_being_built_stops_the_request_before_it_runs(tiny_model_dir, start_engine):

