@@ -24,7 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError, InvariantError
 from engine.outputs import GenerateRequest, RequestOutput, Timings, Usage
 from engine.prompt import PromptBuilder
 
@@ -286,8 +286,7 @@ class AsyncEngine:
                     was_busy = False
                     try:
                         self.core.check_invariants()
-                    except AssertionError as e:  # report, keep serving
-                        log.error("engine invariant failed when idle: %s", e)
+                    except InvariantError as e:  # counted and logged by the core; keep serving
                         self.last_error = str(e)
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

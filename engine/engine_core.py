@@ -44,6 +44,7 @@ class EngineCounters:
     spec_drafted_total: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted_total: int = 0  # of those, kept
     spec_steps_total: int = 0  # request-steps that verified drafts
+    invariant_failures_total: int = 0  # check_invariants calls that found a broken state
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -340,18 +341,30 @@ class EngineCore:
             "spec_drafted_total": c.spec_drafted_total,
             "spec_accepted_total": c.spec_accepted_total,
             "spec_steps_total": c.spec_steps_total,
+            "invariant_failures_total": c.invariant_failures_total,
         }
 
     def check_invariants(self) -> None:
         """Block conservation and tree consistency; run when idle and in tests.
 
+        Every failure counts in ``stats()["invariant_failures_total"]``; the first is logged
+        with the engine's counters.
+
         Raises:
             InvariantError: an invariant does not hold (the message names the numbers).
         """
-        self.scheduler.check_invariants()
-        free, evictable = self.pool.num_free, self.cache.num_evictable_blocks
-        if not self.has_work() and free + evictable != self.pool.num_blocks:
-            raise InvariantError(f"idle engine: free {free} + evictable {evictable} != total {self.pool.num_blocks}")
+        try:
+            self.scheduler.check_invariants()
+            free, evictable = self.pool.num_free, self.cache.num_evictable_blocks
+            if not self.has_work() and free + evictable != self.pool.num_blocks:
+                raise InvariantError(f"idle engine: free {free} + evictable {evictable} != total {self.pool.num_blocks}")
+        except InvariantError as e:
+            # Counted in stats (and so in /metrics); logged once with the state that broke,
+            # so a broken pool does not flood the log at every idle check.
+            self.counters.invariant_failures_total += 1
+            if self.counters.invariant_failures_total == 1:
+                log.error("engine invariant failed: %s; state: %s", e, self.stats())
+            raise
 
     def evict_all(self) -> int:
         """Evict every unlocked cached page; returns blocks freed."""

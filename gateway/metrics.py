@@ -56,6 +56,10 @@ ENGINE_COUNTERS = {
     "cached_tokens_total": ("engine_cached_tokens", "Prompt tokens served from the prefix cache."),
     "completion_tokens_total": ("engine_completion_tokens", "Completion tokens generated."),
     "steps_total": ("engine_steps", "Scheduler steps run."),
+    "spec_drafted_total": ("engine_spec_draft_tokens", "Speculative draft tokens verified."),
+    "spec_accepted_total": ("engine_spec_accepted_tokens", "Speculative draft tokens accepted (kept)."),
+    "spec_steps_total": ("engine_spec_steps", "Request-steps that verified speculative drafts."),
+    "invariant_failures_total": ("engine_invariant_failures", "Internal consistency checks that failed (a bug)."),
 }
 
 

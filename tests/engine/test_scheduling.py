@@ -196,3 +196,21 @@ def test_every_step_stays_within_the_token_budget_counting_running_decodes(core)
     assert [n for b in batches for rid, n in b if rid == "long"] == [127, 127, 127, 119, 1]
     with_long = [dict(b) for b in batches if "long" in dict(b)]
     assert all(b.get("decode") == 1 for b in with_long)  # the decode ran in every one of those steps
+
+
+def test_a_broken_invariant_is_counted_in_stats_and_logged_once_with_the_state(core, caplog):
+    import logging
+
+    from engine.errors import InvariantError
+
+    core.check_invariants()
+    assert core.stats()["invariant_failures_total"] == 0
+    victim = core.pool.allocate(1)[0]
+    core.pool._free.append(victim)  # the same block both referenced and free: a bug
+    with caplog.at_level(logging.ERROR, logger="engine.engine_core"):
+        for _ in range(3):
+            with pytest.raises(InvariantError):
+                core.check_invariants()
+    assert core.stats()["invariant_failures_total"] == 3
+    logged = [r.getMessage() for r in caplog.records if "invariant failed" in r.getMessage()]
+    assert len(logged) == 1 and "blocks_free" in logged[0], logged
