@@ -357,7 +357,8 @@ class EngineCore:
             self.scheduler.check_invariants()
             free, evictable = self.pool.num_free, self.cache.num_evictable_blocks
             if not self.has_work() and free + evictable != self.pool.num_blocks:
-                raise InvariantError(f"idle engine: free {free} + evictable {evictable} != total {self.pool.num_blocks}")
+                total = self.pool.num_blocks
+                raise InvariantError(f"idle engine: free {free} + evictable {evictable} != total {total}")
         except InvariantError as e:
             # Counted in stats (and so in /metrics); logged once with the state that broke,
             # so a broken pool does not flood the log at every idle check.
