@@ -2,7 +2,7 @@
  * CPU kernels of the engine's decode and prefill steps: fused small ops, weight-only
  * int8 / int4 matrix-vector products, and paged attention that reads the KV cache in
  * place. Built by engine/cpu/build.py (gcc -O3, -mavx2 -mfma -mf16c where the CPU has
- * them, OpenMP from the libgomp that torch has already loaded) and called through
+ * them, AVX-512 VNNI on 256-bit vectors where it has that too, OpenMP from the libgomp that torch has already loaded) and called through
  * ctypes by engine/cpu/ops.py, which checks shapes, dtypes and contiguity first:
  * nothing here validates its arguments.
  *
@@ -23,6 +23,14 @@
 #define CS_AVX2 1
 #else
 #define CS_AVX2 0
+#endif
+/* AVX-512 VNNI on 256-bit registers (with AVX512VL): vpdpwssd multiplies int16 pairs and
+ * adds them into int32 lanes in one instruction, where AVX2 needs vpmaddwd + vpaddd. The
+ * integer sums are the same, so results are bit-identical to the AVX2 path. */
+#if CS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CS_VNNI 1
+#else
+#define CS_VNNI 0
 #endif
 
 #define CS_EXPORT __attribute__((visibility("default")))
@@ -156,7 +164,8 @@ static inline void f32_to_kv_row(void *dst, const float *src, int bf16, int64_t 
     for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
 }
 
-CS_EXPORT int cs_simd_level(void) { return CS_AVX2 ? 2 : 0; }
+/* 3: AVX2 + FMA + AVX-512 VNNI, 2: AVX2 + FMA, 0: portable C */
+CS_EXPORT int cs_simd_level(void) { return CS_VNNI ? 3 : CS_AVX2 ? 2 : 0; }
 
 /* ------------------------------------------------------- elementwise, norms ---- */
 
@@ -341,9 +350,10 @@ static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, co
                                                            const int MR, const int8_t *w, const int J0, const int NJ,
                                                            float sums[4][4]) {
     /* weight rows J0..J0+NJ-1 of the tile: NJ * 2 widened registers + MR * NJ accumulators
-     * must fit the 16 ymm registers (NJ 4 with one row, 2 with two or three) */
+     * must fit the ymm registers: 16 with AVX2 (NJ 4 with one row, 2 with two or three),
+     * 32 with AVX-512VL (NJ 4 with up to four rows) */
     const int64_t nb = K / 32;
-    __m256 a[3][4];
+    __m256 a[4][4];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NJ; j++) a[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -360,7 +370,11 @@ static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, co
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * 32 + 16));
             const __m256 d = _mm256_set1_ps(xd[i * nb + b]);
             for (int j = 0; j < NJ; j++) {
+#if CS_VNNI
+                __m256i p = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), lo[j], x0), hi[j], x1);
+#else
                 __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo[j], x0), _mm256_madd_epi16(hi[j], x1));
+#endif
                 a[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a[i][j]);
             }
         }
@@ -377,6 +391,13 @@ static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, co
  * integer instructions: a third of the float32 kernel's instructions per weight. Scratch
  * xq [M, K] int16 and xd [M, K / 32] float32 come from the caller; K is a multiple of 32.
  * Every row is computed alone: its result does not depend on M. */
+/* activation rows per tile: as many as the accumulators' registers allow */
+#if CS_VNNI
+#define CS_MT 4
+#else
+#define CS_MT 3
+#endif
+
 CS_EXPORT void cs_linear_i8_packed(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *q,
                                 const float *scale, const float *bias, int64_t N, float *y, int64_t ldy, int16_t *xq,
                                 float *xd, int nt) {
@@ -386,11 +407,18 @@ CS_EXPORT void cs_linear_i8_packed(const float *x, int64_t ldx, int64_t M, int64
     for (int64_t tile = 0; tile < ntiles; tile++) {
         const int64_t n0 = tile * NR, nn = (N - n0) < NR ? (N - n0) : NR;
         const int8_t *w = q + n0 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 3) {
-            const int64_t mm = (M - m0) < 3 ? (M - m0) : 3;
+        for (int64_t m0 = 0; m0 < M; m0 += CS_MT) {
+            const int64_t mm = (M - m0) < CS_MT ? (M - m0) : CS_MT;
             float sums[4][4] = {{0}};
-#if CS_AVX2
+#if CS_VNNI
             /* each (row, weight row) accumulates in the same order whatever the grouping */
+            switch (mm) {
+            case 1: tile_q16(xq + m0 * K, xd + m0 * nb, K, 1, w, 0, 4, sums); break;
+            case 2: tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, 0, 4, sums); break;
+            case 3: tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, 0, 4, sums); break;
+            default: tile_q16(xq + m0 * K, xd + m0 * nb, K, 4, w, 0, 4, sums); break;
+            }
+#elif CS_AVX2
             if (mm == 1) {
                 tile_q16(xq + m0 * K, xd + m0 * nb, K, 1, w, 0, 4, sums);
             } else if (mm == 2) {

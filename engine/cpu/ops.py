@@ -69,7 +69,7 @@ class CpuKernels:
         self._lib = lib
         self.lib = lib  # for callers that bind further entry points (engine.cpu.fused)
         self._buffers: dict[str, torch.Tensor] = {}
-        self.simd_level = int(lib.cs_simd_level())  # 2: AVX2 + FMA paths, 0: portable C
+        self.simd_level = int(lib.cs_simd_level())  # 3: AVX2 + VNNI, 2: AVX2 + FMA, 0: portable C
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,7 +33,10 @@ def test_kernels_build_with_the_cpus_vector_flags(k):
     flags = compile_flags({"avx2", "fma", "f16c"})
     assert "-mavx2" in flags and "-mfma" in flags
     assert "-mavx2" not in compile_flags(set())
-    assert k.simd_level in (0, 2)
+    assert "-mavx512vnni" not in flags
+    vnni = compile_flags({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+    assert "-mavx512vnni" in vnni and "-mprefer-vector-width=256" in vnni
+    assert k.simd_level in (0, 2, 3)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 576), (3, 17), (9, 64)])
@@ -117,6 +120,28 @@ def test_packed_int8_linear_is_within_int16_rounding_of_the_exact_product(k, row
     assert (err <= bound * 1.01 + 1e-4 * exact.abs() + 1e-6).all()
     # a row's result does not depend on the other rows of the call
     assert torch.equal(k.linear_i8_packed(x[:1], packed, scale, bias), k.linear_i8_packed(x, packed, scale, bias)[:1])
+
+
+def test_vnni_and_avx2_builds_give_bit_identical_linear_results(k, tmp_path):
+    """The AVX-512 VNNI path sums the same int16 x int8 products into the same int32 lanes
+    as the AVX2 path, so the two builds agree bit for bit (runs where the CPU has VNNI)."""
+    import ctypes
+
+    from engine.cpu.build import build, cpu_flags
+
+    if not {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    builds = {}
+    for name, cpu in (("avx2", {"avx2", "fma", "f16c"}),
+                      ("vnni", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})):
+        builds[name] = CpuKernels(ctypes.CDLL(str(build(tmp_path / name, compile_flags(cpu)))))
+    assert (builds["avx2"].simd_level, builds["vnni"].simd_level) == (2, 3)
+    g = gen(7)
+    q = torch.randint(-127, 128, (40, 320), dtype=torch.int8, generator=g)
+    scale, x = torch.rand(40, generator=g) + 0.01, torch.randn(5, 320, generator=g) * 30
+    packed = k.pack_i8x4(q)
+    out = {n: b.linear_i8_packed(x, packed, scale, None) for n, b in builds.items()}
+    assert torch.equal(out["avx2"], out["vnni"])
 
 
 def test_kernel_arguments_of_the_wrong_kind_are_refused(k):
