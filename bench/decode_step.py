@@ -95,6 +95,9 @@ def kv_read_bytes(core: EngineCore, context: int) -> int:
 def build_core(model: str | None, overrides: dict[str, Any], batches: list[int], context: int,
                steps: int) -> tuple[EngineCore, str]:
     """An engine core for one format, sized for the largest batch; returns it and its format line."""
+    # one token a step: speculation would finish the requests early and change what a step
+    # computes (bench/speculative.py measures it)
+    overrides = {"speculative": "off", **overrides}
     cfg = EngineConfig(model=model, device="cpu", block_size=16,
                        num_blocks=max(batches) * (context + steps + 64) // 16 + 64,
                        max_num_batched_tokens=2048, max_num_seqs=max(batches), **overrides)
@@ -114,6 +117,8 @@ def decode_steps(core: EngineCore, batch: int, context: int, steps: int, tag: st
     core.step()
     times: list[float] = []
     for _ in range(steps):
+        if len(core.scheduler.running) != batch:
+            raise RuntimeError(f"{batch} requests should be decoding, {len(core.scheduler.running)} are")
         t0 = time.perf_counter()
         core.step()
         times.append((time.perf_counter() - t0) * 1e3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,18 @@ from engine.spec.ngram import TokenHistory, propose
 from engine.spec.policy import SpecConfig
 
 log = logging.getLogger(__name__)
+
+
+def _step_timings(req: Request, n_out: int) -> dict[str, Any]:
+    """A finished request's speculation totals and output tokens per decode step (the
+    first token comes from the prefill, so n_out - 1 tokens over ``decode_steps``)."""
+    drafted, accepted = req.spec.drafted, req.spec.accepted
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "tokens_per_step": round((n_out - 1) / req.decode_steps, 3) if req.decode_steps else 0.0,
+    }
 
 
 @dataclass
@@ -310,7 +323,8 @@ class EngineCore:
             stop_reason=stop_reason,
             usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out),
             timings=Timings(ttft_ms=round(ttft, 3), tpot_ms=round(tpot, 3),
-                            e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3)),
+                            e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),
+                            **_step_timings(req, n_out)),
             output_text=req.detok.text, output_token_ids=list(req.output_ids),
             prompt_token_ids=list(req.prompt_ids), prefix_reused=req.prefix_reused,
         )

@@ -52,16 +52,24 @@ class Usage:
 
 @dataclass
 class Timings:
-    """Latencies of one request, in milliseconds.
+    """Latencies of one request, in milliseconds, and how its decode steps went.
 
     ttft_ms: arrival to first token; tpot_ms: mean time per output token after the
     first; e2e_ms: arrival to finish; queue_ms: arrival to first scheduled.
+    draft_tokens / accepted_tokens: speculative draft tokens verified for it and kept
+    (tokens; 0 when it never drafted); acceptance_rate: accepted / draft (0.0 without
+    drafts); tokens_per_step: output tokens after the first per decode step (1.0
+    without speculation, up to 1 + drafts a step with it).
     """
 
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     e2e_ms: float = 0.0
     queue_ms: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    tokens_per_step: float = 0.0
 
 
 @dataclass

@@ -244,3 +244,42 @@ def test_a_verified_position_keeps_the_samplers_distribution():
         assert (n == 1) == (drawn[b] == 1)
     freq = torch.tensor([Counter(kept)[i] for i in range(4)], dtype=torch.float32) / len(kept)
     assert torch.allclose(freq, probs, atol=0.02), freq
+
+
+@pytest.mark.parametrize("mode", ["right", "random"])
+def test_done_timings_report_each_requests_acceptance_and_tokens_per_step(engines, mode):
+    """A finished request's timings carry its drafts, the accepted ones, their rate and
+    its output tokens per decode step; they add up to the engine's counters. Without
+    speculation a step yields one token."""
+    plain, core = engines
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = dict(list(PROMPTS.items())[:3])
+    tag = f"timings-{mode}/"
+
+    def finished(c: EngineCore) -> dict:
+        for rid, ids in prompts.items():
+            c.add_request(f"{tag}{rid}", ids, params)
+        done: dict = {}
+        while c.has_work():
+            done.update({o.request_id: o for o in c.step() if o.finished})
+        return done
+
+    for o in finished(plain).values():
+        t = o.timings
+        assert (t.draft_tokens, t.accepted_tokens, t.acceptance_rate, t.tokens_per_step) == (0, 0, 0.0, 1.0)
+    reference = run_core(plain, prompts, params, tag + "ref/")
+    core.draft = Oracle({k: v[0] for k, v in reference.items()}, mode)
+    before = core.stats()
+    done = finished(core)
+    after = core.stats()
+    drafted = sum(o.timings.draft_tokens for o in done.values())
+    accepted = sum(o.timings.accepted_tokens for o in done.values())
+    assert drafted == after["spec_drafted_total"] - before["spec_drafted_total"] > 0
+    assert accepted == after["spec_accepted_total"] - before["spec_accepted_total"]
+    for o in done.values():
+        t = o.timings
+        assert t.acceptance_rate == pytest.approx(t.accepted_tokens / t.draft_tokens, abs=1e-4)
+        if mode == "right":
+            assert t.acceptance_rate == 1.0 and t.tokens_per_step > 2
+        else:
+            assert t.acceptance_rate < 1.0 and 1.0 <= t.tokens_per_step < 2
