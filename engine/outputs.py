@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.protocol import Timings, Usage
 from engine.sampling_params import SamplingParams
+
+__all__ = ["GenerateRequest", "RequestOutput", "Timings", "TokenLogprob", "Usage"]
 
 
 @dataclass
@@ -39,29 +42,6 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
     clamp_max_tokens: bool = False
-
-
-@dataclass
-class Usage:
-    """Token counts of one request (tokens)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    completion_tokens: int = 0
-
-
-@dataclass
-class Timings:
-    """Latencies of one request, in milliseconds.
-
-    ttft_ms: arrival to first token; tpot_ms: mean time per output token after the
-    first; e2e_ms: arrival to finish; queue_ms: arrival to first scheduled.
-    """
-
-    ttft_ms: float = 0.0
-    tpot_ms: float = 0.0
-    e2e_ms: float = 0.0
-    queue_ms: float = 0.0
 
 
 @dataclass
