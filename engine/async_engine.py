@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -27,25 +26,9 @@ from engine.engine_core import EngineCore
 from engine.errors import EngineError, InvalidRequestError, InvariantError
 from engine.outputs import GenerateRequest, RequestOutput, Timings, Usage
 from engine.prompt import PromptBuilder
+from engine.protocol import EngineInfo
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineInfo:
-    """What the engine serves (sent in the internal protocol's ``hello`` frame)."""
-
-    model: str
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    dtype: str
-    device: str
-    weights_id: str
-    eos_token_ids: list[int]
-    quantization: str | None = None
-    kv_cache_dtype: str | None = None
-    format: str = ""  # one line: weights, activations, KV cache, kernels (engine.formats)
 
 
 class AsyncEngine:
@@ -69,6 +52,9 @@ class AsyncEngine:
         self._stop = False
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompt")
         self.last_error: str | None = None
+        # (counters, monotonic time): replaced whole by the step thread at the end of each
+        # step and after each inbox drain; read by any thread without waiting for a step
+        self._snapshot: tuple[dict, float] = (self._take_stats(), time.monotonic())
 
     # ----- construction -------------------------------------------------------------
     @classmethod
@@ -201,15 +187,27 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def snapshot(self) -> tuple[dict, float]:
+        """The engine's counters as the step thread last saw them, and their age (seconds).
+
+        Taken at the end of every step and after every batch of submissions and aborts,
+        so reading it never waits for a step, however long (a 4,000-token prefill). A
+        caller that saw a request's final output sees counters at least that new.
+        """
+        stats, at = self._snapshot
+        return stats, max(0.0, time.monotonic() - at)
+
     async def stats(self) -> dict:
-        """A consistent snapshot of the engine's counters, taken by the step thread
-        between two steps (so it never races the scheduler)."""
-        fut: Future = Future()
-        self._inbox.put(("stats", fut))
-        self._wake.set()
-        s = dict(await asyncio.wrap_future(fut))
+        """The counters of ``snapshot`` (a consistent view taken between two steps)."""
+        return dict(self.snapshot()[0])
+
+    def _take_stats(self) -> dict:
+        s = self.core.stats()
         s["model"] = self.info.model
         return s
+
+    def _publish_stats(self) -> None:
+        self._snapshot = (self._take_stats(), time.monotonic())
 
     async def call(self, fn, *args):
         """Run ``fn(core, *args)`` on the step thread between two steps (tests, admin)."""
@@ -230,7 +228,34 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is closed
             pass
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand one step's outputs over with one callback per event loop, so that the
+        callers of a loop all wake in the same iteration (the server then sends them
+        as one frame per connection)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+
     def _drain_inbox(self) -> None:
+        if self._inbox.empty():
+            return
+        replies: list[tuple[RequestOutput | BaseException, str]] = []
+        try:
+            self._drain_inbox_items(replies)
+        finally:
+            self._publish_stats()  # before the replies: whoever sees an abort's output sees its counters
+            for out, rid in replies:
+                self._deliver(out, rid)
+
+    def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
         while True:
             try:
                 kind, arg = self._inbox.get_nowait()
@@ -244,22 +269,19 @@ class AsyncEngine:
                 if not alive:
                     continue  # the caller left before we started it
                 if cancelled:  # aborted between submission and now
-                    self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
+                    replies.append((_aborted_before_start(rid, ids, reused, arrival), rid))
                     continue
                 try:
                     self.core.add_request(rid, ids, params, salt, reused, arrival)
                 except EngineError as e:
-                    self._deliver(e, rid)
+                    replies.append((e, rid))
                 except Exception as e:  # a bug must reach the caller as an error, not a hang
                     log.exception("adding request %s failed", rid)
-                    self._deliver(EngineError(f"could not start the request: {type(e).__name__}"), rid)
+                    replies.append((EngineError(f"could not start the request: {type(e).__name__}"), rid))
             elif kind == "abort":
                 out = self.core.abort(arg)
                 if out is not None:
-                    self._deliver(out, arg)
-            elif kind == "stats":
-                if arg.set_running_or_notify_cancel():
-                    arg.set_result(self.core.stats())
+                    replies.append((out, arg))
             elif kind == "call":
                 fut, fn, args = arg
                 if fut.set_running_or_notify_cancel():
@@ -288,7 +310,8 @@ class AsyncEngine:
                         self.core.check_invariants()
                     except InvariantError as e:  # counted and logged by the core; keep serving
                         self.last_error = str(e)
-                self._wake.wait(timeout=0.5)
+                if not self._wake.wait(timeout=0.5):
+                    self._publish_stats()  # idle: keep the snapshot's age honest
                 self._wake.clear()
                 continue
             was_busy = True
@@ -298,9 +321,10 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self.last_error = repr(e)
                 self._fail_all(e)
+                self._publish_stats()
                 continue
-            for out in outputs:
-                self._deliver(out, out.request_id)
+            self._publish_stats()  # before delivery: whoever sees an output sees these counters
+            self._deliver_step(outputs)
 
     def _fail_all(self, exc: Exception) -> None:
         """After a failed step, end every live request with an engine error, freeing blocks."""
@@ -310,6 +334,11 @@ class AsyncEngine:
             except Exception:  # keep going: every caller must hear back
                 log.exception("abort after failed step")
             self._deliver(EngineError(f"engine step failed: {exc}"), rid)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _aborted_before_start(rid: str, ids: list[int], reused: bool, arrival: float) -> RequestOutput:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.protocol import Timings, Usage
 from engine.sampling_params import SamplingParams
+
+__all__ = ["GenerateRequest", "RequestOutput", "Timings", "TokenLogprob", "Usage"]
 
 
 @dataclass
@@ -39,37 +42,6 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
     clamp_max_tokens: bool = False
-
-
-@dataclass
-class Usage:
-    """Token counts of one request (tokens)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    completion_tokens: int = 0
-
-
-@dataclass
-class Timings:
-    """Latencies of one request, in milliseconds, and how its decode steps went.
-
-    ttft_ms: arrival to first token; tpot_ms: mean time per output token after the
-    first; e2e_ms: arrival to finish; queue_ms: arrival to first scheduled.
-    draft_tokens / accepted_tokens: speculative draft tokens verified for it and kept
-    (tokens; 0 when it never drafted); acceptance_rate: accepted / draft (0.0 without
-    drafts); tokens_per_step: output tokens after the first per decode step (1.0
-    without speculation, up to 1 + drafts a step with it).
-    """
-
-    ttft_ms: float = 0.0
-    tpot_ms: float = 0.0
-    e2e_ms: float = 0.0
-    queue_ms: float = 0.0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    acceptance_rate: float = 0.0
-    tokens_per_step: float = 0.0
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""The engine's internal WebSocket endpoint (``docs/protocol.md`` section 1).
+"""The engine's internal WebSocket endpoint (``docs/protocol.md`` section 1; frames
+in ``engine.protocol``).
 
 One connection carries many requests multiplexed by ``request_id``; ids are
 scoped to the connection. A closed connection aborts every request it started.
+Each engine step's outputs go out as one ``step`` frame per connection.
 """
 
 from __future__ import annotations
@@ -19,8 +21,26 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import EngineError
 from engine.outputs import GenerateRequest, RequestOutput
+from engine.protocol import (
+    AbortFrame,
+    DeltaFrame,
+    DoneFrame,
+    ErrorFrame,
+    FrameError,
+    GenerateFrame,
+    HelloFrame,
+    PingFrame,
+    PongFrame,
+    ReplyItem,
+    StatsFrame,
+    StatsRequest,
+    StepFrame,
+    decode_client_frame,
+    encode,
+    to_dict,
+)
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -29,74 +49,101 @@ log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
-def _error(code: str, message: str, request_id: str | None = None) -> str:
-    frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
-    if request_id is not None:
-        frame["request_id"] = request_id
-    return json.dumps(frame)
+def output_item(request_id: str, out: RequestOutput) -> ReplyItem:
+    """The ``delta`` or ``done`` item of one engine output (client-side request id)."""
+    logprobs = [asdict(lp) for lp in out.logprobs] if out.logprobs else None
+    if not out.finished:
+        return DeltaFrame(request_id, out.text, out.token_ids, logprobs)
+    assert out.usage is not None and out.timings is not None  # a finished output carries both
+    return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop", out.stop_reason,
+                     out.output_text or "", out.output_token_ids or [], out.prompt_token_ids or [],
+                     bool(out.prefix_reused), out.usage, out.timings)
 
 
-def output_frame(request_id: str, out: RequestOutput) -> dict[str, Any]:
-    """The ``delta`` or ``done`` frame for one engine output (client-side request id)."""
-    frame: dict[str, Any] = {"type": "done" if out.finished else "delta", "request_id": request_id,
-                             "text": out.text, "token_ids": out.token_ids}
-    if out.logprobs:
-        frame["logprobs"] = [asdict(lp) for lp in out.logprobs]
-    if out.finished:
-        assert out.usage is not None and out.timings is not None  # a finished output carries both
-        frame.update(
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-            output_text=out.output_text, output_token_ids=out.output_token_ids,
-            prompt_token_ids=out.prompt_token_ids, prefix_reused=out.prefix_reused,
-            usage=asdict(out.usage), timings=asdict(out.timings),
-        )
-    return frame
-
-
-def parse_generate(frame: dict[str, Any], internal_id: str) -> GenerateRequest:
-    """Validate a ``generate`` frame into a GenerateRequest.
+def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
+    """A ``generate`` frame as the engine's GenerateRequest.
 
     Raises:
-        InvalidRequestError: unknown or ill-typed fields, bad params.
+        InvalidRequestError: bad params.
     """
-    allowed = {"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params", "cache_salt",
-               "clamp_max_tokens"}
-    unknown = sorted(set(frame) - allowed)
-    if unknown:
-        raise InvalidRequestError(f"unknown field(s) in generate: {', '.join(unknown)}")
-    params = frame.get("params")
-    if params is not None and not isinstance(params, dict):
-        raise InvalidRequestError("params must be an object")
-    salt = frame.get("cache_salt", "")
-    if not isinstance(salt, str):
-        raise InvalidRequestError("cache_salt must be a string")
     return GenerateRequest(
-        request_id=internal_id, prompt_token_ids=frame.get("prompt_token_ids"),
-        messages=frame.get("messages"), prefix_token_ids=frame.get("prefix_token_ids"),
-        params=SamplingParams.from_dict(params), cache_salt=salt,
-        clamp_max_tokens=bool(frame.get("clamp_max_tokens", False)),
+        request_id=internal_id, prompt_token_ids=frame.prompt_token_ids,
+        messages=frame.messages, prefix_token_ids=frame.prefix_token_ids,
+        params=SamplingParams.from_dict(frame.params), cache_salt=frame.cache_salt,
+        clamp_max_tokens=frame.clamp_max_tokens,
     )
 
 
+class _Outbox:
+    """What one connection sends, written by one task: control frames (pong, stats,
+    refusals) go first, then one ``step`` frame with every reply item queued meanwhile.
+
+    Items of one engine step arrive in one event-loop iteration (``AsyncEngine``
+    delivers a step per loop in one callback), and the writer yields once before
+    collecting, so a step becomes one frame; while a send waits on a slow reader,
+    later steps' items join the next frame. Nothing here ever blocks the reader.
+    """
+
+    def __init__(self, ws: ServerConnection) -> None:
+        self.ws = ws
+        self.control: list[str] = []
+        self.items: list[ReplyItem] = []
+        self._wake = asyncio.Event()
+
+    def send(self, text: str) -> None:
+        """Queue a control frame (JSON text)."""
+        self.control.append(text)
+        self._wake.set()
+
+    def item(self, item: ReplyItem) -> None:
+        """Queue a reply item for the next step frame."""
+        self.items.append(item)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Write until the connection closes."""
+        try:
+            while True:
+                await self._wake.wait()
+                await asyncio.sleep(0)  # let the rest of this step's outputs join
+                self._wake.clear()
+                control, self.control = self.control, []
+                items, self.items = self.items, []
+                for text in control:
+                    await self.ws.send(text)
+                if items:
+                    await self.ws.send(encode(StepFrame(items)))
+        except ConnectionClosed:
+            pass
+
+
 class EngineServer:
-    """Serves one ``AsyncEngine`` over WebSockets."""
+    """Serves one ``AsyncEngine`` over WebSockets.
+
+    The socket's reader never waits for the step loop: ``ping`` and ``stats`` are
+    answered at once (stats from the end-of-step snapshot), ``abort`` is queued for
+    the step thread, and ``generate`` starts a task; so keepalive and control survive
+    a step of any length.
+    """
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._conn_ids = itertools.count(1)
 
     def hello(self) -> dict[str, Any]:
-        """The frame sent on connect: what this engine serves."""
-        return {"type": "hello", **asdict(self.engine.info)}
+        """The frame sent on connect: the protocol version and what this engine serves."""
+        return to_dict(HelloFrame(self.engine.info))
 
     async def handle(self, ws: ServerConnection) -> None:
         """Serve one connection until it closes; then abort its requests."""
         conn = next(self._conn_ids)
         tasks: dict[str, asyncio.Task] = {}
+        out = _Outbox(ws)
+        writer = asyncio.create_task(out.run())
         try:
             await ws.send(json.dumps(self.hello()))
             async for raw in ws:
-                await self._on_frame(ws, conn, raw, tasks)
+                self._on_frame(out, conn, raw, tasks)
         except ConnectionClosed:
             pass
         finally:
@@ -104,63 +151,48 @@ class EngineServer:
                 t.cancel()  # generate()'s finally aborts the engine request
             if tasks:
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
 
-    async def _on_frame(self, ws: ServerConnection, conn: int, raw: Any, tasks: dict[str, asyncio.Task]) -> None:
+    def _on_frame(self, out: _Outbox, conn: int, raw: Any, tasks: dict[str, asyncio.Task]) -> None:
         try:
-            frame = json.loads(raw)
-        except (ValueError, TypeError):
-            await ws.send(_error("bad_frame", "frame is not valid JSON"))
+            frame = decode_client_frame(raw)
+        except FrameError as e:
+            code = "invalid_request" if e.request_id is not None else "bad_frame"
+            out.send(encode(ErrorFrame(code, e.message, e.request_id)))
             return
-        if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
-            await ws.send(_error("bad_frame", "frame must be an object with a string 'type'"))
-            return
-        kind = frame["type"]
-        rid = frame.get("request_id")
-        if kind == "ping":
-            await ws.send('{"type": "pong"}')
-        elif kind == "stats":
-            await ws.send(json.dumps({"type": "stats", **(await self.engine.stats())}))
-        elif kind == "abort":
-            if isinstance(rid, str):
-                self.engine.abort(f"{conn}:{rid}")
-        elif kind == "generate":
-            if not isinstance(rid, str) or not rid:
-                await ws.send(_error("bad_frame", "generate needs a non-empty string request_id"))
-                return
+        if isinstance(frame, PingFrame):
+            out.send(encode(PongFrame()))
+        elif isinstance(frame, StatsRequest):
+            stats, age_s = self.engine.snapshot()
+            out.send(encode(StatsFrame(stats, round(age_s * 1000, 3))))
+        elif isinstance(frame, AbortFrame):
+            self.engine.abort(f"{conn}:{frame.request_id}")
+        else:
+            rid = frame.request_id
             if rid in tasks:
-                await ws.send(_error("duplicate_request_id", f"request {rid!r} is already running", rid))
+                out.send(encode(ErrorFrame("duplicate_request_id", f"request {rid!r} is already running", rid)))
                 return
             try:
                 req = parse_generate(frame, f"{conn}:{rid}")
             except EngineError as e:
-                await ws.send(_error(e.code, e.message, rid))
+                out.send(encode(ErrorFrame(e.code, e.message, rid)))
                 return
-            task = asyncio.create_task(self._run(ws, rid, req))
+            task = asyncio.create_task(self._run(out, rid, req))
             tasks[rid] = task
             task.add_done_callback(lambda _t: tasks.pop(rid, None))
-        else:
-            await ws.send(_error("bad_frame", f"unknown frame type {kind!r}", rid if isinstance(rid, str) else None))
 
-    async def _run(self, ws: ServerConnection, rid: str, req: GenerateRequest) -> None:
+    async def _run(self, out: _Outbox, rid: str, req: GenerateRequest) -> None:
         try:
-            async for out in self.engine.generate(req):
-                await ws.send(json.dumps(output_frame(rid, out)))
+            async for o in self.engine.generate(req):
+                out.item(output_item(rid, o))
         except EngineError as e:
-            await _send_quietly(ws, _error(e.code, e.message, rid))
-        except ConnectionClosed:
-            pass
+            out.item(ErrorFrame(e.code, e.message, rid))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never let a bug escape as a dropped stream
             log.exception("request %s failed", rid)
-            await _send_quietly(ws, _error("engine_error", f"internal error: {type(e).__name__}", rid))
-
-
-async def _send_quietly(ws: ServerConnection, text: str) -> None:
-    try:
-        await ws.send(text)
-    except ConnectionClosed:
-        pass
+            out.item(ErrorFrame("engine_error", f"internal error: {type(e).__name__}", rid))
 
 
 async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.Event | None = None,

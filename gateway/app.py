@@ -94,8 +94,13 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         """Open Redis and the engine connections; close them (stopping replies) at exit."""
-        redis = aioredis.from_url(config.redis_url, decode_responses=True, socket_connect_timeout=2,
-                                  socket_timeout=10, health_check_interval=30)
+        # a bounded pool whose callers wait for a free connection (redis-py's default pool
+        # raises MaxConnectionsError at once when all are busy, a 503 under mere latency)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, decode_responses=True, socket_connect_timeout=2, socket_timeout=10,
+            health_check_interval=30, max_connections=config.redis_max_connections,
+            timeout=config.redis_pool_timeout_s)
+        redis = aioredis.Redis(connection_pool=pool)
         # blocking stream reads hold a connection each while they wait
         tail_pool = aioredis.BlockingConnectionPool.from_url(
             config.redis_url, decode_responses=True, socket_connect_timeout=2,
@@ -119,6 +124,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
             await gens.close()
             await router.close()
             await redis.aclose()
+            await pool.aclose()
             await tail_redis.aclose()
             await tail_pool.aclose()  # a pool passed in is not closed by its client
 

@@ -108,6 +108,11 @@ class GatewayConfig:
     Attributes:
         host, port: where uvicorn listens.
         redis_url: the Redis holding chats and reply streams.
+        redis_max_connections: connections of the gateway's Redis pool (blocking stream
+            reads have a pool of their own). A caller that finds them all busy waits.
+        redis_pool_timeout_s: how long such a caller waits for a connection (seconds)
+            before the store counts as unavailable: latency and bursts queue, and only
+            a real outage answers ``store_unavailable``.
         engine_urls: internal engine WebSocket URLs; empty means "start a local engine"
             (done by ``python -m gateway``, not by the app factory).
         model: model path for that local engine (None: the bundled SmolLM2).
@@ -136,6 +141,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_max_connections: int = 256
+    redis_pool_timeout_s: float = 20.0
     engine_urls: tuple[str, ...] = ()
     model: str | None = None
     engine_args: tuple[str, ...] = ()
@@ -165,6 +172,8 @@ class GatewayConfig:
             raise ConfigError("stream_ttl_s > 0, lock_lease_ms >= 1000 and stream_maxlen >= 1000 required")
         if self.store_retry_s <= 0:
             raise ConfigError("store_retry_s must be > 0")
+        if self.redis_max_connections < 1 or self.redis_pool_timeout_s <= 0:
+            raise ConfigError("redis_max_connections >= 1 and redis_pool_timeout_s > 0 required")
         for o in self.allowed_origins:
             if not o.startswith(("http://", "https://")) or o.endswith("/"):
                 raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")

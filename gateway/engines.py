@@ -15,20 +15,37 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import random
-from collections import deque
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from engine.protocol import (
+    AbortFrame,
+    DeltaFrame,
+    DoneFrame,
+    EngineFrame,
+    EngineInfo,
+    ErrorFrame,
+    FrameError,
+    GenerateFrame,
+    HelloFrame,
+    ReplyItem,
+    StatsFrame,
+    StatsRequest,
+    StepFrame,
+    decode_engine_frame,
+    encode,
+)
 from gateway.errors import GatewayError
+from gateway.retry import Backoff
 
 log = logging.getLogger("gateway.engines")
+
+__all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "engine_unavailable"]
 
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are JSON-encoded off the event loop
 
@@ -39,78 +56,87 @@ def engine_unavailable(detail: str = "") -> GatewayError:
     return GatewayError("engine_unavailable", msg + (f" ({detail})" if detail else ""))
 
 
-@dataclass
-class EngineInfo:
-    """The engine's ``hello``: model name, context limit (tokens), KV block size and
-    count (tokens per block, blocks), and the rest of the frame in ``raw``."""
-
-    model: str
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    raw: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_hello(cls, frame: dict[str, Any]) -> EngineInfo:
-        """Read a ``hello`` frame (missing numbers become 0)."""
-        return cls(str(frame.get("model", "")), int(frame.get("max_model_len", 0)),
-                   int(frame.get("block_size", 0)), int(frame.get("num_blocks", 0)), dict(frame))
-
-
 class EngineRequest:
-    """One generation in flight on an engine. Read its frames (``delta``, then ``done``
-    or ``error``) with ``next()``; always ``close()`` it (it unregisters the id)."""
+    """One generation in flight on an engine. Read its items (``DeltaFrame``s, then one
+    ``DoneFrame`` or ``ErrorFrame``) with ``next()``; always ``close()`` it (it
+    unregisters the id, and aborts the request if it has not ended)."""
 
     def __init__(self, client: EngineClient, request_id: str) -> None:
         self.client = client
         self.request_id = request_id
-        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.queue: asyncio.Queue[ReplyItem | None] = asyncio.Queue()  # None: a wake-up
+        self.ended = False
 
-    async def next(self, timeout: float | None = None) -> dict[str, Any]:
-        """The next frame of this request.
+    def _take(self, item: ReplyItem | None) -> ReplyItem | None:
+        if isinstance(item, (DoneFrame, ErrorFrame)):
+            self.ended = True
+        return item
+
+    async def next(self, timeout: float | None = None) -> ReplyItem | None:
+        """The next item of this request; None when ``wake`` was called.
 
         Raises:
             asyncio.TimeoutError: nothing arrived within ``timeout`` seconds.
         """
         if timeout is None:
-            return await self.queue.get()
-        return await asyncio.wait_for(self.queue.get(), timeout)
+            return self._take(await self.queue.get())
+        return self._take(await asyncio.wait_for(self.queue.get(), timeout))
 
-    def ready(self) -> list[dict[str, Any]]:
-        """The frames that have already arrived (possibly none), without waiting."""
+    def ready(self) -> list[ReplyItem]:
+        """The items that have already arrived (possibly none), without waiting."""
         out = []
         while not self.queue.empty():
-            out.append(self.queue.get_nowait())
+            item = self._take(self.queue.get_nowait())
+            if item is not None:
+                out.append(item)
         return out
+
+    def wake(self) -> None:
+        """Make a waiting ``next`` return None (its caller re-checks its own state)."""
+        self.queue.put_nowait(None)
 
     async def abort(self) -> None:
         """Ask the engine to stop this request now (it answers with ``done``/"abort")."""
         await self.client.abort(self.request_id)
 
     def close(self) -> None:
-        """Stop routing frames of this id to this handle."""
-        self.client._requests.pop(self.request_id, None)
+        """Stop routing items of this id to this handle; a request that has not ended is
+        aborted in the engine (a reply nobody reads must not keep generating)."""
+        if self.client._requests.get(self.request_id) is self:
+            del self.client._requests[self.request_id]
+            if not self.ended:
+                self.client.abort_soon(self.request_id)
 
 
 class EngineClient:
     """One multiplexed connection to one engine, reconnecting with backoff.
 
+    ``healthy`` (and the ``engine_up`` metric) means the link is open and the engine's
+    ``hello`` arrived; a busy engine stays healthy (its socket reader never waits for a
+    step). ``last_stats`` is the engine's latest ``stats`` answer and ``stats_taken_at``
+    the monotonic time of the snapshot it came from.
+
     Args:
         url: the engine's ``ws://host:port`` address.
         max_backoff_s: the longest wait between reconnect attempts (seconds).
+        open_timeout_s: how long a connection attempt and its ``hello`` may take (seconds).
     """
 
     def __init__(self, url: str, max_backoff_s: float = 5.0, open_timeout_s: float = 10.0) -> None:
         self.url = url
         self.info: EngineInfo | None = None
+        self.protocol_version = 0
         self.max_backoff_s = max_backoff_s
         self.open_timeout_s = open_timeout_s
         self._ws: ClientConnection | None = None
         self._requests: dict[str, EngineRequest] = {}
-        self._stats_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
+        self._stats_waiter: asyncio.Future[StatsFrame] | None = None
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
         self.connects_total = 0
+        self.last_stats: dict[str, Any] | None = None
+        self.stats_taken_at: float | None = None
 
     @property
     def healthy(self) -> bool:
@@ -139,71 +165,72 @@ class EngineClient:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
+        for t in list(self._aborts):
+            t.cancel()
         self._lost("gateway shutting down")
 
     async def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(0.1, self.max_backoff_s, jitter=0.5)
         while True:
             try:
                 async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
                                    ping_interval=20, ping_timeout=60, close_timeout=2) as ws:
-                    hello = json.loads(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
-                    if hello.get("type") != "hello":
-                        raise ConnectionError(f"engine sent {hello.get('type')!r} instead of hello")
-                    self.info = EngineInfo.from_hello(hello)
+                    hello = decode_engine_frame(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
+                    if not isinstance(hello, HelloFrame):
+                        raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")
+                    self.info, self.protocol_version = hello.info, hello.protocol_version
                     self._ws = ws
                     self.connects_total += 1
                     self._ready.set()
-                    backoff = 0.1
+                    backoff.reset()
                     log.info("connected to engine %s (%s)", self.url, self.info.model)
                     async for raw in ws:
                         try:
-                            frame = json.loads(raw)
-                        except ValueError:
-                            log.warning("engine %s sent a frame that is not JSON; ignored", self.url)
-                            continue
-                        self._dispatch(frame)
+                            self._dispatch(decode_engine_frame(raw))
+                        except FrameError as e:
+                            log.warning("engine %s sent a malformed frame (%s); ignored", self.url, e)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure means "reconnect"; log without a traceback
                 log.warning("engine %s unreachable: %s", self.url, e)
             self._lost("connection to the engine was lost")
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, self.max_backoff_s)
+            await backoff.sleep()
 
-    def _dispatch(self, frame: dict[str, Any]) -> None:
-        kind = frame.get("type")
-        if kind == "stats":
-            while self._stats_waiters:
-                fut = self._stats_waiters.popleft()
-                if not fut.done():
-                    fut.set_result(frame)
-                    break
-            return
-        rid = frame.get("request_id")
-        req = self._requests.get(rid) if rid is not None else None
+    def _route(self, item: ReplyItem) -> None:
+        req = self._requests.get(item.request_id) if item.request_id is not None else None
         if req is not None:
-            req.queue.put_nowait(frame)
-        elif kind == "error":
-            log.warning("engine %s error without a live request: %s", self.url, frame)
+            req.queue.put_nowait(item)
+        elif isinstance(item, ErrorFrame):
+            log.warning("engine %s error without a live request: %s %s", self.url, item.code, item.message)
+
+    def _dispatch(self, frame: EngineFrame) -> None:
+        if isinstance(frame, StepFrame):
+            for item in frame.items:
+                self._route(item)
+        elif isinstance(frame, StatsFrame):
+            self.last_stats = frame.stats
+            self.stats_taken_at = time.monotonic() - frame.age_ms / 1000
+            fut, self._stats_waiter = self._stats_waiter, None
+            if fut is not None and not fut.done():
+                fut.set_result(frame)
+        elif isinstance(frame, (DeltaFrame, DoneFrame, ErrorFrame)):
+            self._route(frame)  # an item sent on its own (a refused generate)
 
     def _lost(self, why: str) -> None:
         self._ready.clear()
         self._ws = None
         for req in list(self._requests.values()):
-            req.queue.put_nowait({"type": "error", "request_id": req.request_id,
-                                  "code": "engine_unavailable", "message": why})
+            req.queue.put_nowait(ErrorFrame("engine_unavailable", why, req.request_id))
         self._requests.clear()
-        while self._stats_waiters:
-            fut = self._stats_waiters.popleft()
-            if not fut.done():
-                fut.set_exception(engine_unavailable(why))
+        fut, self._stats_waiter = self._stats_waiter, None
+        if fut is not None and not fut.done():
+            fut.set_exception(engine_unavailable(why))
+            fut.exception()  # retrieved: nobody may be waiting any more
 
-    async def _send(self, frame: dict[str, Any], big: bool = False) -> None:
+    async def _send_text(self, text: str) -> None:
         ws = self._ws
         if ws is None:
             raise engine_unavailable("not connected")
-        text = await asyncio.to_thread(json.dumps, frame) if big else json.dumps(frame)
         try:
             await ws.send(text)
         except websockets.ConnectionClosed as e:
@@ -213,7 +240,7 @@ class EngineClient:
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False) -> EngineRequest:
-        """Start a generation; read its frames from the returned handle. With
+        """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
         (docs/protocol.md section 1) instead of refusing the request.
 
@@ -222,27 +249,16 @@ class EngineClient:
         """
         if not self.healthy:
             raise engine_unavailable("not connected")
-        frame: dict[str, Any] = {"type": "generate", "request_id": request_id}
-        size = 0
-        if messages is not None:
-            frame["messages"] = messages
-            size = sum(len(m.get("content", "")) for m in messages)
-        if prompt_token_ids is not None:
-            frame["prompt_token_ids"] = prompt_token_ids
-        if prefix_token_ids:
-            frame["prefix_token_ids"] = prefix_token_ids
-            size += 8 * len(prefix_token_ids)
-        if params:
-            frame["params"] = params
-        if cache_salt:
-            frame["cache_salt"] = cache_salt
-        if clamp_max_tokens:
-            frame["clamp_max_tokens"] = True
+        frame = GenerateFrame(request_id, messages, prompt_token_ids, prefix_token_ids or None, params or None,
+                              cache_salt or "", clamp_max_tokens)
+        size = sum(len(m.get("content", "")) for m in messages or []) + 8 * len(prefix_token_ids or [])
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
         try:
-            await self._send(frame, big=size > BIG_FRAME_CHARS)
+            text = await asyncio.to_thread(encode, frame) if size > BIG_FRAME_CHARS else encode(frame)
+            await self._send_text(text)
         except BaseException:
+            req.ended = True  # never reached the engine (or the link is gone): nothing to abort
             req.close()
             raise
         return req
@@ -250,26 +266,39 @@ class EngineClient:
     async def abort(self, request_id: str) -> None:
         """Abort a request (a no-op when disconnected: the engine already aborted it)."""
         try:
-            await self._send({"type": "abort", "request_id": request_id})
+            await self._send_text(encode(AbortFrame(request_id)))
         except GatewayError:
             pass
 
+    def abort_soon(self, request_id: str) -> None:
+        """``abort`` in the background (from synchronous code)."""
+        if self._ws is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The engine's ``stats`` frame (KV blocks free/used/cached, running, ...).
+        """The engine's counters (KV blocks free/used/cached, running, ...), from the
+        snapshot it took at the end of its last step. Concurrent callers share one
+        ``stats`` round trip.
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected or no answer in time.
         """
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(fut)
+        fut = self._stats_waiter
+        if fut is None or fut.done():
+            fut = self._stats_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._send_text(encode(StatsRequest()))
+            except GatewayError:
+                self._stats_waiter = None
+                raise
         try:
-            await self._send({"type": "stats"})
-            return await asyncio.wait_for(fut, timeout)
+            frame = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise engine_unavailable("no stats answer") from None
-        finally:
-            if fut in self._stats_waiters:
-                self._stats_waiters.remove(fut)
+        return dict(frame.stats)
 
 
 def _rank(key: str, url: str) -> int:

@@ -2,11 +2,14 @@
 
 ``GenerationManager.chat``/``regenerate`` reserve the turn in the store (chat lock,
 user message), write the reply stream's start entry and spawn one task per reply.
-The task sends ``generate`` to the engine, appends each engine frame's text (frames
-already waiting are coalesced into one entry) to the reply's Redis Stream, stores the
-finished message with its token segments, and only then writes ``done``. Sockets
-only tail the stream, so a dropped socket does not stop a reply; ``cancel`` aborts the
-engine request at once and the partial reply is stored with status "partial".
+The task sends ``generate`` to the engine (``replies.EngineRun``), appends the text of
+each batch of engine items (everything that arrived since its last write: one entry per
+engine step, or fewer) to the reply's Redis Stream, stores the finished message with its
+token segments, and only then writes ``done``. Each entry also goes to the reply's
+in-memory ``ReplyLog`` once written, from which sockets and SSE responses on this gateway
+take it directly (``tails.py``); other replicas and later readers tail the stream. A
+dropped socket does not stop a reply; ``cancel`` aborts the engine request at once and
+the partial reply is stored with status "partial".
 
 Failure policy (documented in docs/protocol.md): a turn the engine refuses before
 producing anything (``context_length_exceeded``, ``invalid_request``, no engine) is
@@ -36,19 +39,23 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from engine.errors import InvalidRequestError
+from engine.protocol import DoneFrame, ErrorFrame
 from engine.sampling_params import SamplingParams
 from gateway.config import GatewayConfig
-from gateway.engines import EngineClient, EngineRequest, EngineRouter
+from gateway.engines import EngineRouter
 from gateway.errors import GatewayError, not_found
 from gateway.events import EventFanout, GenerationEvents
-from gateway.sessions import History, SessionStore, TurnBegun
-from gateway.streams import ReplyStreams
+from gateway.replies import PASSTHROUGH_CODES, EngineRun, user_code
+from gateway.retry import Backoff, is_store_unavailable, retry
+from gateway.sessions import History, SessionStore, TurnBegun, dumps
+from gateway.streams import ReplyStreams, StreamEntry
+from gateway.tails import ReplyLog
 
 log = logging.getLogger("gateway.generation")
 T = TypeVar("T")
 
-# engine error codes shown to the user as they are; any other becomes internal_error
-PASSTHROUGH_CODES = {"context_length_exceeded", "invalid_request", "engine_unavailable"}
+__all__ = ["PASSTHROUGH_CODES", "GenerationManager", "StartedTurn", "merge_params"]
+
 ABORT_RESEND_S = 0.2  # seconds between repeated aborts until the engine confirms one
 STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (seconds)
 LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
@@ -76,7 +83,9 @@ class _Turn:
     client_msg_id: str | None
     clamp_max_tokens: bool = True
     task: asyncio.Task[None] | None = None
-    request: EngineRequest | None = None
+    run: EngineRun | None = None
+    log: ReplyLog = field(default_factory=ReplyLog)
+    synthetic_end: bool = False  # ended here after cancel_grace_s without the engine's word
     cancel_requested: bool = False
     cancel_deadline: float | None = None
     seq: int = 0
@@ -162,14 +171,15 @@ class GenerationManager:
         channel = self.store.keys.cancel_channel()
         down_since: float | None = None
         last_log = 0.0
-        backoff = STORE_BACKOFF_S[0]
+        backoff = Backoff(*STORE_BACKOFF_S)
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
                 if down_since is not None:
                     log.info("cancel listener: Redis is back after %.0f s", time.monotonic() - down_since)
-                    down_since, backoff = None, STORE_BACKOFF_S[0]
+                    down_since = None
+                    backoff.reset()
                 async for msg in pubsub.listen():
                     turn = self.running.get(str(msg.get("data")))
                     if turn is not None:
@@ -183,8 +193,7 @@ class GenerationManager:
                     log.warning("cancel listener: %s; retrying in the background", e)
                     last_log = now
                 down_since = down_since if down_since is not None else now
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, STORE_BACKOFF_S[1])
+                await backoff.sleep()
             finally:
                 try:
                     await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
@@ -199,24 +208,20 @@ class GenerationManager:
         Raises:
             GatewayError: ``store_unavailable`` once the time is up.
         """
-        deadline = time.monotonic() + self.config.store_retry_s
-        backoff = STORE_BACKOFF_S[0]
         failed = False
-        while True:
-            try:
-                res = await op()
-                if failed:
-                    log.info("reply %s: %s succeeded after Redis came back", rid, what)
-                return res
-            except GatewayError as e:
-                if e.code != "store_unavailable" or time.monotonic() + backoff > deadline:
-                    raise
-                if not failed:
-                    log.warning("reply %s: Redis unreachable; keeping the reply in memory and retrying %s "
-                                "for up to %.0f s", rid, what, self.config.store_retry_s)
-                    failed = True
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, STORE_BACKOFF_S[1])
+
+        def warn(_e: BaseException) -> None:
+            nonlocal failed
+            if not failed:
+                log.warning("reply %s: Redis unreachable; keeping the reply in memory and retrying %s "
+                            "for up to %.0f s", rid, what, self.config.store_retry_s)
+                failed = True
+
+        res = await retry(op, budget_s=self.config.store_retry_s, retryable=is_store_unavailable,
+                          backoff=Backoff(*STORE_BACKOFF_S), on_retry=warn)
+        if failed:
+            log.info("reply %s: %s succeeded after Redis came back", rid, what)
+        return res
 
     # ---- starting a reply ------------------------------------------------------------
 
@@ -262,6 +267,11 @@ class GenerationManager:
         self._require_engine()
         begun = await self.store.begin_turn(owner, info.id, mode="regenerate", replaces=replaces)
         return await self._launch(owner, info.id, begun, merged, info.system_prompt, None)
+
+    def reply_log(self, request_id: str) -> ReplyLog | None:
+        """The in-memory entries of a reply running on this gateway, else None."""
+        turn = self.running.get(request_id)
+        return turn.log if turn is not None else None
 
     def _require_engine(self) -> None:
         if not self.router.healthy:
@@ -317,9 +327,9 @@ class GenerationManager:
             return
         turn.cancel_requested = True
         turn.cancel_deadline = time.monotonic() + self.config.cancel_grace_s
-        if turn.request is not None:
-            await turn.request.abort()
-            turn.request.queue.put_nowait({"type": "_wake"})  # re-evaluate the deadline
+        if turn.run is not None:
+            await turn.run.abort()
+            turn.run.wake()  # re-evaluate the deadline
 
     # ---- the reply task ----------------------------------------------------------------
 
@@ -341,8 +351,11 @@ class GenerationManager:
             await self._end_with_error(turn, "internal_error", "the reply failed unexpectedly")
         finally:
             lease.cancel()
-            if turn.request is not None:
-                turn.request.close()
+            if turn.run is not None:
+                turn.run.close()
+            if turn.log.end is None:  # ended without its end entry (a bug, or cancelled): tell followers
+                turn.log.finish(StreamEntry("error", turn.log.last_seq, {
+                    "code": "internal_error", "message": "the reply failed unexpectedly"}))
             self.running.pop(rid, None)
 
     async def _keep_lease(self, turn: _Turn) -> None:
@@ -355,77 +368,51 @@ class GenerationManager:
             except GatewayError:
                 pass  # Redis is down; the reply task itself reports it
 
-    async def _generate(self, turn: _Turn, history: History) -> dict[str, Any]:
-        """Run the reply on an engine (failing over while nothing was produced); returns
-        the terminal engine frame (``done`` or ``error``)."""
-        tried: list[EngineClient] = []
-        while True:
-            engine = self.router.pick(turn.session_id, exclude=tried)  # raises when none is left
-            tried.append(engine)
-            try:
-                # browser turns clamp max_tokens to the context left, so a high per-chat
-                # max_tokens never makes every turn fail; the OpenAI API keeps the strict check
-                turn.request = await engine.generate(turn.begun.request_id, history.messages,
-                                                     history.prefix_token_ids, turn.params,
-                                                     clamp_max_tokens=turn.clamp_max_tokens)
-            except GatewayError as e:
-                if e.code == "engine_unavailable" and not turn.cancel_requested:
-                    continue  # it dropped between pick and send: try the next one
-                raise
-            if turn.cancel_requested:
-                await turn.request.abort()
-            end = await self._pump(turn)
-            if end.get("type") == "error" and end.get("code") == "engine_unavailable" and not turn.produced \
-                    and not turn.cancel_requested:
-                turn.request.close()
-                if any(c.healthy and c not in tried for c in self.router.clients):
-                    continue  # fail over: nothing was shown yet
-            return end
+    async def _generate(self, turn: _Turn, history: History) -> DoneFrame | ErrorFrame:
+        """Run the reply on an engine (``EngineRun`` fails over while nothing was
+        produced); returns the final engine item."""
+        # browser turns clamp max_tokens to the context left, so a high per-chat
+        # max_tokens never makes every turn fail; the OpenAI API keeps the strict check
+        run = turn.run = EngineRun(self.router, turn.begun.request_id, turn.session_id, history.messages,
+                                   history.prefix_token_ids, turn.params, turn.clamp_max_tokens)
+        run.cancelled = turn.cancel_requested
+        await run.start()  # raises engine_unavailable when no engine is left
+        if turn.cancel_requested:
+            await run.abort()
+        return await self._pump(turn, run)
 
-    async def _pump(self, turn: _Turn) -> dict[str, Any]:
-        """Copy engine frames to the reply stream until the terminal frame.
+    async def _pump(self, turn: _Turn, run: EngineRun) -> DoneFrame | ErrorFrame:
+        """Copy engine batches to the reply stream until the final item.
 
         After a cancel the abort is re-sent every ``ABORT_RESEND_S`` until the engine
         confirms it: an abort that reaches the engine while it is still preparing the
         request (tokenizing) finds no request to stop. After ``cancel_grace_s`` without
         a confirmation the reply ends here anyway (a synthetic "abort").
         """
-        req = turn.request
-        assert req is not None
         last_abort = time.monotonic()
         while True:
             timeout = None
             if turn.cancel_deadline is not None:
                 now = time.monotonic()
                 if now >= turn.cancel_deadline:
-                    return {"type": "done", "finish_reason": "abort", "synthetic": True}
+                    turn.synthetic_end = True
+                    return DoneFrame(turn.begun.request_id, finish_reason="abort")
                 if now - last_abort >= ABORT_RESEND_S:
-                    await req.abort()
+                    await run.abort()
                     last_abort = now
                 timeout = min(turn.cancel_deadline - now, ABORT_RESEND_S)
-            try:
-                frames = [await req.next(timeout)] + req.ready()
-            except asyncio.TimeoutError:
+            batch = await run.next(timeout)
+            if batch is None:
                 continue  # re-check the deadline, re-send the abort
-            text, n_tokens, end = [], 0, None
-            for f in frames:
-                kind = f.get("type")
-                if kind in ("delta", "done"):
-                    text.append(f.get("text") or "")
-                    ids = f.get("token_ids") or []
-                    turn.output_ids.extend(ids)
-                    n_tokens += len(ids)
-                if kind in ("done", "error"):
-                    end = f
-                    break
-            chunk = "".join(text)
-            if chunk:
-                turn.parts.append(chunk)
-                turn.unsent.append(chunk)
+            turn.output_ids.extend(batch.token_ids)
+            if batch.text:
+                turn.parts.append(batch.text)
+                turn.unsent.append(batch.text)
                 await self._write_unsent(turn)
-                self.events.on_delta(turn.begun.request_id, n_tokens, len(chunk), time.perf_counter())
-            if end is not None:
-                return end
+                self.events.on_delta(turn.begun.request_id, len(batch.token_ids), len(batch.text),
+                                     time.perf_counter())
+            if batch.end is not None:
+                return batch.end
 
     async def _write_unsent(self, turn: _Turn) -> None:
         """Append the text not yet in the reply stream as the next delta; while Redis
@@ -442,12 +429,14 @@ class GenerationManager:
                 if written is not None:
                     rest = "".join(turn.unsent)[len(written):]
                     turn.seq += 1
+                    turn.log.append(turn.seq, written)
                     turn.unsent = [rest] if rest else []
                     if not rest:
                         turn.store_retry_at = 0.0
                         return
             turn.delta_uncertain = True
-            await self.streams.delta(rid, turn.seq + 1, "".join(turn.unsent))
+            text = "".join(turn.unsent)
+            await self.streams.delta(rid, turn.seq + 1, text)
             turn.delta_uncertain = False
         except GatewayError as e:
             if e.code != "store_unavailable":
@@ -458,6 +447,7 @@ class GenerationManager:
             turn.store_retry_at = time.monotonic() + 1.0
             return
         turn.seq += 1
+        turn.log.append(turn.seq, text)
         turn.unsent.clear()
         turn.store_retry_at = 0.0
 
@@ -472,12 +462,11 @@ class GenerationManager:
         if turn.unsent:
             await self._store_retrying(turn.begun.request_id, "writing the reply stream", write)
 
-    async def _finish(self, turn: _Turn, history: History, end: dict[str, Any]) -> None:
+    async def _finish(self, turn: _Turn, history: History, end: DoneFrame | ErrorFrame) -> None:
         rid, begun = turn.begun.request_id, turn.begun
-        if end.get("type") == "error":
-            code = end.get("code", "engine_error")
-            code = code if code in PASSTHROUGH_CODES else "internal_error"
-            message = str(end.get("message") or "the engine refused the request")
+        if isinstance(end, ErrorFrame):
+            code = user_code(end)
+            message = end.message or "the engine refused the request"
             if code == "context_length_exceeded" and turn.clamp_max_tokens:
                 message = _context_message(message, self.router.info())
             if code == "engine_unavailable" and turn.produced:
@@ -485,19 +474,19 @@ class GenerationManager:
                            "It is being restarted: try again in a moment")
             await self._end_with_error(turn, code, message)
             return
-        reason = end.get("finish_reason", "stop")
-        usage = {k: int((end.get("usage") or {}).get(k, 0)) for k in ("prompt_tokens", "cached_tokens",
-                                                                        "completion_tokens")}
-        timings = {k: float((end.get("timings") or {}).get(k, 0.0)) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
-        if end.get("synthetic"):
+        reason = end.finish_reason
+        usage = {"prompt_tokens": end.usage.prompt_tokens, "cached_tokens": end.usage.cached_tokens,
+                 "completion_tokens": end.usage.completion_tokens}
+        timings = {"ttft_ms": end.timings.ttft_ms, "tpot_ms": end.timings.tpot_ms, "e2e_ms": end.timings.e2e_ms}
+        if turn.synthetic_end:
             usage["completion_tokens"] = len(turn.output_ids)
         assistant = {"content": "".join(turn.parts), "status": "partial" if reason == "abort" else "complete",
                      "finish_reason": reason, "usage": usage, "timings": timings, "created_at": time.time(),
                      "request_id": rid}
         user_seg = a_seg = None
-        if "prompt_token_ids" in end:
-            user_seg = history.user_segment(list(end["prompt_token_ids"]), bool(end.get("prefix_reused")))
-            a_seg = {"ids": list(end.get("output_token_ids", turn.output_ids)), "base": False}
+        if not turn.synthetic_end:
+            user_seg = history.user_segment(list(end.prompt_token_ids), end.prefix_reused)
+            a_seg = {"ids": list(end.output_token_ids), "base": False}
         try:
             await self._flush_unsent(turn)
             stored = await self._store_retrying(rid, "storing the reply", lambda: self.store.finish_turn(
@@ -509,9 +498,11 @@ class GenerationManager:
             if begun.title and await self._title_kept(turn):
                 done["title"] = begun.title  # not when the chat was renamed while the reply ran
             await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
+            turn.log.finish(StreamEntry("done", turn.seq, {"t": "done", "d": dumps(done)}))
         except GatewayError as e:
             log.error("reply %s could not be stored within %.0f s (%s); it is lost",
                       rid, self.config.store_retry_s, e.message)
+            self._log_gave_up(turn)
         self.events.on_finish(rid, reason, usage, timings, time.perf_counter())
 
     async def _title_kept(self, turn: _Turn) -> bool:
@@ -533,6 +524,7 @@ class GenerationManager:
                     turn.owner, turn.session_id, begun, turn.client_msg_id))
                 await self._store_retrying(rid, "ending the reply stream",
                                            lambda: self.streams.error(rid, turn.seq, code, message))
+                turn.log.finish(StreamEntry("error", turn.seq, {"t": "error", "code": code, "message": message}))
                 return
             await self._flush_unsent(turn)
             assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
@@ -546,6 +538,15 @@ class GenerationManager:
                     "finish_reason": "error", "usage": assistant["usage"], "timings": assistant["timings"],
                     "error": {"code": code, "message": message}}
             await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
+            turn.log.finish(StreamEntry("done", turn.seq, {"t": "done", "d": dumps(done)}))
         except GatewayError as e:
             log.error("reply %s could not be closed in the store within %.0f s: %s",
                       rid, self.config.store_retry_s, e.message)
+            self._log_gave_up(turn)
+
+    @staticmethod
+    def _log_gave_up(turn: _Turn) -> None:
+        """Followers on this gateway hear that the store gave up (those reading the
+        stream hear nothing more, as the stream got no end entry)."""
+        turn.log.finish(StreamEntry("error", turn.log.last_seq, {
+            "t": "error", "code": "store_unavailable", "message": "the chat store (Redis) is unreachable"}))

@@ -8,14 +8,18 @@ Three feeds (metric names in docs/protocol.md section 4):
   histograms from the engine's ``timings``, prompt / cached / completion token counters
   from its ``usage``, replies by finish reason, failures by code.
 * ``StateCollector``: read at scrape time. Each scrape first asks every connected engine
-  for a ``stats`` frame (in parallel, ``stats_timeout_s`` each), then reports KV blocks,
-  running / waiting requests, preemptions and token totals labelled ``engine=<url>``,
-  plus the gateway's open WebSockets (``app.state.ws_stats``).
+  for a ``stats`` frame (in parallel, ``stats_timeout_s`` each; the engine answers at
+  once from the snapshot it took at the end of its last step, and concurrent scrapes
+  share one round trip), then reports KV blocks, running / waiting requests,
+  preemptions and token totals labelled ``engine=<url>``, the age of that snapshot,
+  plus the gateway's open WebSockets (``app.state.ws_stats``). ``engine_up`` is the
+  link's state (open and greeted), not whether the last stats answer came in time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +69,14 @@ ENGINE_COUNTERS = {
 
 @dataclass
 class EngineSnapshot:
-    """One engine as last seen: its URL, whether it answered, its model and ``stats`` frame."""
+    """One engine as last seen: its URL, whether its link is up, its model, its latest
+    ``stats`` and that snapshot's age (seconds; None when it never answered)."""
 
     url: str
     up: bool
     model: str = ""
     stats: dict[str, Any] | None = None
+    stats_age_s: float | None = None
 
 
 class StateCollector(Collector):
@@ -92,20 +98,27 @@ class StateCollector(Collector):
             if not c.healthy:
                 return EngineSnapshot(c.url, False, model)
             try:
-                return EngineSnapshot(c.url, True, model, await c.stats(timeout=timeout_s))
+                await c.stats(timeout=timeout_s)
             except (GatewayError, asyncio.TimeoutError):
-                return EngineSnapshot(c.url, False, model)
+                pass  # the link is what engine_up reports; the stats age shows a late answer
+            age = None if c.stats_taken_at is None else max(0.0, time.monotonic() - c.stats_taken_at)
+            return EngineSnapshot(c.url, c.healthy, model, c.last_stats, age)
 
         self.engines = list(await asyncio.gather(*(one(c) for c in clients)))
         self.ws_stats = getattr(state, "ws_stats", None)
 
     def collect(self) -> Iterable[Metric]:
-        up = GaugeMetricFamily("engine_up", "1 when the engine answered the last stats request.", labels=["engine"])
+        up = GaugeMetricFamily("engine_up", "1 while the link to the engine is open and its hello arrived.",
+                               labels=["engine"])
+        age = GaugeMetricFamily("engine_stats_age_seconds", "Age of the engine's latest stats snapshot (taken "
+                                "at the end of an engine step).", labels=["engine"])
         info = GaugeMetricFamily("engine_info", "The model each engine serves (value 1).", labels=["engine", "model"])
         gauges = {k: GaugeMetricFamily(n, h, labels=["engine"]) for k, (n, h) in ENGINE_GAUGES.items()}
         counters = {k: CounterMetricFamily(n, h, labels=["engine"]) for k, (n, h) in ENGINE_COUNTERS.items()}
         for e in self.engines:
             up.add_metric([e.url], 1.0 if e.up else 0.0)
+            if e.stats_age_s is not None:
+                age.add_metric([e.url], e.stats_age_s)
             if e.model:
                 info.add_metric([e.url, e.model], 1.0)
             families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [*gauges.items(),
@@ -114,6 +127,7 @@ class StateCollector(Collector):
                 if e.stats is not None and isinstance(e.stats.get(key), (int, float)):
                     fam.add_metric([e.url], float(e.stats[key]))
         yield up
+        yield age
         yield info
         yield from gauges.values()
         yield from counters.values()

@@ -4,12 +4,14 @@ A reply is read as batches of events (``Delta``, then one ``Finished`` or ``Fail
 from one of two sources:
 
 * ``EngineReply``: a stateless request, sent straight to an engine over the internal
-  protocol (no Redis: the HTTP API has no resume). It fails over to another
-  engine while nothing was produced, and reports to the ``GenerationEvents`` hooks
-  itself (the browser's replies report through ``GenerationManager``).
+  protocol (no Redis: the HTTP API has no resume) through ``replies.EngineRun``, which
+  fails over to another engine while nothing was produced, the same path the browser's
+  replies take. It reports to the ``GenerationEvents`` hooks itself (the browser's
+  replies report through ``GenerationManager``).
 * ``SessionReply``: a request linked to a stored chat. The turn runs through
   ``GenerationManager`` exactly like a browser turn (chat lock, limits, token segments,
-  events) and is read back from its reply stream, so the UI sees it live too.
+  events) and is followed with ``tails.ReplyTail`` (from memory on this gateway), so
+  the UI sees it live too.
 
 ``DisconnectWatcher`` listens for ``http.disconnect`` while the reply runs; every wait
 on the source is raced against it, so a client that leaves during the prefill, the
@@ -27,17 +29,18 @@ from typing import Any, TypeVar
 
 from starlette.types import Receive
 
-from gateway.engines import EngineClient, EngineRequest, EngineRouter
+from engine.protocol import DoneFrame, ErrorFrame
+from gateway.engines import EngineClient, EngineRouter
 from gateway.errors import GatewayError
 from gateway.events import GenerationEvents
-from gateway.generation import PASSTHROUGH_CODES, GenerationManager, StartedTurn
+from gateway.generation import GenerationManager, StartedTurn
+from gateway.replies import EngineRun, user_code
 from gateway.streams import ReplyStreams, done_payload
+from gateway.tails import ReplyTail
 
 log = logging.getLogger("gateway.openai")
 
 T = TypeVar("T")
-TAIL_BATCH = 64  # reply-stream entries read at once
-TAIL_BLOCK_MS = 5000
 USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
@@ -145,16 +148,15 @@ class EngineReply:
         self.router = router
         self.events = events
         self.request_id = request_id
-        self.messages = messages
-        self.params = params
-        self.affinity_key = affinity_key
         self.model = model
         self.abort_grace_s = abort_grace_s
-        self.engine: EngineClient | None = None
-        self._req: EngineRequest | None = None
-        self._tried: list[EngineClient] = []
-        self._produced = False
+        self.run = EngineRun(router, request_id, affinity_key, messages, params=params, model=model)
         self._ended = False
+
+    @property
+    def engine(self) -> EngineClient | None:
+        """The engine serving the reply (None before ``start``)."""
+        return self.run.engine
 
     @property
     def model_name(self) -> str:
@@ -170,90 +172,61 @@ class EngineReply:
         """
         self.events.on_start(self.request_id, "", time.perf_counter())
         try:
-            await self._send()
+            await self.run.start()
         except GatewayError as e:
             self._ended = True
             self.events.on_error(self.request_id, e.code, time.perf_counter())
             raise
 
-    async def _send(self) -> None:
-        others = [c for c in self.router.clients
-                  if self.model is not None and (c.info is None or c.info.model != self.model)]
-        self.engine = self.router.pick(self.affinity_key, exclude=self._tried + others)
-        self._tried.append(self.engine)
-        self._req = await self.engine.generate(self.request_id, self.messages, params=self.params)
-
     async def next(self) -> list[ReplyEvent]:
         """The events that arrived (at least one; waits for it). Never raises."""
         while True:
-            assert self._req is not None
-            frames = [await self._req.next()] + self._req.ready()
-            text, n_tokens, end = [], 0, None
-            for f in frames:
-                if f.get("type") in ("delta", "done"):
-                    text.append(f.get("text") or "")
-                    n_tokens += len(f.get("token_ids") or [])
-                if f.get("type") in ("done", "error"):
-                    end = f
-                    break
-            if end is not None and end.get("type") == "error" and end.get("code") == "engine_unavailable" \
-                    and not self._produced and not text and await self._fail_over():
+            batch = await self.run.next()
+            if batch is None:
                 continue
             events: list[ReplyEvent] = []
-            chunk = "".join(text)
-            if chunk or n_tokens:
-                self._produced = True
-                events.append(Delta(chunk, n_tokens))
-                self.events.on_delta(self.request_id, n_tokens, len(chunk), time.perf_counter())
-            if end is not None:
-                events.append(self._end(end))
+            if batch.text or batch.token_ids:
+                events.append(Delta(batch.text, len(batch.token_ids)))
+                self.events.on_delta(self.request_id, len(batch.token_ids), len(batch.text), time.perf_counter())
+            if batch.end is not None:
+                events.append(self._end(batch.end))
             if events:
                 return events
 
-    async def _fail_over(self) -> bool:
-        """Resend to the next engine after a connection loss before any output."""
-        assert self._req is not None
-        self._req.close()
-        try:
-            await self._send()
-            return True
-        except GatewayError:
-            return False
-
-    def _end(self, frame: dict[str, Any]) -> ReplyEvent:
+    def _end(self, end: DoneFrame | ErrorFrame) -> ReplyEvent:
         self._ended = True
         now = time.perf_counter()
-        if frame.get("type") == "error":
-            code = frame.get("code", "engine_error")
-            code = code if code in PASSTHROUGH_CODES else "internal_error"
+        if isinstance(end, ErrorFrame):
+            code = user_code(end)
             self.events.on_error(self.request_id, code, now)
-            return Failed(code, str(frame.get("message") or "the engine refused the request"))
-        done = Finished(str(frame.get("finish_reason") or "stop"), _usage(frame), _timings(frame))
+            return Failed(code, end.message or "the engine refused the request")
+        usage = {k: int(getattr(end.usage, k)) for k in USAGE_KEYS}
+        timings = {k: float(getattr(end.timings, k)) for k in TIMING_KEYS}
+        done = Finished(end.finish_reason or "stop", usage, timings)
         self.events.on_finish(self.request_id, done.finish_reason, done.usage, done.timings, now)
         return done
 
     async def abort(self) -> None:
         """Abort in the engine (the client left) and wait, up to ``abort_grace_s``, for
-        its final frame, so that the engine has freed the request's KV blocks when
+        its final item, so that the engine has freed the request's KV blocks when
         this returns. A no-op once the reply ended."""
-        if self._ended or self._req is None:
+        if self._ended or self.run.request is None:
             return
-        await self._req.abort()
+        await self.run.abort()
         deadline = time.monotonic() + self.abort_grace_s
-        try:
-            while not self._ended:
-                frame = await self._req.next(max(0.0, deadline - time.monotonic()))
-                if frame.get("type") in ("done", "error"):
-                    self._end(frame)
-        except asyncio.TimeoutError:
-            self._ended = True
-            self.events.on_error(self.request_id, "engine_unavailable", time.perf_counter())
-            log.warning("engine did not confirm the abort of %s", self.request_id)
+        while not self._ended:
+            left = deadline - time.monotonic()
+            batch = await self.run.next(max(0.0, left)) if left > 0 else None
+            if batch is None and left <= 0:
+                self._ended = True
+                self.events.on_error(self.request_id, "engine_unavailable", time.perf_counter())
+                log.warning("engine did not confirm the abort of %s", self.request_id)
+            elif batch is not None and batch.end is not None:
+                self._end(batch.end)
 
     def close(self) -> None:
         """Unregister the request id from the engine connection."""
-        if self._req is not None:
-            self._req.close()
+        self.run.close()
 
 
 class SessionReply:
@@ -270,40 +243,33 @@ class SessionReply:
         self.request_id = started.request_id
         self.session_id = started.session_id
         self.model_name = model
-        self._cursor = 0
+        self._tail = ReplyTail(started.request_id, 0, streams, gens.reply_log, gens.config.store_retry_s)
         self._ended = False
 
     async def next(self) -> list[ReplyEvent]:
         """The entries that arrived, as events (waits for at least one). Never raises:
         a store failure becomes ``Failed("store_unavailable")``."""
         try:
-            while True:
-                entries = await self.streams.read(self.request_id, self._cursor, TAIL_BATCH, TAIL_BLOCK_MS)
-                if not entries and await self.streams.head(self.request_id) is None:
+            events: list[ReplyEvent] = []
+            for e in await self._tail.next():
+                if e.kind == "delta":
+                    events.append(Delta(e.fields.get("x", "")))
+                elif e.kind == "done":
                     self._ended = True
-                    return [Failed("not_found", "this reply is no longer available")]
-                events: list[ReplyEvent] = []
-                for e in entries:
-                    if e.kind == "delta":
-                        events.append(Delta(e.fields.get("x", "")))
-                        self._cursor = e.seq
-                    elif e.kind == "done":
-                        self._ended = True
-                        d = done_payload(e)
-                        err = d.get("error")
-                        if err:  # the reply broke after some text; that text is stored as partial
-                            events.append(Failed(err.get("code", "internal_error"), err.get("message", "")))
-                        else:
-                            events.append(Finished(d.get("finish_reason", "stop"), _usage(d), _timings(d)))
-                        break
-                    elif e.kind == "error":
-                        self._ended = True
-                        events.append(Failed(e.fields.get("code", "internal_error"), e.fields.get("message", "")))
-                        break
-                if events:
-                    return events
+                    d = done_payload(e)
+                    err = d.get("error")
+                    if err:  # the reply broke after some text; that text is stored as partial
+                        events.append(Failed(err.get("code", "internal_error"), err.get("message", "")))
+                    else:
+                        events.append(Finished(d.get("finish_reason", "stop"), _usage(d), _timings(d)))
+                elif e.kind == "error":
+                    self._ended = True
+                    events.append(Failed(e.fields.get("code", "internal_error"), e.fields.get("message", "")))
+            return events
         except GatewayError as e:
             self._ended = True
+            if e.code == "not_found":
+                return [Failed("not_found", "this reply is no longer available")]
             return [Failed(e.code, e.message)]
 
     async def abort(self) -> None:

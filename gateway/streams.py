@@ -9,21 +9,30 @@ Entry ids are chosen, not generated, so that a ``seq`` is its own cursor:
 
 Reading from id ``{k}-1`` returns exactly the deltas with seq > k and then the end.
 Writes are idempotent (re-adding a taken entry id is a no-op), so the generation
-task can retry them while Redis is away. Every write refreshes the key's TTL
-(``stream_ttl_s``), so a reply whose gateway died expires on its own; ``MAXLEN ~`` is
-a safety cap far above any reply's frame count.
+task can retry them while Redis is away. The writes of all replies made in one
+event-loop iteration (the replies of one engine step) go to Redis as one pipeline:
+each writer still waits for, and gets the outcome of, its own entry. The start and end
+entries refresh the key's TTL (``stream_ttl_s``), and so does a delta when the last
+refresh from this gateway is older than ``TTL_REFRESH_S`` (at most a quarter of the
+TTL), so a reply whose gateway died expires on its own; ``MAXLEN ~`` is a safety cap
+far above any reply's frame count.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
+from gateway.errors import GatewayError
 from gateway.sessions import Keys, dumps, redis_errors
+
+TTL_REFRESH_S = 60.0  # a running reply's stream TTL is refreshed at least this often (seconds)
 
 
 @dataclass(frozen=True)
@@ -60,20 +69,70 @@ class ReplyStreams:
         self.keys = keys
         self.ttl = ttl_s
         self.maxlen = maxlen
+        self._pending: list[tuple[str, str, dict[str, Any], asyncio.Future[None]]] = []
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._refreshed: dict[str, float] = {}  # key -> monotonic time of its last EXPIRE from here
+        self._refresh_s = min(TTL_REFRESH_S, ttl_s / 4)
 
     async def _add(self, rid: str, entry_id: str, fields: dict[str, Any]) -> None:
-        key = self.keys.gen(rid)
-        async with redis_errors():
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(key, cast("dict[Any, Any]", fields), id=entry_id, maxlen=self.maxlen, approximate=True)
-            pipe.expire(key, self.ttl)
-            try:
-                await pipe.execute()
-            except rexc.ResponseError as e:
-                # a retried write whose first try was applied (its answer was lost):
-                # the entry id is taken, so it is already there (writes are idempotent)
-                if "equal or smaller" not in str(e):
-                    raise
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush_soon)  # after this iteration's other writers
+        self._pending.append((self.keys.gen(rid), entry_id, fields, fut))
+        await fut
+
+    def _flush_soon(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            task = asyncio.create_task(self._flush(batch))
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, batch: list[tuple[str, str, dict[str, Any], asyncio.Future[None]]]) -> None:
+        """One pipeline (no MULTI: every command is idempotent) for the batch's entries;
+        each entry's future gets its own outcome."""
+        now = time.monotonic()
+        spans: list[tuple[int, int]] = []  # each entry's commands in the pipeline's results
+        try:
+            async with redis_errors():
+                pipe = self.redis.pipeline(transaction=False)
+                n = 0
+                for key, entry_id, fields, _ in batch:
+                    pipe.xadd(key, cast("dict[Any, Any]", fields), id=entry_id, maxlen=self.maxlen, approximate=True)
+                    kind = fields.get("t")
+                    if kind != "delta" or now - self._refreshed.get(key, 0.0) >= self._refresh_s:
+                        pipe.expire(key, self.ttl)
+                        spans.append((n, n + 2))
+                        n += 2
+                        if kind in ("done", "error"):
+                            self._refreshed.pop(key, None)
+                        else:
+                            self._refreshed[key] = now
+                    else:
+                        spans.append((n, n + 1))
+                        n += 1
+                results = await pipe.execute(raise_on_error=False)
+        except (GatewayError, rexc.RedisError) as e:
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        except BaseException as e:  # cancelled with the gateway, or a bug: no writer may hang
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, Exception) else GatewayError(
+                        "store_unavailable", "the chat store write was cancelled"))
+            raise
+        for (a, b), (*_, fut) in zip(spans, batch):
+            if fut.done():  # its writer was cancelled
+                continue
+            err = next((r for r in results[a:b] if isinstance(r, Exception)), None)
+            # a retried write whose first try was applied (its answer was lost): the entry
+            # id is taken, so it is already there (writes are idempotent)
+            if err is not None and "equal or smaller" not in str(err):
+                fut.set_exception(err)
+            else:
+                fut.set_result(None)
 
     async def open(self, rid: str, owner: str, session_id: str, message_id: str, user_message_id: str) -> None:
         """Write the start entry (before any socket subscribes)."""

@@ -1,8 +1,9 @@
 """The browser WebSocket ``/ws`` (docs/protocol.md section 2).
 
 Per socket there is one reader (frames in), one writer (frames out) and one tail task
-per reply the socket watches. Everything sent goes through a bounded outbox: a tail
-that finds the outbox full waits, so it reads its Redis Stream no faster than the
+per reply the socket watches (``tails.ReplyTail``: from the reply task's memory when the
+reply runs on this gateway, else from its Redis Stream). Everything sent goes through a
+bounded outbox: a tail that finds the outbox full waits, so it reads no faster than the
 client reads the socket, and the gateway holds at most ``ws_max_pending_frames`` frames
 plus one read batch per tail for a slow client (bounded outbound buffers (docs/acceptance.md)). A frame the client
 has not taken within ``ws_send_timeout_s`` marks the socket stalled: it is closed and
@@ -18,11 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.websockets import WebSocket
 
@@ -45,13 +43,13 @@ from gateway.protocol import (
     parse_client_frame,
 )
 from gateway.streams import ReplyStreams, StreamEntry, done_payload
+from gateway.tails import TAIL_BLOCK_MS, ReplyTail
+
+__all__ = ["TAIL_BLOCK_MS", "Connection", "WsStats", "websocket_endpoint"]
 
 log = logging.getLogger("gateway.ws")
-T = TypeVar("T")
 
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are decoded in a worker thread
-TAIL_BATCH = 32  # stream entries read at once per tail
-TAIL_BLOCK_MS = 5000
 
 
 @dataclass
@@ -221,52 +219,25 @@ class Connection:
 
     async def _tail(self, rid: str, head: StreamEntry, cursor: int) -> None:
         sid = head.fields.get("session_id")
+        tail = ReplyTail(rid, cursor, self.streams, self.gens.reply_log, self.store_retry_s)
         try:
             await self.send({"type": "start", "request_id": rid, "session_id": sid,
                              "message_id": head.fields.get("message_id"),
                              "user_message_id": head.fields.get("user_message_id") or None})
-            last = await self._patiently(lambda: self.streams.last(rid))
-            if last is not None and last.seq < cursor:
-                cursor = last.seq  # the client claims more than exists: send the end only
-            while True:
-                entries = await self._patiently(partial(self.streams.read, rid, cursor, TAIL_BATCH, TAIL_BLOCK_MS))
-                if not entries and await self._patiently(lambda: self.streams.head(rid)) is None:
-                    if rid in self.gens.running:
-                        continue  # its start entry is still waiting for Redis to come back
-                    await self.send(error_frame("not_found", "this reply is no longer available", rid, sid))
-                    return
-                for e in entries:
+            while not tail.done:
+                for e in await tail.next():
                     if e.kind == "delta":
                         await self.send({"type": "delta", "request_id": rid, "seq": e.seq, "text": e.fields["x"]})
-                        cursor = e.seq
                     elif e.kind == "done":
                         await self.send({"type": "done", **done_payload(e)})
-                        return
                     elif e.kind == "error":
                         await self.send(error_frame(e.fields.get("code", "internal_error"),
                                                     e.fields.get("message", ""), rid, sid))
-                        return
         except GatewayError as e:
-            await self.send(error_from(e, request_id=rid, session_id=sid))
-
-    async def _patiently(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Run a stream read, waiting out a Redis outage (backoff up to 5 s, at most
-        ``store_retry_s``): the reply task keeps the reply meanwhile, so the client
-        is not told it failed.
-
-        Raises:
-            GatewayError: ``store_unavailable`` once the time is up; other codes at once.
-        """
-        deadline = time.monotonic() + self.store_retry_s
-        backoff = 0.2
-        while True:
-            try:
-                return await op()
-            except GatewayError as e:
-                if e.code != "store_unavailable" or time.monotonic() + backoff > deadline:
-                    raise
-            await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, 5.0)
+            if e.code == "not_found":
+                await self.send(error_frame("not_found", "this reply is no longer available", rid, sid))
+            else:
+                await self.send(error_from(e, request_id=rid, session_id=sid))
 
     # ---- lifetime ----------------------------------------------------------------------
 

@@ -7,10 +7,12 @@ Pausing stops the engine's process (SIGSTOP; SIGCONT resumes it): the engine rea
 halts mid-reply with its KV blocks held, as a stalled engine would, and nothing in the
 product knows about the test. The relay sees every frame in both directions, so a test
 can pause the engine the moment it sends a chosen frame (``pause_on``: at most the frames
-of a step or two are already on their way), wait until the gateway has sent the engine a
+of a step or two are already on their way; the items of a ``step`` frame count as frames
+of their own here: ``from_engine`` and the predicates see them one by one), wait until the gateway has sent the engine a
 frame (``sent``: the ``abort`` that a Stop causes, the ``generate`` of a turn), and pass
 chosen requests' frames on one per interval (``throttle``: the gateway sees those replies
-stream slowly while the engine itself runs free). Frames pass unchanged.
+stream slowly while the engine itself runs free). Frames pass unchanged, except that a
+throttled request's items leave their step frame for a step frame of their own.
 
 An async test::
 
@@ -261,20 +263,42 @@ class EngineGate:
                     await asyncio.sleep(wait)
                 await down.send(message)
 
+        def laned(rid: Any) -> bool:
+            with self._lock:
+                slow = rid in self._throttled and self._throttle_s is not None
+            return isinstance(rid, str) and (slow or rid in lanes)
+
+        def to_lane(rid: str, message: Any) -> None:
+            if rid not in lanes:
+                lanes[rid] = asyncio.Queue()
+                senders.append(asyncio.create_task(lane(lanes[rid])))
+            lanes[rid].put_nowait(message)
+
         try:
             async for message in up:
                 frame = _parse(message)
-                self._on_engine_frame(frame)
-                rid = frame.get("request_id")
-                with self._lock:
-                    slow = rid in self._throttled and self._throttle_s is not None
-                if isinstance(rid, str) and (slow or rid in lanes):
-                    if rid not in lanes:
-                        lanes[rid] = asyncio.Queue()
-                        senders.append(asyncio.create_task(lane(lanes[rid])))
-                    lanes[rid].put_nowait(message)
-                else:
+                step = frame.get("type") == "step"
+                items = [i for i in frame.get("items", []) if isinstance(i, dict)] if step else [frame]
+                for item in items:
+                    self._on_engine_frame(item)
+                if not step:
+                    rid = frame.get("request_id")
+                    if laned(rid):
+                        to_lane(rid, message)
+                    else:
+                        await down.send(message)
+                    continue
+                # a step frame: a laned request's items leave it for a step frame of their own
+                rest = []
+                for item in items:
+                    if laned(item.get("request_id")):
+                        to_lane(item["request_id"], json.dumps({"type": "step", "items": [item]}))
+                    else:
+                        rest.append(item)
+                if len(rest) == len(items):
                     await down.send(message)
+                elif rest:
+                    await down.send(json.dumps({"type": "step", "items": rest}))
         except ConnectionClosed:
             pass
         finally:

@@ -2,8 +2,9 @@
 
 ``EngineTap.install(router)`` wraps ``_dispatch`` of every ``EngineClient`` of a running
 gateway (an instance attribute, so the gateway's code is unchanged) and records, per
-request id, ``(t_ns, text, n_tokens)`` for each ``delta``/``done`` frame at the moment the
-gateway's connection task hands it on, in ``time.monotonic_ns()`` (CLOCK_MONOTONIC on
+request id, ``(t_ns, text, n_tokens)`` for each ``delta``/``done`` item (of the engine's
+``step`` frames, typed as in ``engine.protocol``) at the moment the gateway's connection
+task hands it on, in ``time.monotonic_ns()`` (CLOCK_MONOTONIC on
 Linux: one clock for every process of the machine, so a client in another process can
 compare its own receipt times with these).
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+
+from engine.protocol import DeltaFrame, DoneFrame, StepFrame
 
 
 class EngineTap:
@@ -34,13 +37,13 @@ class EngineTap:
             n += 1
         return n
 
-    def _wrap(self, dispatch: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
-        def tapped(frame: dict[str, Any]) -> None:
-            if frame.get("type") in ("delta", "done"):
-                t = time.monotonic_ns()  # before the gateway's own handling of the frame
-                rid = str(frame.get("request_id"))
-                self.frames.setdefault(rid, []).append(
-                    (t, frame.get("text") or "", len(frame.get("token_ids") or [])))
+    def _wrap(self, dispatch: Callable[[Any], None]) -> Callable[[Any], None]:
+        def tapped(frame: Any) -> None:
+            t = time.monotonic_ns()  # before the gateway's own handling of the frame
+            items = frame.items if isinstance(frame, StepFrame) else [frame]
+            for item in items:
+                if isinstance(item, (DeltaFrame, DoneFrame)):
+                    self.frames.setdefault(item.request_id, []).append((t, item.text, len(item.token_ids)))
             dispatch(frame)
         return tapped
 

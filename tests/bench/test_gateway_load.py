@@ -9,6 +9,7 @@ import pytest
 from bench.gateway_load import LoadConfig, Reply, check_reply, gateway_added_ns, run_load
 from bench.serving_lib.stats import percentile, summarize
 from bench.serving_lib.tap import EngineTap
+from engine.protocol import DeltaFrame, DoneFrame, StatsFrame, StepFrame
 
 
 def test_each_engine_frame_is_matched_to_the_delta_that_delivered_it():
@@ -69,13 +70,14 @@ def test_tap_records_engine_frames_by_request_and_passes_them_on():
     tap = EngineTap()
     assert tap.install(Router) == 1 and tap.install(Router) == 0
     c = Router.clients[0]
-    c._dispatch({"type": "delta", "request_id": "x", "text": "hi", "token_ids": [5]})
-    c._dispatch({"type": "stats"})
-    c._dispatch({"type": "done", "request_id": "x", "text": "", "token_ids": []})
+    c._dispatch(StepFrame([DeltaFrame("x", "hi", [5]), DeltaFrame("y", "yo", [6, 7])]))
+    c._dispatch(StatsFrame({}))
+    c._dispatch(StepFrame([DoneFrame("x")]))
     assert len(c.seen) == 3
     snap = tap.snapshot()
     assert [f[1:] for f in snap["x"]] == [["hi", 1], ["", 0]]
     assert snap["x"][0][0] <= snap["x"][1][0]
+    assert [f[1:] for f in snap["y"]] == [["yo", 2]]
 
 
 @pytest.mark.timeout(300)

@@ -31,7 +31,18 @@ async def server(tiny_model_dir, capsys):
 
 
 async def _recv(ws) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), 30))
+    """The next frame; a ``step`` frame's items come one by one (as frames of their own)."""
+    pending = getattr(ws, "_test_pending", None)
+    if pending is None:
+        pending = ws._test_pending = []
+    while not pending:
+        frame = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        if frame["type"] == "step":
+            assert frame["items"], "an empty step frame"
+            pending.extend(frame["items"])
+        else:
+            pending.append(frame)
+    return pending.pop(0)
 
 
 async def _until_done(ws, rid: str) -> tuple[list[dict], dict]:
@@ -207,12 +218,12 @@ async def _ctrl_c_aborts_live_requests(proc: subprocess.Popen) -> None:
             json.loads(await ws.recv())  # hello
             await ws.send(json.dumps({"type": "generate", "request_id": "long", "prompt_token_ids": [5, 6, 7],
                                       "params": {"max_tokens": 1500, "ignore_eos": True}}))
-            first = json.loads(await ws.recv())
+            first = await _recv(ws)
             assert first["type"] == "delta"
             proc.send_signal(signal.SIGINT)
             last = first
             while last["type"] != "done":
-                last = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                last = await _recv(ws)
             assert last["finish_reason"] == "abort" and last["usage"]["completion_tokens"] < 1500
         assert await asyncio.to_thread(proc.wait, 30) == 130
     finally:

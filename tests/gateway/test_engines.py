@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from engine.protocol import to_dict
 from gateway.engines import EngineClient, EngineRouter
 from gateway.local import LocalEngine
 from tests.engine_gate import of_type, text_delta
@@ -15,9 +16,10 @@ from tests.gateway_helpers import read_reply, recv, send, wait_for
 
 
 async def drain(req) -> tuple[list[dict], dict]:
+    """A request's items as wire dicts: its deltas and its final item."""
     deltas = []
     while True:
-        f = await req.next(60)
+        f = to_dict(await req.next(60))
         if f["type"] == "delta":
             deltas.append(f)
         else:

@@ -78,7 +78,7 @@ async def test_a_reply_finished_while_redis_is_down_is_stored_after_it_returns(g
         turn = gens.running[start["request_id"]]
         # the engine finishes the reply while Redis is down; the task takes it all and waits to store it
         await wait_for(lambda: any(of_type("done", start["request_id"])(f) for f in engine_gate.from_engine)
-                       and turn.request is not None and turn.request.queue.empty() and len(turn.output_ids) == 40,
+                       and turn.run is not None and turn.run.request.queue.empty() and len(turn.output_ids) == 40,
                        timeout=60)
         await asyncio.sleep(1.0)
         assert start["request_id"] in gens.running  # kept in memory, not dropped

@@ -1,0 +1,422 @@
+"""The internal engine protocol (gateway <-> engine), as typed frames (docs/protocol.md section 1).
+
+Standard library only (no torch, no numpy): the engine server and the gateway both
+import it, and the gateway's image has no torch. Every frame is one JSON object with a
+string ``type``; ``encode`` turns a frame into its JSON text and the ``decode_*``
+functions turn JSON text back into a frame, raising ``FrameError`` (with a message
+naming the field) on anything malformed.
+
+Gateway -> engine: ``GenerateFrame``, ``AbortFrame``, ``StatsRequest``, ``PingFrame``.
+Engine -> gateway: ``HelloFrame`` (first, once), ``StepFrame`` (one per engine step per
+connection, carrying that step's ``DeltaFrame``/``DoneFrame``/``ErrorFrame`` items of the
+connection's requests), ``ErrorFrame`` (alone: a refused or malformed frame),
+``StatsFrame`` and ``PongFrame``.
+
+The items of a step keep the flat layout of a frame of their own (``{"type": "delta",
+"request_id", ...}``), so a reader that splits a step frame sees per-request frames.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 2  # 2: per-step frames, stats from the end-of-step snapshot
+
+
+class FrameError(ValueError):
+    """A frame that is not valid JSON or does not match its type's layout.
+
+    ``request_id`` is set when the frame named one (a ``generate`` with a bad field):
+    the engine then answers ``invalid_request`` for that id, else ``bad_frame``.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass
+class Usage:
+    """Token counts of one request (tokens)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    completion_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    """Latencies of one request, in milliseconds, and how its decode steps went.
+
+    ttft_ms: arrival to first token; tpot_ms: mean time per output token after the
+    first; e2e_ms: arrival to finish; queue_ms: arrival to first scheduled.
+    draft_tokens / accepted_tokens: speculative draft tokens verified for it and kept
+    (tokens; 0 when it never drafted); acceptance_rate: accepted / draft (0.0 without
+    drafts); tokens_per_step: output tokens after the first per decode step (1.0
+    without speculation, up to 1 + drafts a step with it).
+    """
+
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    e2e_ms: float = 0.0
+    queue_ms: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    tokens_per_step: float = 0.0
+
+
+@dataclass
+class EngineInfo:
+    """What an engine serves (the body of its ``hello`` frame).
+
+    Attributes:
+        model: the served model's name.
+        max_model_len: context limit (tokens).
+        block_size: tokens per KV block; num_blocks: KV blocks in the pool.
+        dtype: activations' dtype name; device: "cpu", "cuda:0", ...
+        weights_id: identifies the weights (salts the prefix cache).
+        eos_token_ids: token ids that end a reply.
+        quantization: "int8" or None; kv_cache_dtype: the KV cache's dtype name or None.
+        format: one line naming weights, activations, KV cache and kernels.
+    """
+
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    dtype: str = ""
+    device: str = ""
+    weights_id: str = ""
+    eos_token_ids: list[int] = field(default_factory=list)
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
+    format: str = ""
+
+
+# ----- gateway -> engine ---------------------------------------------------------------
+
+@dataclass
+class GenerateFrame:
+    """Start a generation. Exactly one of ``messages`` / ``prompt_token_ids``;
+    ``params`` holds ``engine.sampling_params.SamplingParams`` keys (checked by the engine)."""
+
+    request_id: str
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix_token_ids: list[int] | None = None
+    params: dict[str, Any] | None = None
+    cache_salt: str = ""
+    clamp_max_tokens: bool = False
+
+
+@dataclass
+class AbortFrame:
+    """Abort a request (unknown ids are ignored)."""
+
+    request_id: str
+
+
+@dataclass
+class StatsRequest:
+    """Ask for a ``StatsFrame`` (answered at once from the last end-of-step snapshot)."""
+
+
+@dataclass
+class PingFrame:
+    """Answered by ``PongFrame`` at once, whatever the engine is doing."""
+
+
+ClientFrame = GenerateFrame | AbortFrame | StatsRequest | PingFrame
+
+
+# ----- engine -> gateway ---------------------------------------------------------------
+
+@dataclass
+class HelloFrame:
+    """Sent once on connect: the protocol version and what the engine serves."""
+
+    info: EngineInfo
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass
+class DeltaFrame:
+    """New text and tokens of one request since its previous item (at most one per step).
+
+    ``logprobs``: per token ``{"token_id", "logprob", "top": [[id, logprob], ...]}`` when asked for.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class DoneFrame:
+    """The last item of a request; may carry the finishing step's text and tokens.
+
+    ``finish_reason`` is "stop", "length" or "abort"; the concatenation of every item's
+    ``text`` equals ``output_text``.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str = "stop"
+    stop_reason: str | int | None = None
+    output_text: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prefix_reused: bool = False
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class ErrorFrame:
+    """A refused request (nothing generated) or a malformed frame (no ``request_id``).
+
+    Codes: invalid_request, context_length_exceeded, duplicate_request_id, bad_frame,
+    engine_error (and, made up by the gateway when a link drops, engine_unavailable).
+    """
+
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+ReplyItem = DeltaFrame | DoneFrame | ErrorFrame
+
+
+@dataclass
+class StepFrame:
+    """Everything one engine step produced for the requests of one connection."""
+
+    items: list[ReplyItem] = field(default_factory=list)
+
+
+@dataclass
+class StatsFrame:
+    """Engine counters from the snapshot taken at the end of the last step.
+
+    ``stats``: KV block counts, running/waiting requests, token totals (keys in
+    docs/protocol.md section 1); ``age_ms``: how old that snapshot was when sent (ms).
+    """
+
+    stats: dict[str, Any]
+    age_ms: float = 0.0
+
+
+@dataclass
+class PongFrame:
+    """The answer to ``PingFrame``."""
+
+
+EngineFrame = HelloFrame | StepFrame | DeltaFrame | DoneFrame | ErrorFrame | StatsFrame | PongFrame
+Frame = ClientFrame | EngineFrame
+
+
+# ----- encoding ------------------------------------------------------------------------
+
+def _item_dict(item: ReplyItem) -> dict[str, Any]:
+    if isinstance(item, ErrorFrame):
+        d: dict[str, Any] = {"type": "error", "code": item.code, "message": item.message}
+        if item.request_id is not None:
+            d["request_id"] = item.request_id
+        return d
+    if isinstance(item, DeltaFrame):
+        d = {"type": "delta", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
+        if item.logprobs:
+            d["logprobs"] = item.logprobs
+        return d
+    d = {"type": "done", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
+    if item.logprobs:
+        d["logprobs"] = item.logprobs
+    d.update(finish_reason=item.finish_reason, stop_reason=item.stop_reason, output_text=item.output_text,
+             output_token_ids=item.output_token_ids, prompt_token_ids=item.prompt_token_ids,
+             prefix_reused=item.prefix_reused, usage=asdict(item.usage), timings=asdict(item.timings))
+    return d
+
+
+def to_dict(frame: Frame) -> dict[str, Any]:
+    """The JSON object of a frame (the wire layout of docs/protocol.md section 1)."""
+    if isinstance(frame, (DeltaFrame, DoneFrame, ErrorFrame)):
+        return _item_dict(frame)
+    if isinstance(frame, StepFrame):
+        return {"type": "step", "items": [_item_dict(i) for i in frame.items]}
+    if isinstance(frame, HelloFrame):
+        return {"type": "hello", "protocol_version": frame.protocol_version, **asdict(frame.info)}
+    if isinstance(frame, StatsFrame):
+        return {"type": "stats", **frame.stats, "age_ms": frame.age_ms}
+    if isinstance(frame, GenerateFrame):
+        d: dict[str, Any] = {"type": "generate", "request_id": frame.request_id}
+        for key in ("messages", "prompt_token_ids", "prefix_token_ids", "params"):
+            if getattr(frame, key) is not None:
+                d[key] = getattr(frame, key)
+        if frame.cache_salt:
+            d["cache_salt"] = frame.cache_salt
+        if frame.clamp_max_tokens:
+            d["clamp_max_tokens"] = True
+        return d
+    if isinstance(frame, AbortFrame):
+        return {"type": "abort", "request_id": frame.request_id}
+    if isinstance(frame, StatsRequest):
+        return {"type": "stats"}
+    if isinstance(frame, PingFrame):
+        return {"type": "ping"}
+    if isinstance(frame, PongFrame):
+        return {"type": "pong"}
+    raise TypeError(f"not a protocol frame: {type(frame).__name__}")
+
+
+def encode(frame: Frame) -> str:
+    """The JSON text of a frame (non-ASCII characters as they are)."""
+    return json.dumps(to_dict(frame), ensure_ascii=False)
+
+
+# ----- decoding ------------------------------------------------------------------------
+
+def _obj(text: str | bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except (ValueError, TypeError):
+        raise FrameError("frame is not valid JSON") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise FrameError("frame must be an object with a string 'type'")
+    return obj
+
+
+def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ..., what: str = "") -> Any:
+    """``d[key]`` checked against ``kind`` (None allowed when ``default`` is None)."""
+    if key not in d or (d[key] is None and default is None):
+        if default is ...:
+            raise FrameError(f"{what or d.get('type')} frame needs '{key}'")
+        return default
+    v = d[key]
+    # bool is an int in Python; a count given as true/false is still malformed
+    if not isinstance(v, kind) or (isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        raise FrameError(f"'{key}' of a {what or d.get('type')} frame has the wrong type ({type(v).__name__})")
+    return v
+
+
+def _int_list(d: dict[str, Any], key: str, default: Any = ...) -> Any:
+    v = _get(d, key, list, default)
+    if v is not None and v is not default and not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise FrameError(f"'{key}' of a {d.get('type')} frame must be a list of integers")
+    return v
+
+
+def _rid(d: dict[str, Any]) -> str:
+    rid = _get(d, "request_id", str)
+    if not rid:
+        raise FrameError(f"{d.get('type')} frame needs a non-empty string request_id")
+    return str(rid)
+
+
+def _item(d: dict[str, Any]) -> ReplyItem:
+    kind = d.get("type")
+    if kind == "error":
+        rid = _get(d, "request_id", str, None)
+        return ErrorFrame(str(_get(d, "code", str)), str(_get(d, "message", str, "")), rid)
+    if kind not in ("delta", "done"):
+        raise FrameError(f"unknown reply item type {kind!r}")
+    rid = _rid(d)
+    text = _get(d, "text", str, "")
+    ids = _int_list(d, "token_ids", [])
+    logprobs = _get(d, "logprobs", list, None)
+    if kind == "delta":
+        return DeltaFrame(rid, text, ids, logprobs)
+    usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
+    try:
+        u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
+        t = Timings(**{k: (int if f.type in (int, "int") else float)(timings.get(k, 0))
+                       for k, f in Timings.__dataclass_fields__.items()})
+    except (TypeError, ValueError):
+        raise FrameError("usage/timings of a done frame must hold numbers") from None
+    stop_reason = d.get("stop_reason")
+    if stop_reason is not None and not isinstance(stop_reason, (str, int)):
+        raise FrameError("'stop_reason' of a done frame must be a string, an integer or null")
+    return DoneFrame(rid, text, ids, logprobs, str(_get(d, "finish_reason", str, "stop")), stop_reason,
+                     str(_get(d, "output_text", str, "")), _int_list(d, "output_token_ids", []),
+                     _int_list(d, "prompt_token_ids", []), bool(_get(d, "prefix_reused", bool, False)), u, t)
+
+
+_INFO_KEYS = frozenset(EngineInfo.__dataclass_fields__)
+
+
+def decode_engine_frame(text: str | bytes) -> EngineFrame:
+    """Parse a frame the engine sent (gateway side).
+
+    Raises:
+        FrameError: not JSON, an unknown type, or a field missing or of the wrong type.
+    """
+    d = _obj(text)
+    kind = d["type"]
+    if kind == "step":
+        items = _get(d, "items", list)
+        out: list[ReplyItem] = []
+        for it in items:
+            if not isinstance(it, dict):
+                raise FrameError("the items of a step frame must be objects")
+            out.append(_item(it))
+        return StepFrame(out)
+    if kind in ("delta", "done", "error"):
+        return _item(d)
+    if kind == "stats":
+        age = _get(d, "age_ms", (int, float), 0.0)
+        return StatsFrame({k: v for k, v in d.items() if k not in ("type", "age_ms")}, float(age))
+    if kind == "pong":
+        return PongFrame()
+    if kind == "hello":
+        info = {k: v for k, v in d.items() if k in _INFO_KEYS}
+        for key in ("max_model_len", "block_size", "num_blocks"):
+            _get(d, key, int)
+        _get(d, "model", str)
+        try:
+            return HelloFrame(EngineInfo(**info), int(_get(d, "protocol_version", int, 1)))
+        except TypeError as e:
+            raise FrameError(f"bad hello frame: {e}") from None
+    raise FrameError(f"unknown engine frame type {kind!r}")
+
+
+GENERATE_FIELDS = frozenset({"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params",
+                             "cache_salt", "clamp_max_tokens"})
+
+
+def decode_client_frame(text: str | bytes) -> ClientFrame:
+    """Parse a frame the gateway sent (engine side). Checks the layout only; the
+    engine validates ``params`` and the prompt itself.
+
+    Raises:
+        FrameError: not JSON, an unknown type or field, or a field of the wrong type.
+    """
+    d = _obj(text)
+    kind = d["type"]
+    if kind == "ping":
+        return PingFrame()
+    if kind == "stats":
+        return StatsRequest()
+    if kind == "abort":
+        return AbortFrame(_rid(d))
+    if kind == "generate":
+        rid = _rid(d)
+        try:
+            unknown = sorted(set(d) - GENERATE_FIELDS)
+            if unknown:
+                raise FrameError(f"unknown field(s) in generate: {', '.join(unknown)}")
+            messages = _get(d, "messages", list, None)
+            if messages is not None and not all(isinstance(m, dict) for m in messages):
+                raise FrameError("'messages' must be a list of objects")
+            return GenerateFrame(rid, messages, _int_list(d, "prompt_token_ids", None),
+                                 _int_list(d, "prefix_token_ids", None), _get(d, "params", dict, None),
+                                 str(_get(d, "cache_salt", str, "")),
+                                 bool(_get(d, "clamp_max_tokens", bool, False)))
+        except FrameError as e:
+            raise FrameError(e.message, rid) from None
+    raise FrameError(f"unknown frame type {kind!r}")

@@ -1,0 +1,144 @@
+"""The engine side of every reply, shared by the browser chat (``generation.py``) and the
+OpenAI API (``openai_replies.py``): pick an engine, send ``generate``, merge the items
+that arrived into one batch, and fail over to the next engine while nothing was produced.
+
+``EngineRun`` reads the per-request items that ``EngineClient`` splits out of the engine's
+``step`` frames; the items already waiting when the reader wakes become one ``Batch``
+(one store write and one event per batch, however many steps it covers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame
+from gateway.engines import EngineClient, EngineRequest, EngineRouter
+from gateway.errors import GatewayError
+
+# engine error codes shown to the user as they are; any other becomes internal_error
+PASSTHROUGH_CODES = frozenset({"context_length_exceeded", "invalid_request", "engine_unavailable"})
+
+
+def user_code(end: ErrorFrame) -> str:
+    """The error code a user sees for an engine ``error`` item."""
+    return end.code if end.code in PASSTHROUGH_CODES else "internal_error"
+
+
+@dataclass
+class Batch:
+    """What arrived for one reply since the last read: ``text`` and ``token_ids`` of its
+    deltas (and of the final item), and ``end``, the final item, once it came."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    end: DoneFrame | ErrorFrame | None = None
+
+
+class EngineRun:
+    """One reply's generation on the router's engines.
+
+    Args:
+        router: the gateway's engines.
+        request_id: the engine request id (unique on this gateway).
+        affinity_key: picks the engine (rendezvous hashing: a chat meets its prefix cache).
+        messages, prefix_token_ids, params, clamp_max_tokens: the ``generate`` frame's fields.
+        model: only engines serving this model name, or None for any.
+    """
+
+    def __init__(self, router: EngineRouter, request_id: str, affinity_key: str, messages: list[dict[str, str]],
+                 prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
+                 clamp_max_tokens: bool = False, model: str | None = None) -> None:
+        self.router = router
+        self.request_id = request_id
+        self.affinity_key = affinity_key
+        self.messages = messages
+        self.prefix_token_ids = prefix_token_ids
+        self.params = params
+        self.clamp_max_tokens = clamp_max_tokens
+        self.model = model
+        self.engine: EngineClient | None = None
+        self.request: EngineRequest | None = None
+        self.produced = False  # any text or token came (no fail-over after that)
+        self.cancelled = False  # the owner aborted it (no fail-over either)
+        self._tried: list[EngineClient] = []
+
+    def _excluded(self) -> Iterable[EngineClient]:
+        others = [c for c in self.router.clients
+                  if self.model is not None and (c.info is None or c.info.model != self.model)]
+        return self._tried + others
+
+    async def start(self) -> None:
+        """Send ``generate`` to the best healthy engine not tried yet (the next one when
+        an engine drops between the pick and the send).
+
+        Raises:
+            GatewayError: ``engine_unavailable`` when no engine is left.
+        """
+        while True:
+            engine = self.router.pick(self.affinity_key, exclude=self._excluded())
+            self._tried.append(engine)
+            self.engine = engine
+            try:
+                self.request = await engine.generate(self.request_id, self.messages, self.prefix_token_ids,
+                                                     self.params, clamp_max_tokens=self.clamp_max_tokens)
+                return
+            except GatewayError as e:
+                if e.code != "engine_unavailable" or self.cancelled:
+                    raise
+
+    async def next(self, timeout: float | None = None) -> Batch | None:
+        """The next batch (waits for at least one item); None after ``timeout`` seconds
+        or a ``wake``. A link lost before anything was produced moves the request to the
+        next engine (an empty batch is returned meanwhile); a link lost later, or with no
+        engine left, ends the batch with its ``engine_unavailable`` error."""
+        req = self.request
+        assert req is not None, "start() first"
+        try:
+            first = await req.next(timeout)
+        except asyncio.TimeoutError:
+            return None
+        items = req.ready()
+        if first is not None:
+            items.insert(0, first)
+        elif not items:
+            return None
+        text: list[str] = []
+        ids: list[int] = []
+        end: DoneFrame | ErrorFrame | None = None
+        for it in items:
+            if isinstance(it, (DeltaFrame, DoneFrame)):
+                text.append(it.text)
+                ids.extend(it.token_ids)
+            if isinstance(it, (DoneFrame, ErrorFrame)):
+                end = it
+                break
+        if isinstance(end, ErrorFrame) and end.code == "engine_unavailable" and not self.produced \
+                and not text and not ids and not self.cancelled:
+            req.close()
+            try:
+                await self.start()
+                return Batch()
+            except GatewayError:
+                pass  # nothing left: report the loss
+        if text or ids:
+            self.produced = True
+        return Batch("".join(text), ids, end)
+
+    def wake(self) -> None:
+        """Make a waiting ``next`` return None now."""
+        if self.request is not None:
+            self.request.wake()
+
+    async def abort(self) -> None:
+        """Ask the engine to stop (it answers with ``done``, finish_reason "abort")."""
+        self.cancelled = True
+        if self.request is not None:
+            await self.request.abort()
+
+    def close(self) -> None:
+        """Release the request id (aborting it in the engine if it has not ended)."""
+        if self.request is not None:
+            self.request.close()
