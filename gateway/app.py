@@ -27,6 +27,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.auth import UserCookieMiddleware, UserIds
+from gateway.chat_export import export_routes
 from gateway.config import GatewayConfig
 from gateway.engines import EngineClient, EngineRouter
 from gateway.events import GenerationEvents
@@ -158,6 +159,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         WebSocketRoute("/ws", websocket_endpoint),
         *api_routes(),
         *user_routes(),
+        *export_routes(),
         *extra_routes,
         WebSocketRoute("/{path:path}", websocket_not_found),
         Mount("/static", app=StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
