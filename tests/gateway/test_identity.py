@@ -198,7 +198,7 @@ def test_the_client_help_shows_its_defaults():
     assert "130" in text
 
 
-def test_refusals_say_whether_origin_cookie_path_or_token_was_wrong(gateway_factory):
+def test_refusals_say_whether_origin_cookie_path_or_token_was_wrong(gateway_factory, capfd):
     gw = gateway_factory(wait_for_engine=False, engine_urls=[])
 
     async def refused(url: str, **kw: Any) -> tuple[int, str]:
@@ -224,6 +224,9 @@ def test_refusals_say_whether_origin_cookie_path_or_token_was_wrong(gateway_fact
     assert out.returncode == 1 and "wrong path: no WebSocket at '/nope/ws'" in out.stderr, out.stderr
     out = run_client(gw, "hi", url=gw.base_url + "/nope")  # the cookie fetch says it first
     assert out.returncode == 1 and "wrong path?" in out.stderr, out.stderr
+    # a refusal is an answer, not a server error (uvicorn logs on stderr)
+    err = capfd.readouterr().err
+    assert "ERROR" not in err and "without completing handshake" not in err, err
 
 
 def test_ctrl_c_cancels_the_reply_and_exits_130(gateway_factory, engine_gate):
