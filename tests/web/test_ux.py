@@ -296,3 +296,31 @@ def cut_body(chat: dict[str, Any]) -> dict[str, Any]:
     last.update(status="partial", finish_reason="abort",
                 error={"code": "gateway_restart", "message": "the gateway restarted while writing this reply"})
     return chat
+
+
+def test_tokens_search_and_settings_fit_a_390px_phone_in_dark_mode(new_page: Callable[..., Page]) -> None:
+    page = new_page(viewport=PHONE, scheme="dark")
+    sid = create_chat(page, SHORT, title="Sourdough starter")
+    open_chat(page, sid)
+    page.click("#sidebar-toggle")
+    page.fill("#chat-search", "sourdough")
+    page.wait_for_selector(f"#search-results .search-hit[data-id='{sid}']")
+    shot(page, "ux-phone-dark-search")
+    page.click(f"#search-results .search-hit[data-id='{sid}'] a")  # a result opens the chat, the drawer closes
+    page.wait_for_function("() => !document.body.classList.contains('sidebar-open')")
+
+    page.click("#sidebar-toggle")
+    make_token(page, "phone")
+    box = page.locator("#tokens-dialog").bounding_box()
+    assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"]
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= PHONE["width"]
+    shot(page, "ux-phone-dark-tokens")
+    page.click("#tokens-dialog .close-tokens")
+
+    page.keyboard.press("Escape")
+    page.click("#open-settings")
+    page.wait_for_selector("#settings-dialog[open]")
+    page.click("#set-more summary")
+    tops = [page.locator(f"#settings-dialog .dialog-actions .{c}").bounding_box()["y"]
+            for c in ("reset-defaults", "cancel", "save")]
+    assert max(tops) - min(tops) < 2, tops
