@@ -215,18 +215,29 @@ async def _run(url: str, cookie: str | None, token: str | None, question: str, s
             loop.remove_signal_handler(signal.SIGINT)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless it has no default or says its own."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (``--help`` shows every default)."""
     p = argparse.ArgumentParser(prog="python -m gateway.client", description="Ask the chat gateway a question.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                formatter_class=_DefaultsHelp,
                                 epilog="Ctrl-C stops the reply (it is stored as partial) and exits with 130.")
-    p.add_argument("question")
+    p.add_argument("question", help="what to ask (quote it)")
     p.add_argument("--url", default=DEFAULT_URL,
                    help="the gateway: http(s)://host:port or ws(s)://host:port[/ws]")
-    p.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
-                   help=f"personal access token from the chat page's Access tokens dialog (or ${TOKEN_ENV}); "
-                        "acts as that browser user")
-    p.add_argument("--session", default=None, help="continue this chat id (e.g. from the page's URL #/c/<id>)")
+    p.add_argument("--token", default=None,
+                   help=f"personal access token from the chat page's Access tokens dialog; acts as that browser "
+                        f"user (default: ${TOKEN_ENV}, else an anonymous user)")
+    p.add_argument("--session", default=None,
+                   help="continue this chat id (e.g. from the page's URL #/c/<id>; default: a new chat)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the chat's)")
     p.add_argument("--max-tokens", type=int, default=None, help="longest reply in tokens (default: the chat's)")
     p.add_argument("--cookie-file", type=Path, default=Path.home() / ".chatserve-cookie",
@@ -243,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    token = a.token.strip() if a.token else None
+    # not a parser default: --help would show it
+    token = (a.token or os.environ.get(TOKEN_ENV) or "").strip() or None
     try:
         cookie = None
         if not token:

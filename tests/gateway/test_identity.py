@@ -192,9 +192,11 @@ def test_the_client_takes_http_and_ws_urls_with_or_without_ws(given, expected):
     assert http_base(expected).startswith("http")
 
 
-def test_the_client_help_shows_its_defaults():
+def test_the_client_help_shows_its_defaults_but_never_the_token(monkeypatch):
+    monkeypatch.setenv("CHAT_TOKEN", "cspat_secret")
     text = build_parser().format_help()
-    assert "http://127.0.0.1:8000" in text and "(default: " in text and "CHAT_TOKEN" in text
+    assert "(default: http://127.0.0.1:8000)" in " ".join(text.split())
+    assert "$CHAT_TOKEN" in text and "cspat_secret" not in text and "(default: None)" not in text
     assert "130" in text
 
 
