@@ -48,24 +48,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculate only while at most this many requests decode at once (default: %(default)s)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="run torch's ops instead of the engine's CPU kernels (slower; for comparisons)")
-    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_bytes / 2**30, help="CPU KV budget in GiB")
-    p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction)
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_bytes / 2**30,
+                   help="KV cache budget in GiB on the CPU (default: %(default)s)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
+                   help="share of GPU memory the engine may use, weights and KV cache together "
+                        "(default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens (default: the model's own)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget of one step (prefill chunk size)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+                   help="token budget of one step, i.e. the prefill chunk size (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="requests running at once at most; more wait in line (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
-    p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"])
+    p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"],
+                   help="waiting requests in arrival order (fcfs) or longest cached prefix first (lpm) "
+                        "(default: %(default)s)")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton", "cpu"],
                    help="auto: Triton on CUDA, the CPU kernels on the CPU when they run the model, else torch "
                         "(default: %(default)s)")
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA (for debugging)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--engine-seed", type=int, default=0,
-                   help="seed of the shared generator for unseeded sampled requests")
+                   help="seed of the shared generator for unseeded sampled requests (default: %(default)s)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -131,20 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what the engine logs on stderr: loading, sizes, warnings (default: %(default)s)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", parents=[common], help="serve the internal WebSocket protocol")
-    s.add_argument("--host", default=os.environ.get("ENGINE_HOST", "127.0.0.1"), help="listen address (ENGINE_HOST)")
+    s.add_argument("--host", default=os.environ.get("ENGINE_HOST", "127.0.0.1"),
+                   help="listen address (ENGINE_HOST; default: %(default)s)")
     s.add_argument("--port", type=int, default=None,
                    help="listen port, 0 picks a free one (ENGINE_PORT; default: 9000)")
     add_engine_args(s)
     g = sub.add_parser("generate", parents=[common], help="generate one reply and print it")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     g.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
     g.add_argument("--system", default=None, help="system prompt (with --chat)")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", dest="req_seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--max-tokens", type=int, default=128, help="longest reply in tokens (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, 0 for greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 for off (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="keep the k most likely tokens, 0 for off (default: %(default)s)")
+    g.add_argument("--seed", dest="req_seed", type=int, default=None,
+                   help="makes a sampled reply reproducible (default: random)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the reply at this text; repeatable (default: none)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(g)
     return p
@@ -172,6 +184,9 @@ async def _generate_once(a: argparse.Namespace, config: EngineConfig) -> int:
                 sys.stdout.flush()
             if out.finished:
                 final = out
+        if not a.json:
+            sys.stdout.write("\n")  # the reply ends its line, like any command's output
+            sys.stdout.flush()
         assert final is not None and final.usage is not None and final.timings is not None  # set when finished
         if a.json:
             print(json.dumps({"text": final.output_text, "token_ids": final.output_token_ids,
@@ -179,7 +194,7 @@ async def _generate_once(a: argparse.Namespace, config: EngineConfig) -> int:
                               "timings": asdict(final.timings)}, ensure_ascii=False))
         else:
             t = final.timings
-            print(f"\n[{final.finish_reason}; {final.usage.completion_tokens} tokens; TTFT {t.ttft_ms:.0f} ms; "
+            print(f"[{final.finish_reason}; {final.usage.completion_tokens} tokens; TTFT {t.ttft_ms:.0f} ms; "
                   f"TPOT {t.tpot_ms:.1f} ms]", file=sys.stderr)
         return 0
     finally:

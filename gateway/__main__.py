@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     Raises:
         ConfigError: an option value is out of range.
     """
-    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
+    # the module doc's first paragraph, without its reStructuredText ``quotes``
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--host", default=base.host, help="listen address (HOST)")
     p.add_argument("--port", type=int, default=base.port, help="listen port (PORT)")
     p.add_argument("--redis-url", default=base.redis_url, help="Redis URL (REDIS_URL)")

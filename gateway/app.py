@@ -27,6 +27,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.auth import UserCookieMiddleware, UserIds
+from gateway.chat_export import export_routes
 from gateway.config import GatewayConfig
 from gateway.engines import EngineClient, EngineRouter
 from gateway.events import GenerationEvents
@@ -34,7 +35,10 @@ from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
-from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint
+from gateway.tokens import TokenAuthMiddleware, TokenStore
+from gateway.user_api import user_routes
+from gateway.user_defaults import UserDefaultsStore
+from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not_found
 
 log = logging.getLogger("gateway")
 
@@ -116,6 +120,8 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         s = app.state
         s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
         s.ws_stats = WsStats()
+        s.tokens = TokenStore(redis, config.key_prefix)
+        s.user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
         await router.start()
         await gens.start()
         try:
@@ -158,10 +164,15 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         Route("/readyz", readyz, methods=["GET"]),
         WebSocketRoute("/ws", websocket_endpoint),
         *api_routes(),
+        *user_routes(),
+        *export_routes(),
         *extra_routes,
+        WebSocketRoute("/{path:path}", websocket_not_found),
         Mount("/static", app=StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
     ]
-    middleware = [Middleware(SecurityHeadersMiddleware), Middleware(UserCookieMiddleware, ids=ids)]
+    # outermost first: a personal token names the user before the cookie is looked at
+    middleware = [Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
+                  Middleware(UserCookieMiddleware, ids=ids)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 

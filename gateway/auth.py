@@ -89,7 +89,9 @@ def request_user(scope: Scope) -> str | None:
 class UserCookieMiddleware:
     """Pure ASGI middleware: puts the user id in ``scope["state"]["user_id"]`` for HTTP
     requests, creating a user and setting the cookie when the request has no valid one.
-    WebSocket scopes get the id only if their cookie verifies (None otherwise)."""
+    WebSocket scopes get the id only if their cookie verifies (None otherwise). A request
+    that ``gateway.tokens.TokenAuthMiddleware`` already identified by a personal token
+    (``state["auth"] == "token"``) passes untouched; others get ``state["auth"] = "cookie"``."""
 
     def __init__(self, app: ASGIApp, ids: UserIds) -> None:
         self.app = app
@@ -99,8 +101,12 @@ class UserCookieMiddleware:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        uid = self.ids.verify(cookie_value(scope))
         state = scope.setdefault("state", {})
+        if state.get("auth") == "token":  # TokenAuthMiddleware named the user: no cookie needed
+            await self.app(scope, receive, send)
+            return
+        uid = self.ids.verify(cookie_value(scope))
+        state["auth"] = "cookie"
         if uid is not None or scope["type"] == "websocket":
             state["user_id"] = uid
             await self.app(scope, receive, send)

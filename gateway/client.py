@@ -1,9 +1,16 @@
-"""Terminal client: ``python -m gateway.client [--url ws://127.0.0.1:8000/ws] [--session ID] "question"``.
+"""Terminal client: ``python -m gateway.client [--url URL] [--token T] [--session ID] "question"``.
 
-Gets a user cookie over HTTP (``GET /api/config``), opens the socket with that cookie
-and a matching ``Origin``, sends the question and prints the reply as it streams. The
-chat id and the reply's numbers go to stderr, so ``--session`` can continue the chat.
-A cookie file (``--cookie-file``) keeps the same user across runs.
+Opens the gateway's WebSocket, sends the question and prints the reply as it streams.
+The chat id and the reply's numbers go to stderr, so ``--session`` can continue the chat.
+
+Who you are: with a personal access token (``--token`` or ``CHAT_TOKEN``; create one in
+the chat page's "Access tokens" dialog) the client acts as the browser user who made it,
+so its chats show in that user's sidebar and a chat from the browser's URL
+(``#/c/<id>``) continues here with ``--session <id>``. Without one it is an anonymous
+user of its own: a cookie from ``GET /api/config``, kept in ``--cookie-file`` between runs.
+
+Ctrl-C stops the reply (the gateway is sent ``cancel``, the partial reply is stored)
+and exits with status 130.
 """
 
 from __future__ import annotations
@@ -11,25 +18,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 import uuid
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlparse, urlunparse
 
 import httpx
 import websockets
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Origin
 
 from gateway.auth import COOKIE_NAME
 
+DEFAULT_URL = "http://127.0.0.1:8000"
+TOKEN_ENV = "CHAT_TOKEN"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+CANCEL_WAIT_S = 10.0  # how long to wait for the stopped reply's `done` after Ctrl-C
+
+
+class UsageError(ValueError):
+    """A command-line value the client cannot use (e.g. a URL it cannot parse)."""
+
+
+def socket_url(url: str) -> str:
+    """The WebSocket URL for a gateway address given as ``http(s)://host:port`` or
+    ``ws(s)://host:port``, with or without ``/ws`` (a path prefix of a reverse proxy is
+    kept: ``https://h/chat`` -> ``wss://h/chat/ws``).
+
+    Raises:
+        UsageError: not an http, https, ws or wss URL with a host.
+    """
+    u = urlparse(url.strip() if "://" in url else f"http://{url.strip()}")
+    schemes = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}
+    if u.scheme not in schemes or not u.netloc:
+        raise UsageError(f"--url must look like http://host:port or ws://host:port/ws, got {url!r}")
+    path = u.path.rstrip("/")
+    if not path.endswith("/ws"):
+        path += "/ws"
+    return urlunparse((schemes[u.scheme], u.netloc, path, "", u.query, ""))
+
 
 def http_base(ws_url: str) -> str:
-    """``ws://host:port/ws`` -> ``http://host:port`` (wss -> https)."""
+    """``ws://host:port[/prefix]/ws`` -> ``http://host:port[/prefix]`` (wss -> https)."""
     u = urlparse(ws_url)
     scheme = "https" if u.scheme == "wss" else "http"
-    return urlunparse((scheme, u.netloc, "", "", "", ""))
+    path = u.path[:-3] if u.path.endswith("/ws") else u.path
+    return urlunparse((scheme, u.netloc, path, "", "", ""))
 
 
 def get_cookie(base: str, saved: str | None = None, timeout_s: float = 10.0) -> str:
@@ -45,22 +83,89 @@ def get_cookie(base: str, saved: str | None = None, timeout_s: float = 10.0) -> 
     return r.cookies.get(COOKIE_NAME) or saved or ""
 
 
-async def ask(url: str, cookie: str, question: str, session_id: str | None = None,
-              params: dict[str, Any] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Send one question and print the streamed reply; returns 0, or 1 on an error frame."""
+def refusal_text(status: int, body: bytes, url: str) -> str:
+    """What a refused handshake means, from the gateway's JSON reason when it sent one:
+    a wrong Origin, a missing/invalid cookie, a wrong path, a bad token."""
+    code, message = "", ""
+    with suppress(ValueError, AttributeError, TypeError):
+        err = json.loads(body.decode("utf-8", "replace"))["error"]
+        code, message = str(err.get("code", "")), str(err.get("message", ""))
+    hints = {
+        "origin_not_allowed": "the Origin was refused",
+        "no_user": "the user cookie was missing or not accepted",
+        "wrong_path": "wrong path",
+        "invalid_token": "the access token was refused (revoked or mistyped?)",
+    }
+    if code in hints:
+        return f"{hints[code]}: {message}"
+    if status == 403:
+        return (f"the gateway at {url} refused the socket (HTTP 403) without saying why: check that the "
+                "path is /ws, and that the gateway is this project's")
+    return f"the gateway at {url} refused the socket (HTTP {status}){': ' + message if message else ''}"
+
+
+async def ask(url: str, cookie: str | None, question: str, session_id: str | None = None,
+              params: dict[str, Any] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+              token: str | None = None, interrupted: asyncio.Event | None = None) -> int:
+    """Send one question and print the streamed reply.
+
+    Args:
+        url: the gateway's WebSocket URL (``socket_url``).
+        cookie: the anonymous user's cookie value (ignored with ``token``).
+        token: a personal access token (sent as ``X-Chat-Token``).
+        interrupted: set it (Ctrl-C) to stop the reply: ``cancel`` is sent and the
+            stopped reply's end awaited (at most ``CANCEL_WAIT_S``).
+    Returns:
+        0, 1 on an error frame or a dropped socket, 130 when interrupted.
+    Raises:
+        websockets.InvalidStatus: the handshake was refused (see ``refusal_text``).
+        OSError: the gateway cannot be reached.
+    """
     base = http_base(url)
+    interrupted = interrupted or asyncio.Event()
     frame: dict[str, Any] = {"type": "chat", "content": question, "client_msg_id": uuid.uuid4().hex}
     if session_id:
         frame["session_id"] = session_id
     if params:
         frame["params"] = params
-    async with connect(url, origin=Origin(base), additional_headers={"Cookie": f"{COOKIE_NAME}={cookie}"},
-                       max_size=None) as ws:
+    headers = {"X-Chat-Token": token} if token else {"Cookie": f"{COOKIE_NAME}={cookie}"}
+    async with connect(url, origin=Origin(base), additional_headers=headers, max_size=None) as ws:
         await ws.send(json.dumps(frame))
-        async for raw in ws:
-            msg = json.loads(raw)
+        return await _follow(ws, out, err, interrupted)
+
+
+async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: asyncio.Event) -> int:
+    """Print the reply's frames until it ends; on ``interrupted`` send ``cancel`` once
+    the reply is named and wait (bounded) for its end."""
+    rid: str | None = None
+    cancel_sent = False
+    deadline: float | None = None
+    loop = asyncio.get_running_loop()
+    stop_wait = asyncio.ensure_future(interrupted.wait())
+    try:
+        while True:
+            if interrupted.is_set():
+                if rid is not None and not cancel_sent:
+                    await ws.send(json.dumps({"type": "cancel", "request_id": rid}))
+                    cancel_sent = True
+                deadline = deadline or loop.time() + CANCEL_WAIT_S
+                if loop.time() >= deadline:
+                    out.write("\n")
+                    print("[interrupted; the gateway did not confirm the stop in time]", file=err)
+                    return EXIT_INTERRUPTED
+            recv = asyncio.ensure_future(ws.recv())
+            waits: set[asyncio.Future[Any]] = {recv} if interrupted.is_set() else {recv, stop_wait}
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if recv not in done:
+                recv.cancel()
+                with suppress(asyncio.CancelledError, websockets.ConnectionClosed):
+                    await recv
+                continue
+            msg = json.loads(recv.result())
             kind = msg.get("type")
             if kind == "start":
+                rid = msg.get("request_id")
                 print(f"[chat {msg['session_id']}]", file=err, flush=True)
             elif kind == "delta":
                 out.write(msg["text"])
@@ -72,41 +177,110 @@ async def ask(url: str, cookie: str, question: str, session_id: str | None = Non
                       f"({u.get('cached_tokens')} cached), {u.get('completion_tokens')} completion tokens, "
                       f"TTFT {t.get('ttft_ms', 0):.0f} ms, {t.get('tpot_ms', 0):.1f} ms/token; "
                       f"continue with --session {msg['session_id']}]", file=err, flush=True)
+                if interrupted.is_set():
+                    return EXIT_INTERRUPTED
                 return 0 if msg["finish_reason"] != "error" else 1
             elif kind == "error":
                 print(f"error ({msg.get('code')}): {msg.get('message')}", file=err, flush=True)
-                return 1
-    print("error: the connection closed before the reply ended", file=err)
-    return 1
+                return EXIT_INTERRUPTED if interrupted.is_set() else 1
+    except websockets.ConnectionClosed:
+        print("error: the connection closed before the reply ended", file=err)
+        return EXIT_INTERRUPTED if interrupted.is_set() else 1
+    finally:
+        stop_wait.cancel()
+
+
+async def _run(url: str, cookie: str | None, token: str | None, question: str, session: str | None,
+               params: dict[str, Any]) -> int:
+    """``ask`` with Ctrl-C wired to its ``interrupted`` event (a second Ctrl-C quits at once)."""
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    main = asyncio.current_task()
+
+    def on_sigint() -> None:
+        if interrupted.is_set() and main is not None:
+            main.cancel()  # the second Ctrl-C: do not wait for the gateway
+        interrupted.set()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError):  # not on the main thread / Windows
+        pass
+    try:
+        return await ask(url, cookie, question, session, params, token=token, interrupted=interrupted)
+    except asyncio.CancelledError:
+        return EXIT_INTERRUPTED
+    finally:
+        with suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless it has no default or says its own."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``--help`` shows every default)."""
+    p = argparse.ArgumentParser(prog="python -m gateway.client", description="Ask the chat gateway a question.",
+                                formatter_class=_DefaultsHelp,
+                                epilog="Ctrl-C stops the reply (it is stored as partial) and exits with 130.")
+    p.add_argument("question", help="what to ask (quote it)")
+    p.add_argument("--url", default=DEFAULT_URL,
+                   help="the gateway: http(s)://host:port or ws(s)://host:port[/ws]")
+    p.add_argument("--token", default=None,
+                   help=f"personal access token from the chat page's Access tokens dialog; acts as that browser "
+                        f"user (default: ${TOKEN_ENV}, else an anonymous user)")
+    p.add_argument("--session", default=None,
+                   help="continue this chat id (e.g. from the page's URL #/c/<id>; default: a new chat)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the chat's)")
+    p.add_argument("--max-tokens", type=int, default=None, help="longest reply in tokens (default: the chat's)")
+    p.add_argument("--cookie-file", type=Path, default=Path.home() / ".chatserve-cookie",
+                   help="without a token: keeps your anonymous user between runs (so --session works)")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m gateway.client", description="Ask the chat gateway a question.")
-    p.add_argument("question")
-    p.add_argument("--url", default="ws://127.0.0.1:8000/ws", help="the gateway's WebSocket URL")
-    p.add_argument("--session", default=None, help="continue this chat id")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--cookie-file", type=Path, default=Path.home() / ".chatserve-cookie",
-                   help="keeps your anonymous user between runs (so --session works)")
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     params = {k: v for k, v in (("temperature", a.temperature), ("max_tokens", a.max_tokens)) if v is not None}
-    saved = a.cookie_file.read_text().strip() if a.cookie_file.exists() else None
     try:
-        cookie = get_cookie(http_base(a.url), saved)
-        if cookie and cookie != saved:
-            try:
-                a.cookie_file.write_text(cookie)
-                a.cookie_file.chmod(0o600)
-            except OSError:
-                pass  # a read-only home only costs continuity
-        return asyncio.run(ask(a.url, cookie, a.question, a.session, params))
+        url = socket_url(a.url)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # not a parser default: --help would show it
+    token = (a.token or os.environ.get(TOKEN_ENV) or "").strip() or None
+    try:
+        cookie = None
+        if not token:
+            saved = a.cookie_file.read_text().strip() if a.cookie_file.exists() else None
+            cookie = get_cookie(http_base(url), saved)
+            if cookie and cookie != saved:
+                try:
+                    a.cookie_file.write_text(cookie)
+                    a.cookie_file.chmod(0o600)
+                except OSError:
+                    pass  # a read-only home only costs continuity
+        return asyncio.run(_run(url, cookie, token, a.question, a.session, params))
+    except websockets.InvalidStatus as e:
+        why = refusal_text(e.response.status_code, bytes(e.response.body or b""), url)
+        print(f"error: {why}", file=sys.stderr)
+        return 1
+    except httpx.HTTPStatusError as e:
+        print(f"error: wrong path? {e.request.url} answered HTTP {e.response.status_code}; give the gateway's "
+              "address, e.g. http://host:port", file=sys.stderr)
+        return 1
     except (httpx.HTTPError, OSError, websockets.WebSocketException) as e:
-        print(f"error: cannot reach the gateway at {a.url}: {e}", file=sys.stderr)
+        print(f"error: cannot reach the gateway at {url}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ class GenerationManager:
         self.redis = redis
         self.events = EventFanout(events or [])
         self.running: dict[str, _Turn] = {}
+        # users' defaults for new chats (gateway.user_defaults), set by the app; None: the config's
+        self.user_defaults: Any = None
         self._listener: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -237,9 +239,12 @@ class GenerationManager:
         """
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         if session_id is None:
-            merged = merge_params(self.config.defaults.sampling(), params)
+            system_prompt, stored = self.config.defaults.system_prompt, {}
+            if self.user_defaults is not None:
+                system_prompt, stored = await self.user_defaults.for_new_chat(owner, system_prompt)
+            merged = merge_params(self.config.defaults.sampling(), stored, params)
             self._require_engine()
-            info = await self.store.create_session(owner, system_prompt=self.config.defaults.system_prompt)
+            info = await self.store.create_session(owner, system_prompt=system_prompt, params=stored)
         else:
             info = await self.store.get_session(owner, session_id)
             merged = merge_params(self.config.defaults.sampling(), info.params, params)

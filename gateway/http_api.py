@@ -133,12 +133,13 @@ async def list_sessions(request: Request) -> Response:
 @api
 async def create_session(request: Request) -> Response:
     """POST /api/sessions -> 201 and the new chat."""
-    state = request.app.state
+    state, uid = request.app.state, _uid(request)
     fields = _session_fields(await _json_body(request, state.config), state.config)
+    # what the request leaves out comes from the user's defaults for new chats (gateway.user_defaults)
+    system_prompt, params = await state.user_defaults.for_new_chat(uid, state.config.defaults.system_prompt)
     info = await state.store.create_session(
-        _uid(request), title=fields.get("title", ""),
-        system_prompt=fields.get("system_prompt", state.config.defaults.system_prompt),
-        params=fields.get("params"))
+        uid, title=fields.get("title", ""), system_prompt=fields.get("system_prompt", system_prompt),
+        params=fields.get("params", params))
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 

@@ -17,6 +17,9 @@ Authentication: with an API key configured every ``/v1`` request needs
   browser's cookie continues the UI's chats). The key user comes first: HTTP clients
   that keep cookies (the ``openai`` SDK does) pick up a fresh anonymous cookie on
   their first answer, and that must not hide the key's chats.
+* a personal access token (``X-Chat-Token``, or without a key also the bearer
+  ``cspat_...``; see ``gateway.tokens``) names the user: its chats come first, and
+  ``"new"`` chats belong to it, so they show in that user's sidebar.
 * without a key, the cookie user only: the browser's, or the anonymous one the cookie
   middleware creates for a request without a cookie (its ``Set-Cookie`` lets a client
   that keeps cookies continue the chats it created).
@@ -89,8 +92,9 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(e: OpenAIError) -> Response:
-    """The OpenAI error body with its status."""
-    return json_response(e.body(), e.status)
+    """The OpenAI error body with its status (a 401 names the scheme in ``WWW-Authenticate``)."""
+    headers = {"www-authenticate": 'Bearer realm="chat"'} if e.status == 401 else None
+    return json_response(e.body(), e.status, headers)
 
 
 def key_user_id(secret: str, api_key: str) -> str:
@@ -182,8 +186,13 @@ class OpenAIApi:
 
     def owners(self, request: Request) -> list[str]:
         """The users whose chats this request may link, first choice first (module doc)."""
+        state = request.scope.get("state", {})
+        token_uid = request_user(request.scope) if state.get("auth") == "token" else None
         if self.api_key is not None:
             secret, ids = self._secret_ids(request.app.state.config)
+            if token_uid is not None:  # a personal token names the user; the key only admits
+                key_uid = key_user_id(secret, self.api_key)
+                return [token_uid] + ([key_uid] if key_uid != token_uid else [])
             cookie_uid = ids.verify(cookie_value(request.scope))
             key_uid = key_user_id(secret, self.api_key)
             return [key_uid] + ([cookie_uid] if cookie_uid and cookie_uid != key_uid else [])
@@ -304,8 +313,10 @@ class OpenAIApi:
         created = False
         if sid == NEW_SESSION:
             system = [m["content"] for m in creq.messages if m["role"] == "system"]
+            default_prompt, params = await state.user_defaults.for_new_chat(
+                owner, state.config.defaults.system_prompt)
             info = await state.store.create_session(
-                owner, system_prompt=system[0] if system else state.config.defaults.system_prompt)
+                owner, system_prompt=system[0] if system else default_prompt, params=params)
             sid, created = info.id, True
         try:
             started = await state.generations.chat(owner, sid, last["content"], creq.params, cmid,

@@ -7,11 +7,16 @@
 * The listening socket is ours, with ``SO_SNDBUF`` set (``limits.ws_socket_sndbuf_bytes``):
   Linux copies it to every accepted connection, bounding the kernel's share of a slow
   reader's outbound bytes (autotuning would allow several MiB per connection).
+* A refused WebSocket handshake is answered with a JSON reason (``gateway.ws``, the ASGI
+  denial response); uvicorn's sans-I/O protocol then logs "ASGI callable returned
+  without completing handshake." at ERROR although the answer was sent. That one line
+  is filtered out (``DeniedHandshakeFilter``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 from typing import Any
@@ -37,8 +42,20 @@ def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket
     return sock
 
 
+class DeniedHandshakeFilter(logging.Filter):
+    """Drops uvicorn's false alarm after a WebSocket denial response (see module doc)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for that one message, True for every other record."""
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
+_DENIED_FILTER = DeniedHandshakeFilter()
+
+
 def uvicorn_config(app: Any, config: GatewayConfig, log_level: str = "info") -> uvicorn.Config:
     """The uvicorn settings for ``app`` under ``config`` (see module doc)."""
+    logging.getLogger("uvicorn.error").addFilter(_DENIED_FILTER)  # the same object: added once
     return uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="on", log_level=log_level,
         ws="websockets-sansio", ws_max_size=config.limits.hard_frame_bytes,

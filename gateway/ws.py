@@ -22,9 +22,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
-from gateway.auth import origin_allowed, request_user
+from gateway.auth import header, origin_allowed, own_origins, request_user
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.generation import GenerationManager, StartedTurn
@@ -256,17 +257,53 @@ class Connection:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _refusal(code: str, message: str, status: int = 403) -> JSONResponse:
+    """The HTTP answer to a refused handshake: ``{"error": {"code", "message"}}``, so a
+    client can say which of Origin, cookie or path was wrong."""
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+async def _deny(websocket: WebSocket, response: JSONResponse) -> None:
+    """Refuse the handshake with ``response`` (HTTP, before the upgrade); a server
+    without the denial-response extension answers a bare 403."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(response)
+    else:
+        await websocket.close(code=1008)
+
+
 async def websocket_endpoint(websocket: WebSocket) -> None:
-    """``WS /ws``: check the Origin and the user cookie (HTTP 403 before the upgrade
-    otherwise), then serve the browser protocol."""
+    """``WS /ws``: check the Origin and the user (cookie or personal token), answering
+    HTTP 403 with the reason before the upgrade otherwise, then serve the browser protocol.
+
+    A handshake identified by a personal token (``X-Chat-Token``, ``gateway.tokens``)
+    needs no ``Origin``: browsers cannot set that header, so it cannot be a cross-site
+    page riding on someone's cookie.
+    """
     state = websocket.app.state
     config: GatewayConfig = state.config
     uid = request_user(websocket.scope)
-    if not origin_allowed(websocket.scope, config.allowed_origins) or uid is None:
-        await websocket.close(code=1008)  # before accept: uvicorn answers HTTP 403
+    by_token = websocket.scope.get("state", {}).get("auth") == "token"
+    if not by_token and not origin_allowed(websocket.scope, config.allowed_origins):
+        origin = header(websocket.scope, b"origin")
+        seen = f"Origin {origin!r}" if origin else "no Origin header"
+        await _deny(websocket, _refusal(
+            "origin_not_allowed", f"{seen}: the socket accepts the page's own origin "
+                                  f"({sorted(own_origins(websocket.scope))}) or ALLOWED_ORIGINS"))
+        return
+    if uid is None:
+        await _deny(websocket, _refusal(
+            "no_user", "no valid user cookie (chat_uid): get one with GET /api/config, "
+                       "or send a personal access token in X-Chat-Token"))
         return
     await websocket.accept()
     conn = Connection(websocket, uid, config, state.generations, state.streams, state.ws_stats)
     await conn.run()
     # A stalled socket is not closed politely (the close frame would queue behind the
     # unread data); returning lets the server drop the connection.
+
+
+async def websocket_not_found(websocket: WebSocket) -> None:
+    """A WebSocket handshake on any path but ``/ws``: HTTP 404 with the right path."""
+    await _deny(websocket, _refusal("wrong_path", f"no WebSocket at {websocket.url.path!r}; "
+                                                  "the chat socket is at /ws", 404))

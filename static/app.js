@@ -9,7 +9,13 @@ import { createMarkdownRenderer, copyText } from "./js/markdown.js";
 import { MessageView, icon, ICONS } from "./js/messages.js";
 import { SidebarView } from "./js/sidebar.js";
 import { SettingsDialog } from "./js/settings.js";
-import { ChatController } from "./js/controller.js";
+import { ChatController, replaceDefaults } from "./js/controller.js";
+import { TokensDialog } from "./js/tokens.js";
+import { ChatSearch } from "./js/search.js";
+import { errorText } from "./js/format.js";
+
+const READY_POLL_MS = 3000;
+const OFFLINE_TEXT = "Not connected to the server, so nothing was sent; your message stays in the box. Send it again once the connection is back.";
 
 /**
  * The GET /api/config body the gateway put into `<script id="chat-config">`;
@@ -44,6 +50,8 @@ async function main(win) {
   const doc = win.document;
   const $ = (id) => doc.getElementById(id);
   const config = await loadConfig(doc);
+  // The user's own defaults for new chats replace the gateway's (same object, filled in place).
+  api.getDefaults().then((d) => replaceDefaults(config, d)).catch(() => {});
   const model = config.model || doc.body.dataset.model || "the model";
   const limits = config.limits || {};
 
@@ -58,9 +66,32 @@ async function main(win) {
   const view = new MessageView({ doc, listEl: $("messages"), scrollEl: $("conversation"), emptyEl: $("empty-state"), renderer });
 
   // ---- notices, banner, announcements ---------------------------------
+  // "The model server is not reachable" clears itself once /readyz says it is back.
+  const engineDown = errorText("engine_unavailable");
+  let readyPoll = 0;
+  const watchEngine = () => {
+    clearInterval(readyPoll);
+    readyPoll = setInterval(async () => {
+      if ($("notice-text").textContent !== engineDown || notice.hidden) {
+        clearInterval(readyPoll);
+        return;
+      }
+      try {
+        const r = await fetch("/readyz", { credentials: "same-origin" });
+        if (r.ok) {
+          clearInterval(readyPoll);
+          notify("");
+          announce("The model server is back.");
+        }
+      } catch {
+        // still down
+      }
+    }, READY_POLL_MS);
+  };
   const notify = (message) => {
     $("notice-text").textContent = message;
     notice.hidden = !message;
+    if (message === engineDown) watchEngine();
   };
   const announce = (message) => {
     $("announcer").textContent = message;
@@ -135,6 +166,7 @@ async function main(win) {
     onFrame: (f) => controller.onFrame(f),
     onStatus: (s) => {
       showConnection(s);
+      if (s.state === "open" && $("notice-text").textContent === OFFLINE_TEXT) notify("");
       if (s.state === "open") controller.onOpen();
     },
   });
@@ -146,13 +178,18 @@ async function main(win) {
     onDelete: (id) => confirmDelete(id),
   });
   controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange });
+  config.defaults = config.defaults || {};
   const settings = new SettingsDialog({
     dialog: $("settings-dialog"),
     maxTokensLimit: Number(config.max_model_len) || 0,
     maxSystemPromptChars: Number(limits.max_system_prompt_chars) || 0,
-    defaults: config.defaults || {},
+    defaults: config.defaults,
+    ranges: config.ranges,
     onSave: (s) => controller.saveSettings(s),
   });
+  const tokens = new TokensDialog({ doc, dialog: $("tokens-dialog"), api, origin: win.location.origin });
+  new ChatSearch({ doc, input: $("chat-search"), list: $("chat-list"), results: $("search-results"), api,
+    onPick: () => closeSidebarIfNarrow() });
 
   const confirmDialog = $("confirm-dialog");
   const confirmDelete = (id) => {
@@ -167,7 +204,16 @@ async function main(win) {
 
   const submit = async () => {
     const text = input.value;
-    if (!text.trim() || controller.isBusy()) return;
+    if (!text.trim()) return;
+    // Enter that cannot send says why (the text stays in the box).
+    if (controller.isBusy()) {
+      notify("A reply is still being written. Wait for it to finish, or stop it (Esc) and send again.");
+      return;
+    }
+    if (!socket.isOpen) {
+      notify(OFFLINE_TEXT);
+      return;
+    }
     input.value = "";
     autosize();
     refreshSend();
@@ -233,7 +279,8 @@ async function main(win) {
   });
   $("scrim").addEventListener("click", () => setSidebarOpen(false));
   narrow.addEventListener("change", () => setSidebarOpen(false));
-  $("open-settings").addEventListener("click", () => settings.open(controller.currentSettings()));
+  $("open-settings").addEventListener("click", () => settings.open(controller.currentSettings(), controller.currentId));
+  $("open-tokens").addEventListener("click", () => tokens.open());
   $("notice-close").addEventListener("click", () => notify(""));
   $("conn-retry").addEventListener("click", () => socket.reconnectNow());
   win.addEventListener("hashchange", () => controller.openFromLocation());

@@ -21,11 +21,12 @@ export class ApiError extends Error {
  * @param {string} method
  * @param {string} path
  * @param {object} [body]
+ * @param {AbortSignal} [signal]
  * @returns {Promise<any>}
  * @throws {ApiError} on a non-2xx answer (code from `{"error": {...}}`) or a network failure
  */
-async function request(method, path, body) {
-  const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
+async function request(method, path, body, signal) {
+  const init = { method, credentials: "same-origin", headers: { Accept: "application/json" }, signal };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
@@ -65,4 +66,20 @@ export const api = {
   patchSession: (id, body) => request("PATCH", `/api/sessions/${encodeURIComponent(id)}`, body),
   /** @param {string} id */
   deleteSession: (id) => request("DELETE", `/api/sessions/${encodeURIComponent(id)}`),
+  /** @returns {Promise<{system_prompt:string, params:object}>} the user's defaults for new chats */
+  getDefaults: () => request("GET", "/api/defaults"),
+  /** @param {{system_prompt?:string, params?:object}} body @returns {Promise<{system_prompt:string, params:object}>} */
+  putDefaults: (body) => request("PUT", "/api/defaults", body),
+  /** @returns {Promise<Array<{id:string, name:string, created_at:number, hint:string}>>} */
+  listTokens: async () => (await request("GET", "/api/tokens")).tokens || [],
+  /** @param {string} name @returns {Promise<{id:string, name:string, hint:string, token:string}>} the token, shown once */
+  createToken: (name) => request("POST", "/api/tokens", { name }),
+  /** @param {string} id */
+  revokeToken: (id) => request("DELETE", `/api/tokens/${encodeURIComponent(id)}`),
+  /**
+   * @param {string} q
+   * @param {AbortSignal} [signal]
+   * @returns {Promise<Array<{id:string, title:string, updated_at:number, snippet:string, in_title:boolean}>>}
+   */
+  search: async (q, signal) => (await request("GET", `/api/search?q=${encodeURIComponent(q)}`, undefined, signal)).results || [],
 };

@@ -6,6 +6,21 @@ import { errorText } from "./format.js";
 import { chatIdFromHash, hashForChat } from "./router.js";
 import { ReplyBook, randomId } from "./replies.js";
 import { effectiveSettings } from "./settings.js";
+import { withoutUnset } from "./sampling.js";
+
+/**
+ * Put a GET/PUT /api/defaults body (`{system_prompt, params}`) into
+ * `config.defaults` (the flat shape GET /api/config uses), in place, so every
+ * holder of that object sees the user's defaults.
+ * @param {object} config  the page's config
+ * @param {{system_prompt?:string, params?:object}} d
+ */
+export function replaceDefaults(config, d) {
+  if (!d || typeof d !== "object") return;
+  const target = config.defaults || (config.defaults = {});
+  for (const k of Object.keys(target)) delete target[k];
+  Object.assign(target, d.params || {}, { system_prompt: d.system_prompt ?? "" });
+}
 
 /**
  * @typedef {object} ControllerDeps
@@ -257,15 +272,31 @@ export class ChatController {
    * @throws {Error} with a user-facing message when the server refuses
    */
   async saveSettings(settings) {
+    if (settings.asDefault) await this.saveDefaults(settings);
     if (!this.currentId) {
-      this.draft = settings;
+      this.draft = { system_prompt: settings.system_prompt, params: withoutUnset(settings.params) };
       return;
     }
     const id = this.currentId;
-    const params = { ...((this.session && this.session.params) || {}), ...settings.params };
+    const params = withoutUnset({ ...((this.session && this.session.params) || {}), ...settings.params });
     try {
       const s = await this.api.patchSession(id, { system_prompt: settings.system_prompt, params });
       if (id === this.currentId) this.session = { ...(this.session || {}), ...s };
+    } catch (err) {
+      throw new Error(this.apiErrorText(err));
+    }
+  }
+
+  /**
+   * Save settings as the user's defaults for new chats (PUT /api/defaults) and
+   * use them on this page from now on.
+   * @param {import("./settings.js").ChatSettings} settings
+   * @throws {Error} with a user-facing message when the server refuses
+   */
+  async saveDefaults(settings) {
+    try {
+      const d = await this.api.putDefaults({ system_prompt: settings.system_prompt, params: withoutUnset(settings.params) });
+      replaceDefaults(this.config, d);
     } catch (err) {
       throw new Error(this.apiErrorText(err));
     }
@@ -460,6 +491,7 @@ export class ChatController {
    * @param {string} id
    */
   dropNewChat(id) {
+    this.view.clear(); // the empty state comes back
     this.sidebar.remove(id);
     this.api.deleteSession(id).catch(() => {}); // already gone is fine
     this.draft = this.createdDraft;

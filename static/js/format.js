@@ -93,8 +93,13 @@ export function errorText(code, serverMessage, limits) {
       return "Chat storage (Redis) is unreachable, so nothing can be saved right now. Try again shortly.";
     case "rate_limited":
       return "You are sending messages too quickly. Wait a few seconds and try again.";
-    case "context_length_exceeded":
-      return `This conversation is too long for the model's context window${detail}. Start a new chat or send a shorter message.`;
+    case "context_length_exceeded": {
+      // the gateway's own message may already give the advice: say it once
+      const advice = /new chat|shorter message/i.test(serverMessage || "") ? "" : " Start a new chat or send a shorter message.";
+      return `This conversation is too long for the model's context window${detail}.${advice}`;
+    }
+    case "conflict":
+      return "This chat was changed in another tab or window, so nothing was replaced. It now shows the latest version; try again if you still want to.";
     case "frame_too_large": {
       const max = limits && limits.maxFrameBytes;
       const size = max ? ` (the limit is ${formatBytes(max)})` : "";

@@ -217,8 +217,13 @@ export class MessageView {
     badge.hidden = status === "complete" && reason !== "length";
     badge.className = `badge badge-${status === "complete" ? "length" : status}`;
     badge.textContent = status === "partial" ? "partial" : status === "error" ? "error" : "max tokens";
-    const failure = info.error && info.error.message ? String(info.error.message) : "";
-    if (failure) badge.textContent = reason === "error" ? "interrupted" : badge.textContent;
+    // A reply cut by anything but the user's Stop (an engine crash, a gateway restart)
+    // carries `error` {code, message}: show that reason, not "partial".
+    const failure = info.error ? String(info.error.message || (info.error.code ? "the reply was interrupted" : "")) : "";
+    if (failure) {
+      badge.textContent = "interrupted";
+      badge.hidden = false;
+    }
     badge.title =
       failure ? `Interrupted: ${failure}`
       : status === "partial" ? "Stopped before the end: this is what was written so far"

@@ -1,6 +1,12 @@
-// The per-chat settings dialog: system prompt, temperature, top_p, max tokens.
+// The per-chat settings dialog: system prompt, temperature, top_p, max tokens,
+// the optional sampling params (sampling.js), "use for my new chats", and the
+// chat's export links.
 
-/** @typedef {{system_prompt:string, params:{temperature:number, top_p:number, max_tokens:number}}} ChatSettings */
+import { OPTIONAL_PARAMS, applyRanges, fillOptional, readOptional } from "./sampling.js";
+
+/** @typedef {{system_prompt:string, params:{temperature:number, top_p:number, max_tokens:number}, asDefault?:boolean}} ChatSettings
+ *  `params` may also hold top_k, min_p, repetition_penalty, seed, stop (null: unset); `asDefault`
+ *  asks to save them as the user's defaults for new chats too. */
 
 /**
  * Settings from a session (or a draft) with the server's defaults filling gaps.
@@ -18,6 +24,8 @@ export function effectiveSettings(session, defaults) {
       temperature: pick(p.temperature, d.temperature, 0.7),
       top_p: pick(p.top_p, d.top_p, 1.0),
       max_tokens: pick(p.max_tokens, d.max_tokens, 512),
+      // optional params: the chat's own, else the user's defaults, else unset
+      ...Object.fromEntries([...OPTIONAL_PARAMS, "stop"].map((k) => [k, p[k] ?? (session ? null : d[k] ?? null)])),
     },
   };
 }
@@ -30,7 +38,8 @@ export function effectiveSettings(session, defaults) {
 export class SettingsDialog {
   /**
    * @param {{dialog:HTMLDialogElement, maxTokensLimit:number, maxSystemPromptChars:number,
-   *          defaults:object, onSave:(s:ChatSettings)=>Promise<void>}} opts
+   *          defaults:object, ranges?:object, onSave:(s:ChatSettings)=>Promise<void>}} opts
+   *   `defaults` is read at each use (the page replaces its fields when the user saves new defaults).
    *   onSave may throw an Error whose message is shown in the dialog.
    */
   constructor(opts) {
@@ -45,7 +54,10 @@ export class SettingsDialog {
     this.topP = q("#set-top-p");
     this.topPRange = q("#set-top-p-range");
     this.maxTokens = q("#set-max-tokens");
+    this.asDefault = q("#set-as-default");
+    this.exportRow = q("#export-row");
     this.error = q(".dialog-error");
+    applyRanges(this.dialog, opts.ranges);
     if (opts.maxTokensLimit > 0) this.maxTokens.max = String(opts.maxTokensLimit);
     if (opts.maxSystemPromptChars > 0) this.system.maxLength = opts.maxSystemPromptChars;
     // A number field and a slider show the same value; keep them in step.
@@ -56,9 +68,19 @@ export class SettingsDialog {
     this.form.addEventListener("submit", (ev) => this.submit(ev));
   }
 
-  /** @param {ChatSettings} settings  shown in the fields, then the dialog opens */
-  open(settings) {
+  /**
+   * @param {ChatSettings} settings  shown in the fields, then the dialog opens
+   * @param {string|null} [chatId]  the stored chat, for its export links (none for a new chat)
+   */
+  open(settings, chatId = null) {
     this.fill(settings);
+    this.asDefault.checked = false;
+    this.exportRow.hidden = !chatId;
+    if (chatId) {
+      const base = `/api/sessions/${encodeURIComponent(chatId)}/export`;
+      this.exportRow.querySelector("#export-md").href = `${base}?format=md`;
+      this.exportRow.querySelector("#export-json").href = `${base}?format=json`;
+    }
     this.showError("");
     this.dialog.showModal();
     this.system.focus();
@@ -76,6 +98,10 @@ export class SettingsDialog {
     this.temperature.value = this.temperatureRange.value = String(s.params.temperature);
     this.topP.value = this.topPRange.value = String(s.params.top_p);
     this.maxTokens.value = String(s.params.max_tokens);
+    fillOptional(this.dialog, s.params);
+    // an optional param already set is shown, not hidden in the closed section
+    const more = this.dialog.querySelector("#set-more");
+    if ([...OPTIONAL_PARAMS, "stop"].some((k) => s.params[k] != null)) more.open = true;
   }
 
   /** @private */
@@ -89,14 +115,23 @@ export class SettingsDialog {
   /** @private */
   async submit(ev) {
     ev.preventDefault();
+    const invalid = this.form.querySelector(":invalid");
+    if (invalid && invalid.closest("details")) invalid.closest("details").open = true; // so the browser can point at it
     if (!this.form.reportValidity()) return;
+    const optional = readOptional(this.dialog);
+    if (optional.error) {
+      this.showError(optional.error);
+      return;
+    }
     const settings = {
       system_prompt: this.system.value,
       params: {
         temperature: Number(this.temperature.value),
         top_p: Number(this.topP.value),
         max_tokens: Math.round(Number(this.maxTokens.value)),
+        ...optional.params,
       },
+      asDefault: this.asDefault.checked,
     };
     const saveBtn = this.form.querySelector(".save");
     saveBtn.disabled = true;
