@@ -135,12 +135,13 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
             await tail_pool.aclose()  # a pool passed in is not closed by its client
 
     async def index(request: Request) -> Response:
-        """GET /: the chat page (web/index.html with model_name, config_json, static_url)."""
+        """GET /: the chat page (web/index.html with model_name, model_format, config_json, static_url)."""
         body = config_body(request.app)
         if not (config.web_dir / "index.html").exists():
             return HTMLResponse(FALLBACK_PAGE)
         return templates.TemplateResponse(request, "index.html", {
-            "model_name": body["model"], "config_json": script_safe_json(body), "static_url": "/static"})
+            "model_name": body["model"], "model_format": body.get("format"), "config_json": script_safe_json(body),
+            "static_url": "/static"})
 
     async def healthz(request: Request) -> Response:
         """GET /healthz: 200 while the process serves."""

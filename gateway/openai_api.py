@@ -231,7 +231,8 @@ class OpenAIApi:
         for c in request.app.state.router.clients:
             if c.info is not None and c.info.model not in seen:
                 seen[c.info.model] = {"id": c.info.model, "object": "model", "created": self.created,
-                                      "owned_by": "chatserve", "max_model_len": c.info.max_model_len}
+                                      "owned_by": "chatserve", "max_model_len": c.info.max_model_len,
+                                      "format": c.info.format or None}
         return json_response({"object": "list", "data": list(seen.values())})
 
     # ---- POST /v1/chat/completions --------------------------------------------------------

@@ -61,6 +61,15 @@ def test_models_lists_the_served_model_and_it_is_accepted_by_name(api_gateway):
     models = oa.models.list().data
     info = gw.app.state.router.info()
     assert [m.id for m in models] == [info.model]
+    assert info.format and models[0].model_extra["format"] == info.format  # the serving format, as the engine said
+    # the chat page and its config say it too
+    import html
+
+    import httpx
+
+    page = httpx.get(gw.base_url + "/").text
+    assert f'id="model-format">{html.escape(info.format)}<' in page
+    assert httpx.get(gw.base_url + "/api/config").json()["format"] == info.format
     r = oa.chat.completions.create(model=models[0].id, messages=QUESTION, max_tokens=4, temperature=0)
     assert r.model == info.model and r.object == "chat.completion"
 
