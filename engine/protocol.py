@@ -335,8 +335,11 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
-        t = Timings(**{k: (int if f.type in (int, "int") else float)(timings.get(k, 0))
-                       for k, f in Timings.__dataclass_fields__.items()})
+        t = Timings(*(float(timings.get(k, 0.0)) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")),
+                    draft_tokens=int(timings.get("draft_tokens", 0)),
+                    accepted_tokens=int(timings.get("accepted_tokens", 0)),
+                    acceptance_rate=float(timings.get("acceptance_rate", 0.0)),
+                    tokens_per_step=float(timings.get("tokens_per_step", 0.0)))
     except (TypeError, ValueError):
         raise FrameError("usage/timings of a done frame must hold numbers") from None
     stop_reason = d.get("stop_reason")
