@@ -335,7 +335,8 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
-        t = Timings(*(float(timings.get(k, 0.0)) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")),
+        t = Timings(ttft_ms=float(timings.get("ttft_ms", 0.0)), tpot_ms=float(timings.get("tpot_ms", 0.0)),
+                    e2e_ms=float(timings.get("e2e_ms", 0.0)), queue_ms=float(timings.get("queue_ms", 0.0)),
                     draft_tokens=int(timings.get("draft_tokens", 0)),
                     accepted_tokens=int(timings.get("accepted_tokens", 0)),
                     acceptance_rate=float(timings.get("acceptance_rate", 0.0)),
