@@ -482,7 +482,10 @@ class GenerationManager:
         reason = end.finish_reason
         usage = {"prompt_tokens": end.usage.prompt_tokens, "cached_tokens": end.usage.cached_tokens,
                  "completion_tokens": end.usage.completion_tokens}
-        timings = {"ttft_ms": end.timings.ttft_ms, "tpot_ms": end.timings.tpot_ms, "e2e_ms": end.timings.e2e_ms}
+        t = end.timings
+        # acceptance_rate / tokens_per_step: how speculative decoding went (0.0 / 1.0 without it)
+        timings = {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms, "e2e_ms": t.e2e_ms,
+                   "acceptance_rate": t.acceptance_rate, "tokens_per_step": t.tokens_per_step}
         if turn.synthetic_end:
             usage["completion_tokens"] = len(turn.output_ids)
         assistant = {"content": "".join(turn.parts), "status": "partial" if reason == "abort" else "complete",

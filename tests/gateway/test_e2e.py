@@ -51,7 +51,10 @@ async def test_three_turn_chat_streams_in_order_and_stores_history_with_token_id
             assert r.seqs == list(range(1, len(r.deltas) + 1))  # in order, no gaps
             assert r.done["finish_reason"] in ("stop", "length")
             assert r.done["message_id"] == r.start["message_id"] and r.done["session_id"] == sid
-            assert set(r.done["timings"]) == {"ttft_ms", "tpot_ms", "e2e_ms"}
+            t = r.done["timings"]
+            assert set(t) == {"ttft_ms", "tpot_ms", "e2e_ms", "acceptance_rate", "tokens_per_step"}
+            assert 0.0 <= t["acceptance_rate"] <= 1.0  # speculation: accepted / verified drafts
+            assert t["tokens_per_step"] >= 1.0 or r.done["usage"]["completion_tokens"] <= 1  # a token a step at least
             replies.append(r)
     assert replies[0].done["title"] == "Hello there." and "title" not in replies[1].done
     for prev, cur in zip(replies, replies[1:]):  # turn N+1 finds turn N's prompt and reply cached
