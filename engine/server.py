@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import EngineError, InvalidRequestError
 from engine.outputs import GenerateRequest, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.text_checks import text_error
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ def parse_generate(frame: dict[str, Any], internal_id: str) -> GenerateRequest:
     if params is not None and not isinstance(params, dict):
         raise InvalidRequestError("params must be an object")
     salt = frame.get("cache_salt", "")
-    if not isinstance(salt, str):
-        raise InvalidRequestError("cache_salt must be a string")
+    if not isinstance(salt, str) or text_error(salt, "cache_salt"):
+        raise InvalidRequestError("cache_salt must be a string of valid Unicode")
     return GenerateRequest(
         request_id=internal_id, prompt_token_ids=frame.get("prompt_token_ids"),
         messages=frame.get("messages"), prefix_token_ids=frame.get("prefix_token_ids"),
@@ -108,8 +109,8 @@ class EngineServer:
     async def _on_frame(self, ws: ServerConnection, conn: int, raw: Any, tasks: dict[str, asyncio.Task]) -> None:
         try:
             frame = json.loads(raw)
-        except (ValueError, TypeError):
-            await ws.send(_error("bad_frame", "frame is not valid JSON"))
+        except (ValueError, TypeError, RecursionError):
+            await ws.send(_error("bad_frame", "frame is not valid JSON (or nests too deeply)"))
             return
         if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
             await ws.send(_error("bad_frame", "frame must be an object with a string 'type'"))

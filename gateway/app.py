@@ -128,7 +128,8 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         if not (config.web_dir / "index.html").exists():
             return HTMLResponse(FALLBACK_PAGE)
         return templates.TemplateResponse(request, "index.html", {
-            "model_name": body["model"], "config_json": script_safe_json(body), "static_url": "/static"})
+            "model_name": body["model"], "config_json": script_safe_json(body), "static_url": "/static",
+            "ranges": body["ranges"]})  # the settings form's min/max: the engine's RANGES
 
     async def healthz(request: Request) -> Response:
         """GET /healthz: 200 while the process serves."""

@@ -22,6 +22,8 @@ import websockets
 from websockets.asyncio.client import connect
 from websockets.typing import Origin
 
+from engine.sampling_params import param_error, range_text
+from engine.text_checks import text_error
 from gateway.auth import COOKIE_NAME
 
 
@@ -86,12 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("question")
     p.add_argument("--url", default="ws://127.0.0.1:8000/ws", help="the gateway's WebSocket URL")
     p.add_argument("--session", default=None, help="continue this chat id")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help=f"sampling temperature, {range_text('temperature')}")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus mass, {range_text('top_p')}")
+    p.add_argument("--max-tokens", type=int, default=None, help=f"reply length cap, {range_text('max_tokens')}")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (-1: random)")
     p.add_argument("--cookie-file", type=Path, default=Path.home() / ".chatserve-cookie",
                    help="keeps your anonymous user between runs (so --session works)")
     a = p.parse_args(argv)
-    params = {k: v for k, v in (("temperature", a.temperature), ("max_tokens", a.max_tokens)) if v is not None}
+    params = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("max_tokens", a.max_tokens),
+                                ("seed", a.seed)) if v is not None}
+    bad_text = text_error(a.question, "question")  # e.g. undecodable bytes in argv
+    if bad_text is not None:
+        p.error(bad_text)
+    for name, value in params.items():  # the engine's ranges and error text, before any connection
+        message = param_error(name, value)
+        if message is not None:
+            p.error(message.replace(name, "--" + name.replace("_", "-"), 1))
     saved = a.cookie_file.read_text().strip() if a.cookie_file.exists() else None
     try:
         cookie = get_cookie(http_base(a.url), saved)

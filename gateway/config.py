@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine.sampling_params import param_error
+
 MIB = 1 << 20
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -89,12 +91,23 @@ class Limits:
 
 @dataclass(frozen=True)
 class Defaults:
-    """Per-chat defaults shown to the UI and used when a chat stores none."""
+    """Per-chat defaults shown to the UI and used when a chat stores none; checked
+    against the engine's ranges (``engine.sampling_params.RANGES``) on construction.
+
+    Raises:
+        ConfigError: a default is out of range.
+    """
 
     temperature: float = 0.7
     top_p: float = 0.95
     max_tokens: int = 512
     system_prompt: str = "You are a helpful assistant."
+
+    def __post_init__(self) -> None:
+        for name, value in self.sampling().items():
+            message = param_error(name, value)  # the engine's ranges and error text
+            if message is not None:
+                raise ConfigError(f"default {message}")
 
     def sampling(self) -> dict[str, Any]:
         """The default sampling parameters as an engine ``params`` dict."""

@@ -75,6 +75,7 @@ class _Turn:
     system_prompt: str
     client_msg_id: str | None
     clamp_max_tokens: bool = True
+    created_chat: bool = False  # this turn's chat was created for it (undone with it)
     task: asyncio.Task[None] | None = None
     request: EngineRequest | None = None
     cancel_requested: bool = False
@@ -243,8 +244,8 @@ class GenerationManager:
             begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
                                                 client_msg_id=client_msg_id)
             return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
-                                      clamp_max_tokens)
-        except GatewayError:
+                                      clamp_max_tokens, created_chat=session_id is None)
+        except Exception:
             if session_id is None:  # refused before it began: leave no empty chat behind
                 try:
                     await self.store.delete_session(owner, info.id)
@@ -268,12 +269,12 @@ class GenerationManager:
             self.router.pick("")  # raises engine_unavailable
 
     async def _launch(self, owner: str, sid: str, begun: TurnBegun, params: dict[str, Any],
-                      system_prompt: str, client_msg_id: str | None, clamp_max_tokens: bool = True
-                      ) -> StartedTurn:
+                      system_prompt: str, client_msg_id: str | None, clamp_max_tokens: bool = True,
+                      created_chat: bool = False) -> StartedTurn:
         started = StartedTurn(begun.request_id, sid, begun.message_id, begun.user_message_id, begun.duplicate)
         if begun.duplicate:
             return started
-        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens)
+        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens, created_chat)
         try:
             await self.streams.open(begun.request_id, owner, sid, begun.message_id, begun.user_message_id)
         except GatewayError:
@@ -522,15 +523,26 @@ class GenerationManager:
             return False  # deleted, or Redis blinked: announce nothing
         return info.title == turn.begun.title
 
+    async def _delete_chat(self, turn: _Turn) -> None:
+        try:
+            await self.store.delete_session(turn.owner, turn.session_id)
+        except GatewayError as e:
+            if e.code != "not_found":  # already deleted by its user
+                raise
+
     async def _end_with_error(self, turn: _Turn, code: str, message: str) -> None:
         """End a reply that failed: undo it when nothing was shown, else store what was
         shown as partial. Best effort when Redis itself is the failure."""
         rid, begun = turn.begun.request_id, turn.begun
         self.events.on_error(rid, code, time.perf_counter())
         try:
-            if not turn.produced:
+            if not turn.produced and turn.created_chat:
+                # the first turn of a chat made for it was refused: leave no empty chat
+                await self._store_retrying(rid, "removing the refused new chat", lambda: self._delete_chat(turn))
+            elif not turn.produced:
                 await self._store_retrying(rid, "undoing the refused turn", lambda: self.store.fail_turn(
                     turn.owner, turn.session_id, begun, turn.client_msg_id))
+            if not turn.produced:
                 await self._store_retrying(rid, "ending the reply stream",
                                            lambda: self.streams.error(rid, turn.seq, code, message))
                 return

@@ -5,7 +5,6 @@ user's chat answers 404 like a missing one. Errors are ``{"error": {"code", "mes
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.generation import merge_params
 from gateway.protocol import is_valid_id
+from gateway.validation import BadJson, check_text, loads_json, printable, sampling_ranges
 
 log = logging.getLogger("gateway.http")
 
@@ -28,7 +28,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def error_response(e: GatewayError) -> JSONResponse:
     """``{"error": {"code", "message"}}`` with the code's HTTP status."""
-    return JSONResponse({"error": {"code": e.code, "message": e.message}}, status_code=e.http_status)
+    return JSONResponse({"error": {"code": e.code, "message": printable(e.message)}}, status_code=e.http_status)
 
 
 def api(handler: Handler) -> Handler:
@@ -76,9 +76,9 @@ async def _json_body(request: Request, config: GatewayConfig) -> dict[str, Any]:
     if not body:
         return {}
     try:
-        obj = json.loads(body)
-    except ValueError:
-        raise GatewayError("invalid_request", "body is not valid JSON") from None
+        obj = loads_json(body)
+    except BadJson as e:
+        raise GatewayError("invalid_request", f"body is {e}" if "nests" not in str(e) else f"body {e}") from None
     if not isinstance(obj, dict):
         raise GatewayError("invalid_request", "body must be a JSON object")
     return obj
@@ -93,6 +93,7 @@ def _session_fields(body: dict[str, Any], config: GatewayConfig) -> dict[str, An
             v = body[key]
             if not isinstance(v, str) or len(v) > cap:
                 raise GatewayError("invalid_request", f"'{key}' must be a string of at most {cap} characters")
+            check_text(v, key)
             out[key] = v.strip() if key == "title" else v
     if "params" in body:
         if not isinstance(body["params"], dict):
@@ -111,7 +112,7 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     model = info.model if info and info.model else fallback
     d = config.defaults
     return {"model": model, "max_model_len": info.max_model_len if info else None,
-            "limits": config.limits.public(),
+            "limits": config.limits.public(), "ranges": sampling_ranges(),
             "defaults": {"temperature": d.temperature, "top_p": d.top_p, "max_tokens": d.max_tokens,
                          "system_prompt": d.system_prompt}}
 

@@ -66,6 +66,7 @@ from gateway.openai_request import (
     parse_chat_request,
 )
 from gateway.protocol import is_valid_id
+from gateway.validation import BadJson, loads_json
 
 log = logging.getLogger("gateway.openai")
 
@@ -272,10 +273,10 @@ class OpenAIApi:
             if len(body) > limit:
                 raise openai_error_from("frame_too_large", f"request body over {limit} bytes")
         try:
-            return await asyncio.to_thread(json.loads, bytes(body)) if len(body) > BIG_BODY_BYTES \
-                else json.loads(bytes(body))
-        except (ValueError, RecursionError):
-            raise bad("the request body is not valid JSON") from None
+            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_BODY_BYTES \
+                else loads_json(bytes(body))
+        except BadJson as e:
+            raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
 
     async def _start(self, request: Request, creq: ChatRequest) -> ReplySource:
         state = request.app.state

@@ -45,6 +45,7 @@ from gateway.protocol import (
     parse_client_frame,
 )
 from gateway.streams import ReplyStreams, StreamEntry, done_payload
+from gateway.validation import printable
 
 log = logging.getLogger("gateway.ws")
 T = TypeVar("T")
@@ -109,8 +110,13 @@ class Connection:
     async def send(self, frame: dict[str, Any]) -> None:
         """Queue a frame; waits while the outbox is full (the client reads slowly)."""
         data = json.dumps(frame, ensure_ascii=False)
+        try:
+            size = len(data.encode())
+        except UnicodeEncodeError:  # a lone surrogate echoed from input: never break the socket
+            data = printable(data)
+            size = len(data.encode())
         await self.outbox.put(data)
-        self.outbox_bytes += len(data.encode())
+        self.outbox_bytes += size
         self.stats.max_outbox_frames = max(self.stats.max_outbox_frames, self.outbox.qsize())
         self.stats.max_outbox_bytes = max(self.stats.max_outbox_bytes, self.outbox_bytes)
 
