@@ -32,6 +32,7 @@ from gateway.engines import EngineClient, EngineRouter
 from gateway.events import GenerationEvents
 from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
+from gateway.redis_client import resilience_options
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
 from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint
@@ -95,11 +96,11 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         """Open Redis and the engine connections; close them (stopping replies) at exit."""
         redis = aioredis.from_url(config.redis_url, decode_responses=True, socket_connect_timeout=2,
-                                  socket_timeout=10, health_check_interval=30)
+                                  socket_timeout=10, **resilience_options())
         # blocking stream reads hold a connection each while they wait
         tail_pool = aioredis.BlockingConnectionPool.from_url(
             config.redis_url, decode_responses=True, socket_connect_timeout=2,
-            socket_timeout=TAIL_BLOCK_MS / 1000 + 10, max_connections=4096, timeout=30)
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10, max_connections=4096, timeout=30, **resilience_options())
         tail_redis = aioredis.Redis(connection_pool=tail_pool)
         keys = Keys(config.key_prefix)
         lim = config.limits
