@@ -7,16 +7,21 @@ scoped to the connection. A closed connection aborts every request it started.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
+import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
+from http import HTTPStatus
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError, InvalidRequestError
@@ -28,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Far above any prompt the context allows; the gateway enforces the user-facing limit.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+SECRET_ENV = "ENGINE_SECRET"  # when set, clients must send it in SECRET_HEADER
+SECRET_HEADER = "X-Engine-Secret"
 
 
 def _error(code: str, message: str, request_id: str | None = None) -> str:
@@ -164,9 +171,26 @@ async def _send_quietly(ws: ServerConnection, text: str) -> None:
         pass
 
 
+def secret_check(secret: str | None) -> Callable[[ServerConnection, Request], Response | None] | None:
+    """The handshake check of the optional shared secret of the engine link: with
+    ``secret`` set (``ENGINE_SECRET``), a connection without the same
+    ``X-Engine-Secret`` header gets HTTP 403 (constant-time comparison)."""
+    if not secret:
+        return None
+
+    def check(connection: ServerConnection, request: Request) -> Response | None:
+        sent = request.headers.get(SECRET_HEADER, "")
+        if hmac.compare_digest(sent.encode(), secret.encode()):
+            return None
+        return connection.respond(HTTPStatus.FORBIDDEN, "engine secret required\n")
+
+    return check
+
+
 async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.Event | None = None,
                      stop: asyncio.Event | None = None, start_engine: bool = True) -> None:
-    """Serve until ``stop`` is set (forever if None). Prints ``ENGINE READY ws://HOST:PORT``
+    """Serve until ``stop`` is set (forever if None); with ``ENGINE_SECRET`` set in the
+    environment, only clients sending it are served (``secret_check``). Prints ``ENGINE READY ws://HOST:PORT``
     on stdout once listening (port 0 picks a free port). ``start_engine`` False: the
     caller runs the step loop itself (``serve``); the engine is shut down on the way out
     either way.
@@ -177,8 +201,8 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
     server = EngineServer(engine)
     if start_engine:
         engine.start()
-    async with serve(server.handle, host, port, max_size=MAX_FRAME_BYTES, ping_interval=20,
-                     ping_timeout=60) as ws_server:
+    async with serve(server.handle, host, port, max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60,
+                     process_request=secret_check(os.environ.get(SECRET_ENV) or None)) as ws_server:
         sock = next(iter(ws_server.sockets))
         bound_port = sock.getsockname()[1]
         print(f"ENGINE READY ws://{host}:{bound_port}", flush=True)

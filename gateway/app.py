@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
@@ -39,10 +40,17 @@ from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint
 
 log = logging.getLogger("gateway")
 
+# The page's CSP, as a header (a <meta> tag cannot carry frame-ancestors, and a header
+# covers every response): only our own scripts and styles, nothing fetched from
+# elsewhere, sockets only to this origin (connect-src 'self' covers ws: and wss: of it).
+CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                           "font-src 'self'; connect-src 'self'; object-src 'none'; base-uri 'none'; "
+                           "form-action 'none'; frame-ancestors 'none'")
 SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"same-origin"),
     (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
 ]
 
 
@@ -107,7 +115,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         store = SessionStore(redis, keys, config.session_ttl_s, config.lock_lease_ms,
                              lim.max_sessions_per_user, lim.max_generations_per_user)
         streams = ReplyStreams(redis, tail_redis, keys, config.stream_ttl_s, config.stream_maxlen)
-        router = EngineRouter(EngineClient(u) for u in config.engine_urls)
+        router = EngineRouter(EngineClient(u, secret=config.engine_secret) for u in config.engine_urls)
         gens = GenerationManager(config, store, streams, router, redis, list(events))
         s = app.state
         s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
@@ -157,7 +165,9 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         *extra_routes,
         Mount("/static", app=StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
     ]
-    middleware = [Middleware(SecurityHeadersMiddleware), Middleware(UserCookieMiddleware, ids=ids)]
+    # hosts first: a request for another host name (DNS rebinding) gets 400 before anything else
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
+                  Middleware(SecurityHeadersMiddleware), Middleware(UserCookieMiddleware, ids=ids)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 

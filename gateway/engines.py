@@ -28,6 +28,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from gateway.errors import GatewayError
 
+SECRET_HEADER = "X-Engine-Secret"  # the engine link's shared secret (engine/server.py checks it)
 log = logging.getLogger("gateway.engines")
 
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are JSON-encoded off the event loop
@@ -98,10 +99,13 @@ class EngineClient:
     Args:
         url: the engine's ``ws://host:port`` address.
         max_backoff_s: the longest wait between reconnect attempts (seconds).
+        secret: the engine link's shared secret (``ENGINE_SECRET``), sent on connect.
     """
 
-    def __init__(self, url: str, max_backoff_s: float = 5.0, open_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, max_backoff_s: float = 5.0, open_timeout_s: float = 10.0,
+                 secret: str | None = None) -> None:
         self.url = url
+        self._headers = {SECRET_HEADER: secret} if secret else {}
         self.info: EngineInfo | None = None
         self.max_backoff_s = max_backoff_s
         self.open_timeout_s = open_timeout_s
@@ -146,7 +150,8 @@ class EngineClient:
         while True:
             try:
                 async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
-                                   ping_interval=20, ping_timeout=60, close_timeout=2) as ws:
+                                   ping_interval=20, ping_timeout=60, close_timeout=2,
+                                   additional_headers=self._headers) as ws:
                     hello = json.loads(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
                     if hello.get("type") != "hello":
                         raise ConnectionError(f"engine sent {hello.get('type')!r} instead of hello")

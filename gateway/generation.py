@@ -51,6 +51,10 @@ T = TypeVar("T")
 PASSTHROUGH_CODES = {"context_length_exceeded", "invalid_request", "engine_unavailable"}
 ABORT_RESEND_S = 0.2  # seconds between repeated aborts until the engine confirms one
 STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (seconds)
+# why a reply was cut short, stored with it as ``cut_reason`` (status "partial"): the
+# user's Stop (or a delete of the chat), the gateway shutting down, the engine going away
+# (or shutting down) mid-reply, or another failure after some text was shown
+CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "error")
 LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
 
 
@@ -76,6 +80,7 @@ class _Turn:
     client_msg_id: str | None
     clamp_max_tokens: bool = True
     created_chat: bool = False  # this turn's chat was created for it (undone with it)
+    cut_reason: str | None = None  # why the reply was stopped early (see CUT_REASONS)
     task: asyncio.Task[None] | None = None
     request: EngineRequest | None = None
     cancel_requested: bool = False
@@ -150,7 +155,7 @@ class GenerationManager:
     async def close(self, timeout: float = 10.0) -> None:
         """Stop every reply (stored as partial) and the listener."""
         for turn in list(self.running.values()):
-            await self._cancel_local(turn)
+            await self._cancel_local(turn, "gateway_shutdown")
         tasks = [t.task for t in self.running.values() if t.task]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
@@ -313,10 +318,11 @@ class GenerationManager:
             raise not_found("reply")
         await self.redis.publish(self.store.keys.cancel_channel(), request_id)
 
-    async def _cancel_local(self, turn: _Turn) -> None:
+    async def _cancel_local(self, turn: _Turn, reason: str = "user_stop") -> None:
         if turn.cancel_requested:
             return
         turn.cancel_requested = True
+        turn.cut_reason = reason
         turn.cancel_deadline = time.monotonic() + self.config.cancel_grace_s
         if turn.request is not None:
             await turn.request.abort()
@@ -495,6 +501,8 @@ class GenerationManager:
         assistant = {"content": "".join(turn.parts), "status": "partial" if reason == "abort" else "complete",
                      "finish_reason": reason, "usage": usage, "timings": timings, "created_at": time.time(),
                      "request_id": rid}
+        if reason == "abort":  # an abort nobody here asked for is the engine shutting down
+            assistant["cut_reason"] = turn.cut_reason or "engine_lost"
         user_seg = a_seg = None
         if "prompt_token_ids" in end:
             user_seg = history.user_segment(list(end["prompt_token_ids"]), bool(end.get("prefix_reused")))
@@ -549,6 +557,7 @@ class GenerationManager:
             await self._flush_unsent(turn)
             assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
                          "error": {"code": code, "message": message},
+                         "cut_reason": "engine_lost" if code == "engine_unavailable" else "error",
                          "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
                          "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
                          "request_id": rid}

@@ -5,6 +5,7 @@ user's chat answers 404 like a missing one. Errors are ``{"error": {"code", "mes
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -143,7 +144,8 @@ async def create_session(request: Request) -> Response:
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 
-PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "usage", "timings", "error", "created_at")
+PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "cut_reason", "usage", "timings", "error",
+                         "created_at")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:
@@ -188,13 +190,24 @@ async def delete_session(request: Request) -> Response:
     return Response(status_code=204)
 
 
+def _is_operator(request: Request) -> bool:
+    """True when the request carries the configured API key (``Authorization: Bearer``)."""
+    key = request.app.state.config.api_key
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return bool(key) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 @api
 async def engine_stats(request: Request) -> Response:
-    """GET /api/engine/stats: each engine's counters (KV blocks, requests), for
-    operators and tests (stop frees the engine (docs/acceptance.md) checks that a cancel frees blocks)."""
+    """GET /api/engine/stats: each engine's name, health and counters (KV blocks,
+    requests), for operators and tests (stop frees the engine (docs/acceptance.md)
+    checks that a cancel frees blocks); its ``url`` only with the API key."""
     out = []
-    for c in request.app.state.router.clients:
-        entry: dict[str, Any] = {"url": c.url, "healthy": c.healthy, "stats": None}
+    operator = _is_operator(request)
+    for i, c in enumerate(request.app.state.router.clients):
+        entry: dict[str, Any] = {"name": f"engine-{i + 1}", "healthy": c.healthy, "stats": None}
+        if operator:  # internal addresses only for whoever holds the API key
+            entry["url"] = c.url
         if c.healthy:
             try:
                 entry["stats"] = await c.stats()

@@ -90,8 +90,9 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(e: OpenAIError) -> Response:
-    """The OpenAI error body with its status."""
-    return json_response(e.body(), e.status)
+    """The OpenAI error body with its status (a 401 says how to authenticate, RFC 9110)."""
+    headers = {"www-authenticate": 'Bearer realm="chatserve"'} if e.status == 401 else None
+    return json_response(e.body(), e.status, headers)
 
 
 def key_user_id(secret: str, api_key: str) -> str:

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -66,6 +66,8 @@ class WsStats:
         frames_sent_total: frames handed to the socket.
         stalled_closed_total: sockets closed because the client stopped reading.
         frames_too_large_total, bad_frames_total: rejected client frames.
+        by_user, by_address: sockets open now per user and per client address (capped
+            by ``ws_max_sockets_per_user`` / ``ws_max_sockets_per_address``).
     """
 
     sockets_open: int = 0
@@ -75,6 +77,8 @@ class WsStats:
     stalled_closed_total: int = 0
     frames_too_large_total: int = 0
     bad_frames_total: int = 0
+    by_user: dict[str, int] = field(default_factory=dict)  # open sockets per user id
+    by_address: dict[str, int] = field(default_factory=dict)  # open sockets per client address
 
 
 def _utf8_len_over(text: str, limit: int) -> bool:
@@ -293,15 +297,34 @@ class Connection:
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
     """``WS /ws``: check the Origin and the user cookie (HTTP 403 before the upgrade
-    otherwise), then serve the browser protocol."""
+    otherwise) and the caps on open sockets per user and per address (over either: a
+    ``rate_limited`` error frame and close 1008), then serve the browser protocol."""
     state = websocket.app.state
     config: GatewayConfig = state.config
     uid = request_user(websocket.scope)
-    if not origin_allowed(websocket.scope, config.allowed_origins) or uid is None:
+    if not origin_allowed(websocket.scope, config.allowed_origins, config.trusted_hosts()) or uid is None:
         await websocket.close(code=1008)  # before accept: uvicorn answers HTTP 403
         return
+    stats: WsStats = state.ws_stats
+    addr = websocket.client.host if websocket.client else ""
+    lim = config.limits
     await websocket.accept()
-    conn = Connection(websocket, uid, config, state.generations, state.streams, state.ws_stats)
-    await conn.run()
+    if stats.by_user.get(uid, 0) >= lim.ws_max_sockets_per_user or \
+            stats.by_address.get(addr, 0) >= lim.ws_max_sockets_per_address:
+        who = "user" if stats.by_user.get(uid, 0) >= lim.ws_max_sockets_per_user else "address"
+        await websocket.send_text(json.dumps(error_frame("rate_limited", f"too many open sockets for this {who}; "
+                                                         "close other tabs or try again later")))
+        await websocket.close(code=1008, reason=f"too many sockets per {who}")
+        return
+    stats.by_user[uid] = stats.by_user.get(uid, 0) + 1
+    stats.by_address[addr] = stats.by_address.get(addr, 0) + 1
+    try:
+        conn = Connection(websocket, uid, config, state.generations, state.streams, stats)
+        await conn.run()
+    finally:
+        for counts, key in ((stats.by_user, uid), (stats.by_address, addr)):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
     # A stalled socket is not closed politely (the close frame would queue behind the
     # unread data); returning lets the server drop the connection.
