@@ -385,7 +385,7 @@ def check_store(cl: Cluster, led: Ledger) -> dict[str, Any]:
     stored: dict[str, dict] = {}
     twice = 0
     partial_without_reason = 0
-    partial = Counter()
+    partial: Counter[str] = Counter()
     for cookie in led.cookies:
         with httpx.Client(base_url=cl.base, cookies={COOKIE: cookie}, timeout=30) as c:
             for s in c.get("/api/sessions").json()["sessions"]:

@@ -63,9 +63,14 @@ params = st.one_of(
 
 @st.composite
 def browser_frames(draw: Any) -> Any:
-    """A frame: mostly objects with a real ``type`` and random fields, sometimes anything."""
-    if draw(st.integers(0, 9)) == 0:
+    """A frame: mostly objects with a real ``type`` and random fields, sometimes anything,
+    often a plausible ``chat`` (hostile text, random params) that reaches the store."""
+    pick = draw(st.integers(0, 9))
+    if pick == 0:
         return draw(json_values)
+    if pick <= 4:
+        return {"type": "chat", "content": draw(hostile_text.filter(lambda t: t.strip())),
+                "params": draw(params) if draw(st.booleans()) else {"max_tokens": draw(st.integers(1, 4))}}
     frame: dict[str, Any] = {"type": draw(st.sampled_from(["chat", "cancel", "regenerate", "resume", "ping"])
                                           | hostile_text | scalars)}
     optional = {"content": hostile_text | json_values, "session_id": ids, "request_id": ids, "message_id": ids,
