@@ -93,7 +93,8 @@ def child_pids(pid: int) -> list[int]:
 class Ledger:
     """What the clients saw, to check against what Redis holds afterwards."""
 
-    requests: Counter = field(default_factory=Counter)  # by kind
+    requests: Counter = field(default_factory=Counter)  # attempts by kind
+    served: Counter = field(default_factory=Counter)  # answered as asked, by kind
     errors: Counter = field(default_factory=Counter)  # "kind:code"
     faults: Counter = field(default_factory=Counter)
     complete: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # message id -> (cookie, sid, text)
@@ -238,34 +239,45 @@ async def browser_user(cl: Cluster, led: Ledger, deadline: float, rng: random.Ra
                 first = json.loads(await asyncio.wait_for(ws.recv(), 60))
                 if first["type"] == "error":
                     led.errors[f"browser:{first['code']}"] += 1
+                    await asyncio.sleep(0.5)  # a fault is being ridden out: do not spin
                     continue
                 rid, sid = first["request_id"], first["session_id"]
                 if action == "stop":
                     await ws.send(json.dumps({"type": "cancel", "request_id": rid}))
                     led.cancels += 1
+                    end, _ = await read_until_end(ws, rid)
+                    led.served["browser:stop"] += end is not None and end["type"] == "done"
+                    continue
                 elif action == "drop":
                     ws.transport.abort()  # an abrupt disconnect mid-reply; the reply goes on
                     await reload_and_resume(cl, led, headers, sid)
+                    led.served["browser:drop"] += 1
                     continue
                 elif action == "delete":
                     async with httpx.AsyncClient(base_url=cl.base, cookies={COOKIE: cookie}, timeout=30) as c:
-                        await c.delete(f"/api/sessions/{sid}")
+                        r = await c.delete(f"/api/sessions/{sid}")
                     led.deleted.add(sid)
+                    led.served["browser:delete"] += r.status_code == 204
                     sid = None
                     continue
-                end, _ = await read_until_end(ws, rid)
-                record(led, cookie, first, end)
-        except (OSError, asyncio.TimeoutError, Exception) as e:  # faults drop connections
+                end, frames = await read_until_end(ws, rid)
+                text = "".join(f.get("text", "") for f in frames if f["type"] == "delta" and f["request_id"] == rid)
+                record(led, cookie, first, end, text, f"browser:{action}")
+        except Exception as e:  # faults drop connections (refused, reset, closed 1012)
             led.errors[f"browser:{type(e).__name__}"] += 1
             await asyncio.sleep(0.5)
 
 
-def record(led: Ledger, cookie: str, start: dict, end: dict | None, text: str | None = None) -> None:
+def record(led: Ledger, cookie: str, start: dict, end: dict | None, text: str | None = None,
+           kind: str = "browser:chat") -> None:
+    """Note a reply's end: a complete one joins the ledger (checked against Redis later)."""
     if end is None:
         return
     if end["type"] == "error":
-        led.errors[f"browser:{end['code']}"] += 1
-    elif end.get("finish_reason") in ("stop", "length"):
+        led.errors[f"{kind}:{end['code']}"] += 1
+        return
+    led.served[kind] += 1
+    if end.get("finish_reason") in ("stop", "length"):
         led.complete[end["message_id"]] = (cookie, end["session_id"], text if text is not None else "")
 
 
@@ -279,7 +291,9 @@ async def reload_and_resume(cl: Cluster, led: Ledger, headers: dict[str, str], s
         return
     async with connect(cl.base.replace("http", "ws") + "/ws", origin=cl.base, additional_headers=headers) as ws:
         await ws.send(json.dumps({"type": "resume", "request_id": active["request_id"], "last_seq": 0}))
-        await read_until_end(ws, active["request_id"])
+        end, frames = await read_until_end(ws, active["request_id"])
+    text = "".join(f.get("text", "") for f in frames if f["type"] == "delta")
+    record(led, cookie, {}, end, text, "browser:reload")
 
 
 async def race(cl: Cluster, led: Ledger, ws: Any, headers: dict[str, str], sid: str) -> None:
@@ -303,7 +317,7 @@ async def race(cl: Cluster, led: Ledger, ws: Any, headers: dict[str, str], sid: 
             led.replaced.add(last)
             end, frames = await read_until_end(sock, first["request_id"])
             text = "".join(f.get("text", "") for f in frames if f["type"] == "delta")
-            record(led, cookie, first, end, text)
+            record(led, cookie, first, end, text, "browser:race")
 
 
 async def openai_client(cl: Cluster, led: Ledger, deadline: float, rng: random.Random) -> None:
@@ -319,8 +333,11 @@ async def openai_client(cl: Cluster, led: Ledger, deadline: float, rng: random.R
                 r = await c.post("/v1/chat/completions", json=body)
                 if r.status_code != 200:
                     led.errors[f"{kind}:{r.json()['error'].get('code')}"] += 1
+                    await asyncio.sleep(0.5)
                 elif stream and b"data: [DONE]" not in r.content:
                     led.errors[f"{kind}:cut"] += 1
+                else:
+                    led.served[kind] += 1
             except (httpx.HTTPError, ValueError) as e:
                 led.errors[f"{kind}:{type(e).__name__}"] += 1
                 await asyncio.sleep(0.5)
@@ -336,6 +353,7 @@ async def terminal_client(cl: Cluster, led: Ledger, deadline: float) -> None:
             "8", "--cookie-file", str(cookie_file), "Say hi.", cwd=ROOT,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         _, err = await proc.communicate()
+        led.served["terminal"] += proc.returncode == 0
         if proc.returncode != 0:
             m = re.search(rb"error \((\w+)\)", err)
             led.errors[f"terminal:{m.group(1).decode() if m else 'unreachable'}"] += 1
@@ -349,6 +367,7 @@ async def scraper(cl: Cluster, led: Ledger, deadline: float) -> None:
             led.requests["metrics"] += 1
             try:
                 r = await c.get("/metrics")
+                led.served["metrics"] += r.status_code == 200
                 if r.status_code != 200:
                     led.errors[f"metrics:{r.status_code}"] += 1
             except httpx.HTTPError as e:
@@ -457,6 +476,7 @@ async def run(args: argparse.Namespace, cl: Cluster) -> dict[str, Any]:
     rss_end = {k: rss_mib(p) for k, p in cl.pids().items()}
     store = await asyncio.to_thread(check_store, cl, led)
     return {"duration_s": args.duration, "users": args.users, "requests": dict(led.requests),
+            "served": dict(led.served),
             "faults": dict(led.faults), "errors": dict(led.errors), "cancels": led.cancels, **store,
             "engine": engine, "gateway_restarts": cl.gateway_starts - 1,
             "rss_mib_after_warmup": rss_start, "rss_mib_end": rss_end,
@@ -466,7 +486,8 @@ async def run(args: argparse.Namespace, cl: Cluster) -> dict[str, Any]:
 def table(res: dict[str, Any]) -> str:
     """The markdown table of docs/reliability.md."""
     rows = [("duration", f"{res['duration_s']:.0f} s, {res['users']} browser users"),
-            ("requests by kind", ", ".join(f"{k} {v}" for k, v in sorted(res["requests"].items()))),
+            ("requests by kind (attempted)", ", ".join(f"{k} {v}" for k, v in sorted(res["requests"].items()))),
+            ("served by kind", ", ".join(f"{k} {v}" for k, v in sorted(res["served"].items()))),
             ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(res["faults"].items()))),
             ("replies seen complete", res["replies_seen_complete"]),
             ("replies lost", res["replies_lost"]), ("completed turns stored twice", res["stored_twice"]),
