@@ -263,6 +263,8 @@ async def browser_user(cl: Cluster, led: Ledger, deadline: float, rng: random.Ra
                 end, frames = await read_until_end(ws, rid)
                 text = "".join(f.get("text", "") for f in frames if f["type"] == "delta" and f["request_id"] == rid)
                 record(led, cookie, first, end, text, f"browser:{action}")
+                if end is not None and end["type"] == "error" and "session_id" not in frame:
+                    sid = None  # a refused first turn takes its new chat with it (as the page drops it)
         except Exception as e:  # faults drop connections (refused, reset, closed 1012)
             led.errors[f"browser:{type(e).__name__}"] += 1
             await asyncio.sleep(0.5)
@@ -447,6 +449,32 @@ def tracebacks(work: Path) -> list[str]:
     return [p.name for p in sorted(work.glob("*.log")) if "Traceback" in p.read_text(errors="replace")]
 
 
+async def cancel_storm(cl: Cluster, n: int, concurrency: int = 8) -> dict[str, Any]:
+    """``n`` replies stopped right after they start (on a quiet system, after the faults):
+    the KV blocks of every cancelled request must come back."""
+    cookie = await new_cookie(cl.base)
+    headers = {"Cookie": f"{COOKIE}={cookie}"}
+    left = [n]
+    outcomes: Counter[str] = Counter()
+
+    async def worker() -> None:
+        async with connect(cl.base.replace("http", "ws") + "/ws", origin=cl.base, additional_headers=headers) as ws:
+            while left[0] > 0:
+                left[0] -= 1
+                await ws.send(json.dumps({"type": "chat", "content": "Tell me a long story about the sea.",
+                                          "params": {"max_tokens": 200, "ignore_eos": True}}))
+                first = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if first["type"] == "error":
+                    outcomes[first["code"]] += 1
+                    continue
+                await ws.send(json.dumps({"type": "cancel", "request_id": first["request_id"]}))
+                end, _ = await read_until_end(ws, first["request_id"])
+                outcomes[end.get("finish_reason", end.get("code", "?")) if end else "?"] += 1
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"cancelled": n, "outcomes": dict(outcomes), **await asyncio.to_thread(check_engine, cl)}
+
+
 async def run(args: argparse.Namespace, cl: Cluster) -> dict[str, Any]:
     led = Ledger()
     rng = random.Random(args.seed)
@@ -473,12 +501,13 @@ async def run(args: argparse.Namespace, cl: Cluster) -> dict[str, Any]:
             pass
         await asyncio.sleep(0.2)
     engine = await asyncio.to_thread(check_engine, cl)
+    storm = await cancel_storm(cl, args.cancels) if args.cancels else None
     rss_end = {k: rss_mib(p) for k, p in cl.pids().items()}
     store = await asyncio.to_thread(check_store, cl, led)
     return {"duration_s": args.duration, "users": args.users, "requests": dict(led.requests),
             "served": dict(led.served),
             "faults": dict(led.faults), "errors": dict(led.errors), "cancels": led.cancels, **store,
-            "engine": engine, "gateway_restarts": cl.gateway_starts - 1,
+            "engine": engine, "cancel_storm": storm, "gateway_restarts": cl.gateway_starts - 1,
             "rss_mib_after_warmup": rss_start, "rss_mib_end": rss_end,
             "logs_with_traceback": tracebacks(cl.work)}
 
@@ -493,9 +522,13 @@ def table(res: dict[str, Any]) -> str:
             ("replies lost", res["replies_lost"]), ("completed turns stored twice", res["stored_twice"]),
             ("partial replies by cut_reason", json.dumps(res["partial_by_cut_reason"])),
             ("partial replies without a reason", res["partial_without_cut_reason"]),
-            ("cancels (Stop)", res["cancels"]), ("leaked KV blocks", res["engine"]["leaked_blocks"]),
-            ("errors by kind", ", ".join(f"{k} {v}" for k, v in sorted(res["errors"].items())) or "none"),
-            ("logs with a traceback", ", ".join(res["logs_with_traceback"]) or "none")]
+            ("cancels (Stop)", res["cancels"]), ("leaked KV blocks", res["engine"]["leaked_blocks"])]
+    if res["cancel_storm"]:
+        st = res["cancel_storm"]
+        rows.append((f"leaked KV blocks after {st['cancelled']} cancels in a row",
+                     f"{st['leaked_blocks']} (finish: {json.dumps(st['outcomes'])})"))
+    rows += [("errors by kind", ", ".join(f"{k} {v}" for k, v in sorted(res["errors"].items())) or "none"),
+             ("logs with a traceback", ", ".join(res["logs_with_traceback"]) or "none")]
     for proc in ("gateway", "engine", "redis"):
         a, b = res["rss_mib_after_warmup"].get(proc), res["rss_mib_end"].get(proc)
         rows.append((f"RSS {proc} (MiB)", f"{a:.0f} -> {b:.0f}" if a and b else f"{a} -> {b} (restarted)"))
@@ -508,13 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--ci", action="store_true", help="the 60-second version")
     p.add_argument("--users", type=int, default=6)
+    p.add_argument("--cancels", type=int, default=1000, help="replies stopped at once after the run (block leaks)")
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     a = p.parse_args(argv)
     if a.ci:
-        a.duration, a.users = 60.0, 4
+        a.duration, a.users, a.cancels = 60.0, 4, 100
     if shutil.which("redis-server") is None:
         print("error: redis-server is not installed", file=sys.stderr)
         return 2
@@ -529,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     ok = (res["replies_lost"] == 0 and res["stored_twice"] == 0 and res["partial_without_cut_reason"] == 0
-          and res["engine"]["leaked_blocks"] == 0 and not res["logs_with_traceback"])
+          and res["engine"]["leaked_blocks"] == 0 and not res["logs_with_traceback"]
+          and (not res["cancel_storm"] or res["cancel_storm"]["leaked_blocks"] == 0))
     res["ok"] = ok
     print(json.dumps(res, indent=2) if a.json else table(res))
     if a.keep:
