@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.outputs import GenerateRequest
+from engine.text_checks import text_error
 
 ROLES = ("system", "user", "assistant")
 
@@ -32,7 +33,8 @@ def _as_id_list(x: Any) -> list[int]:
 
 
 def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check a chat: a non-empty list of {"role", "content"} with known roles and string content.
+    """Check a chat: a non-empty list of {"role", "content"} with known roles and string
+    content that is valid Unicode (``engine.text_checks``).
 
     Raises:
         InvalidRequestError: naming the first bad message.
@@ -48,6 +50,9 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidRequestError(f"messages[{i}].role must be one of {ROLES}, got {role!r}")
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content must be a string")
+        bad_text = text_error(content, f"messages[{i}].content")
+        if bad_text is not None:
+            raise InvalidRequestError(bad_text)
         out.append({"role": role, "content": content})
     return out
 

@@ -285,8 +285,8 @@ def encode(frame: Frame) -> str:
 def _obj(text: str | bytes) -> dict[str, Any]:
     try:
         obj = json.loads(text)
-    except (ValueError, TypeError):
-        raise FrameError("frame is not valid JSON") from None
+    except (ValueError, TypeError, RecursionError):
+        raise FrameError("frame is not valid JSON (or nests too deeply)") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise FrameError("frame must be an object with a string 'type'")
     return obj

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.text_checks import text_error
 
 # Below this temperature sampling is greedy (argmax): dividing logits by ~0 overflows.
 GREEDY_EPS = 1e-5
@@ -26,6 +27,58 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "seed": (-(2**63), 2**64 - 1),  # -1 means "random" (no seed), as OpenAI clients send it
     "logprobs": (0, 20),
 }
+# Parameters whose lower bound itself is refused: (lo, hi].
+OPEN_LOW = frozenset({"top_p", "repetition_penalty"})
+# Parameters that take integers only (the others take any finite number).
+INTEGER_PARAMS = frozenset({"max_tokens", "top_k", "seed", "logprobs"})
+# Parameters that may be None (meaning "unset").
+NULLABLE_PARAMS = frozenset({"seed", "logprobs"})
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+STOP_ERROR = (f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
+              "characters")
+_HINTS = {"top_p": " (use temperature 0 for greedy)", "top_k": " (0 or -1 disables)",
+          "seed": " (-1 for random)"}
+
+
+def range_text(name: str) -> str:
+    """How ``RANGES[name]`` reads in an error: ``in [0, 2]``, ``in (0, 1]``, ``>= 1``."""
+    lo, hi = RANGES[name]
+    if name == "seed":
+        return "a signed or unsigned 64-bit integer"
+    kind = "an integer " if name in INTEGER_PARAMS else ""
+    if hi is None:
+        return f"{kind}>= {lo:g}"
+    return f"{kind}in {'(' if name in OPEN_LOW else '['}{lo:g}, {hi:g}]"
+
+
+def param_error(name: str, value: Any, label: str | None = None) -> str | None:
+    """The one error text for a numeric sampling parameter out of ``RANGES`` (or of the
+    wrong type), or None when ``value`` is acceptable. Every layer (engine, gateway,
+    OpenAI API, terminal client) reports a bad value with this text.
+
+    Args:
+        name: a key of ``RANGES``.
+        value: the value as decoded from JSON or the command line.
+        label: the name to show (e.g. ``max_completion_tokens``); default ``name``.
+    """
+    if value is None and name in NULLABLE_PARAMS:
+        return None
+    lo, hi = RANGES[name]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and name in INTEGER_PARAMS:
+        ok = isinstance(value, int)
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        ok = False
+    if ok:
+        ok = (lo is None or value > lo or (value == lo and name not in OPEN_LOW)) and (hi is None or value <= hi)
+    if ok:
+        return None
+    try:
+        shown = ascii(value)[:60]  # ascii: a lone surrogate in a bad value cannot break the reply
+    except ValueError:  # an integer too long to print
+        shown = "a huge integer"
+    return f"{label or name} must be {range_text(name)}, got {shown}{_HINTS.get(name, '')}"
 
 
 @dataclass
@@ -78,40 +131,19 @@ class SamplingParams:
             self.seed = None  # OpenAI clients send -1 for "random"
 
     def _validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise InvalidRequestError(msg)
-
-        def is_num(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_num(self.temperature) or not (0 <= self.temperature <= 2):
-            bad(f"temperature must be in [0, 2], got {self.temperature!r}")
-        if not is_num(self.top_p) or not (0 < self.top_p <= 1):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r} (use temperature 0 for greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            bad(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
-        if not is_num(self.min_p) or not (0 <= self.min_p <= 1):
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not is_num(self.repetition_penalty) or not (0 < self.repetition_penalty <= 10):
-            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not is_num(v) or not (-2 <= v <= 2):
-                bad(f"{name} must be in [-2, 2], got {v!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not (-(2**63) <= self.seed < 2**64)
-        ):
-            bad(f"seed must be a 64-bit integer (-1 for random), got {self.seed!r}")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in self.stop):
-            bad("stop must be at most 16 non-empty strings of at most 256 characters")
+        for name in RANGES:
+            message = param_error(name, getattr(self, name))
+            if message is not None:
+                raise InvalidRequestError(message)
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequestError(STOP_ERROR)
+        for i, s in enumerate(self.stop):
+            message = text_error(s, f"stop[{i}]")
+            if message is not None:
+                raise InvalidRequestError(message)
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not (0 <= self.logprobs <= 20)
-        ):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise InvalidRequestError("stop_token_ids must be non-negative integers")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
@@ -124,7 +156,7 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(map(ascii, unknown))}"[:300])
         try:
             return cls(**data)
         except TypeError as e:  # e.g. a list where a number belongs

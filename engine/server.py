@@ -9,19 +9,24 @@ Each engine step's outputs go out as one ``step`` frame per connection.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
+import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
+from http import HTTPStatus
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequestError
 from engine.outputs import GenerateRequest, RequestOutput
 from engine.protocol import (
     AbortFrame,
@@ -42,11 +47,14 @@ from engine.protocol import (
     to_dict,
 )
 from engine.sampling_params import SamplingParams
+from engine.text_checks import text_error
 
 log = logging.getLogger(__name__)
 
 # Far above any prompt the context allows; the gateway enforces the user-facing limit.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+SECRET_ENV = "ENGINE_SECRET"  # when set, clients must send it in SECRET_HEADER
+SECRET_HEADER = "X-Engine-Secret"
 
 
 def output_item(request_id: str, out: RequestOutput) -> ReplyItem:
@@ -66,6 +74,8 @@ def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
     Raises:
         InvalidRequestError: bad params.
     """
+    if text_error(frame.cache_salt, "cache_salt"):
+        raise InvalidRequestError("cache_salt must be a string of valid Unicode")
     return GenerateRequest(
         request_id=internal_id, prompt_token_ids=frame.prompt_token_ids,
         messages=frame.messages, prefix_token_ids=frame.prefix_token_ids,
@@ -195,9 +205,26 @@ class EngineServer:
             out.item(ErrorFrame("engine_error", f"internal error: {type(e).__name__}", rid))
 
 
+def secret_check(secret: str | None) -> Callable[[ServerConnection, Request], Response | None] | None:
+    """The handshake check of the optional shared secret of the engine link: with
+    ``secret`` set (``ENGINE_SECRET``), a connection without the same
+    ``X-Engine-Secret`` header gets HTTP 403 (constant-time comparison)."""
+    if not secret:
+        return None
+
+    def check(connection: ServerConnection, request: Request) -> Response | None:
+        sent = request.headers.get(SECRET_HEADER, "")
+        if hmac.compare_digest(sent.encode(), secret.encode()):
+            return None
+        return connection.respond(HTTPStatus.FORBIDDEN, "engine secret required\n")
+
+    return check
+
+
 async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.Event | None = None,
                      stop: asyncio.Event | None = None, start_engine: bool = True) -> None:
-    """Serve until ``stop`` is set (forever if None). Prints ``ENGINE READY ws://HOST:PORT``
+    """Serve until ``stop`` is set (forever if None); with ``ENGINE_SECRET`` set in the
+    environment, only clients sending it are served (``secret_check``). Prints ``ENGINE READY ws://HOST:PORT``
     on stdout once listening (port 0 picks a free port). ``start_engine`` False: the
     caller runs the step loop itself (``serve``); the engine is shut down on the way out
     either way.
@@ -208,8 +235,8 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
     server = EngineServer(engine)
     if start_engine:
         engine.start()
-    async with serve(server.handle, host, port, max_size=MAX_FRAME_BYTES, ping_interval=20,
-                     ping_timeout=60) as ws_server:
+    async with serve(server.handle, host, port, max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60,
+                     process_request=secret_check(os.environ.get(SECRET_ENV) or None)) as ws_server:
         sock = next(iter(ws_server.sockets))
         bound_port = sock.getsockname()[1]
         print(f"ENGINE READY ws://{host}:{bound_port}", flush=True)

@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
                         "--engine-args '--dtype bfloat16 --quantization int8'")
     p.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="extra origins allowed to open /ws (ALLOWED_ORIGINS)")
+    p.add_argument("--allowed-hosts", nargs="*", default=None, metavar="HOST",
+                   help="host names the gateway answers to (ALLOWED_HOSTS; default: localhost, 127.0.0.1, "
+                        "[::1] and --host; '*' allows any)")
     p.add_argument("--session-ttl", type=int, default=base.session_ttl_s, metavar="SECONDS",
                    help="expire idle chats after this long (SESSION_TTL_S; default: never)")
     p.add_argument("--data-dir", type=Path, default=base.data_dir, help="data folder (DATA_DIR)")
@@ -58,6 +61,7 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
         engine_urls=tuple(a.engine) if a.engine else base.engine_urls,
         engine_args=_split_args(a.engine_args) if a.engine_args is not None else base.engine_args,
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else base.allowed_origins,
+        allowed_hosts=tuple(a.allowed_hosts) if a.allowed_hosts is not None else base.allowed_hosts,
         session_ttl_s=a.session_ttl if a.session_ttl and a.session_ttl > 0 else None,
         limits={"max_frame_bytes": a.max_frame_bytes, "hard_frame_bytes": hard})
     return cfg, a.log_level

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
@@ -33,6 +34,7 @@ from gateway.engines import EngineClient, EngineRouter
 from gateway.events import GenerationEvents
 from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
+from gateway.redis_client import resilience_options
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
 from gateway.tokens import TokenAuthMiddleware, TokenStore
@@ -42,10 +44,17 @@ from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not
 
 log = logging.getLogger("gateway")
 
+# The page's CSP, as a header (a <meta> tag cannot carry frame-ancestors, and a header
+# covers every response): only our own scripts and styles, nothing fetched from
+# elsewhere, sockets only to this origin (connect-src 'self' covers ws: and wss: of it).
+CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                           "font-src 'self'; connect-src 'self'; object-src 'none'; base-uri 'none'; "
+                           "form-action 'none'; frame-ancestors 'none'")
 SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"same-origin"),
     (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
 ]
 
 
@@ -99,23 +108,24 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         """Open Redis and the engine connections; close them (stopping replies) at exit."""
         # a bounded pool whose callers wait for a free connection (redis-py's default pool
-        # raises MaxConnectionsError at once when all are busy, a 503 under mere latency)
+        # raises MaxConnectionsError at once when all are busy, a 503 under mere latency);
+        # a command that meets a stale connection retries on a fresh one (resilience_options)
         pool = aioredis.BlockingConnectionPool.from_url(
             config.redis_url, decode_responses=True, socket_connect_timeout=2, socket_timeout=10,
-            health_check_interval=30, max_connections=config.redis_max_connections,
-            timeout=config.redis_pool_timeout_s)
+            max_connections=config.redis_max_connections, timeout=config.redis_pool_timeout_s,
+            **resilience_options())
         redis = aioredis.Redis(connection_pool=pool)
         # blocking stream reads hold a connection each while they wait
         tail_pool = aioredis.BlockingConnectionPool.from_url(
             config.redis_url, decode_responses=True, socket_connect_timeout=2,
-            socket_timeout=TAIL_BLOCK_MS / 1000 + 10, max_connections=4096, timeout=30)
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10, max_connections=4096, timeout=30, **resilience_options())
         tail_redis = aioredis.Redis(connection_pool=tail_pool)
         keys = Keys(config.key_prefix)
         lim = config.limits
         store = SessionStore(redis, keys, config.session_ttl_s, config.lock_lease_ms,
                              lim.max_sessions_per_user, lim.max_generations_per_user)
         streams = ReplyStreams(redis, tail_redis, keys, config.stream_ttl_s, config.stream_maxlen)
-        router = EngineRouter(EngineClient(u) for u in config.engine_urls)
+        router = EngineRouter(EngineClient(u, secret=config.engine_secret) for u in config.engine_urls)
         gens = GenerationManager(config, store, streams, router, redis, list(events))
         s = app.state
         s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
@@ -141,7 +151,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
             return HTMLResponse(FALLBACK_PAGE)
         return templates.TemplateResponse(request, "index.html", {
             "model_name": body["model"], "model_format": body.get("format"), "config_json": script_safe_json(body),
-            "static_url": "/static"})
+            "static_url": "/static", "ranges": body["ranges"]})  # the settings form's min/max: the engine's RANGES
 
     async def healthz(request: Request) -> Response:
         """GET /healthz: 200 while the process serves."""
@@ -171,8 +181,11 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         WebSocketRoute("/{path:path}", websocket_not_found),
         Mount("/static", app=StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
     ]
-    # outermost first: a personal token names the user before the cookie is looked at
-    middleware = [Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
+    # outermost first: hosts (a request for another host name, DNS rebinding, gets 400
+    # before anything else), then headers; a personal token names the user before the
+    # cookie is looked at
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
+                  Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
                   Middleware(UserCookieMiddleware, ids=ids)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 

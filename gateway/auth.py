@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 COOKIE_NAME = "chat_uid"
 COOKIE_MAX_AGE_S = 400 * 24 * 3600  # the longest browsers keep a cookie
 _SALT = "chat-user-id"
+COOKIELESS_PATHS = frozenset({"/healthz", "/readyz"})  # probes need no user and get no cookie
 
 
 class UserIds:
@@ -107,7 +108,7 @@ class UserCookieMiddleware:
             return
         uid = self.ids.verify(cookie_value(scope))
         state["auth"] = "cookie"
-        if uid is not None or scope["type"] == "websocket":
+        if uid is not None or scope["type"] == "websocket" or scope.get("path") in COOKIELESS_PATHS:
             state["user_id"] = uid
             await self.app(scope, receive, send)
             return
@@ -137,15 +138,31 @@ def own_origins(scope: Scope) -> set[str]:
     return {f"http://{host}", f"https://{host}"}
 
 
-def origin_allowed(scope: Scope, extra_allowed: Iterable[str]) -> bool:
+def host_trusted(scope: Scope, trusted_hosts: Iterable[str]) -> bool:
+    """True when the request's ``Host`` name (port ignored) matches one of
+    ``trusted_hosts`` (exact, ``*.domain``, or ``*``)."""
+    raw = (header(scope, b"host") or "").strip().lower()
+    if raw.startswith("["):  # an IPv6 literal keeps its brackets
+        name = raw[: raw.find("]") + 1] if "]" in raw else ""
+    else:
+        name = raw.rsplit(":", 1)[0] if raw.count(":") == 1 else raw
+    if not name:
+        return False
+    return any(p == "*" or name == p or (p.startswith("*.") and name.endswith(p[1:])) for p in trusted_hosts)
+
+
+def origin_allowed(scope: Scope, extra_allowed: Iterable[str], trusted_hosts: Iterable[str] = ("*",)) -> bool:
     """True when the handshake's ``Origin`` is the page's own or a configured one.
 
     A missing ``Origin`` is refused: browsers always send it, and the protocol
-    (docs/protocol.md section 2) requires it of every client.
+    (docs/protocol.md section 2) requires it of every client. The page's own origin
+    counts only when its ``Host`` is one of ``trusted_hosts`` (``GatewayConfig.trusted_hosts``):
+    a DNS-rebinding page sends a matching ``Host`` and ``Origin`` of its own name.
     """
     origin = header(scope, b"origin")
     if not origin:
         return False
     origin = origin.strip().lower().rstrip("/")
-    allowed = own_origins(scope) | {o.lower() for o in extra_allowed}
+    own = own_origins(scope) if host_trusted(scope, trusted_hosts) else set()
+    allowed = own | {o.lower() for o in extra_allowed}
     return origin in allowed

@@ -32,6 +32,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Origin
 
+from engine.sampling_params import param_error, range_text
+from engine.text_checks import text_error
 from gateway.auth import COOKIE_NAME
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -238,8 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"user (default: ${TOKEN_ENV}, else an anonymous user)")
     p.add_argument("--session", default=None,
                    help="continue this chat id (e.g. from the page's URL #/c/<id>; default: a new chat)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the chat's)")
-    p.add_argument("--max-tokens", type=int, default=None, help="longest reply in tokens (default: the chat's)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature, {range_text('temperature')} (default: the chat's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus mass, {range_text('top_p')} (default: the chat's)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"longest reply in tokens, {range_text('max_tokens')} (default: the chat's)")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (-1: random; default: none)")
     p.add_argument("--cookie-file", type=Path, default=Path.home() / ".chatserve-cookie",
                    help="without a token: keeps your anonymous user between runs (so --session works)")
     return p
@@ -247,8 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    a = build_parser().parse_args(argv)
-    params = {k: v for k, v in (("temperature", a.temperature), ("max_tokens", a.max_tokens)) if v is not None}
+    p = build_parser()
+    a = p.parse_args(argv)
+    params = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("max_tokens", a.max_tokens),
+                                ("seed", a.seed)) if v is not None}
+    bad_text = text_error(a.question, "question")  # e.g. undecodable bytes in argv
+    if bad_text is not None:
+        p.error(bad_text)
+    for name, value in params.items():  # the engine's ranges and error text, before any connection
+        message = param_error(name, value)
+        if message is not None:
+            p.error(message.replace(name, "--" + name.replace("_", "-"), 1))
     try:
         url = socket_url(a.url)
     except UsageError as e:

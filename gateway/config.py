@@ -14,9 +14,16 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine.sampling_params import param_error
+
 MIB = 1 << 20
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+# Host names a local gateway answers to by default (its own bound address is added).
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 class ConfigError(ValueError):
@@ -47,6 +54,13 @@ class Limits:
         ws_socket_sndbuf_bytes: kernel send buffer of each accepted connection
             (``SO_SNDBUF`` on the listening socket); None keeps the kernel's autotuning
             (which can reach several MiB per connection).
+        http_max_header_bytes: largest request head (request line and headers); a
+            bigger one gets HTTP 431 and the connection is closed (gateway/http_limits.py).
+        http_max_headers: most header fields in one request (431 above).
+        http_header_timeout_s: a request whose head is not complete this long after the
+            connection opened (or after its first byte) gets HTTP 408 and is closed.
+        ws_max_sockets_per_user: browser sockets one user may hold open at once.
+        ws_max_sockets_per_address: browser sockets one client address may hold open.
     """
 
     max_frame_bytes: int = 4 * MIB
@@ -62,6 +76,11 @@ class Limits:
     ws_max_inflight: int = 4
     ws_max_subscriptions: int = 16
     ws_socket_sndbuf_bytes: int | None = 256 * 1024
+    http_max_header_bytes: int = 64 * 1024
+    http_max_headers: int = 100
+    http_header_timeout_s: float = 10.0
+    ws_max_sockets_per_user: int = 32
+    ws_max_sockets_per_address: int = 256
 
     def __post_init__(self) -> None:
         if self.max_frame_bytes < 1024:
@@ -89,12 +108,23 @@ class Limits:
 
 @dataclass(frozen=True)
 class Defaults:
-    """Per-chat defaults shown to the UI and used when a chat stores none."""
+    """Per-chat defaults shown to the UI and used when a chat stores none; checked
+    against the engine's ranges (``engine.sampling_params.RANGES``) on construction.
+
+    Raises:
+        ConfigError: a default is out of range.
+    """
 
     temperature: float = 0.7
     top_p: float = 0.95
     max_tokens: int = 512
     system_prompt: str = "You are a helpful assistant."
+
+    def __post_init__(self) -> None:
+        for name, value in self.sampling().items():
+            message = param_error(name, value)  # the engine's ranges and error text
+            if message is not None:
+                raise ConfigError(f"default {message}")
 
     def sampling(self) -> dict[str, Any]:
         """The default sampling parameters as an engine ``params`` dict."""
@@ -120,8 +150,14 @@ class GatewayConfig:
             (e.g. ``("--dtype", "bfloat16", "--quantization", "int8")``).
         allowed_origins: extra origins allowed on the WebSocket handshake besides the
             page's own.
+        allowed_hosts: host names the gateway answers to (the ``Host`` header, port
+            ignored; ``*.example.com`` patterns; ``*`` allows any, which re-opens DNS
+            rebinding); empty means ``LOCAL_HOSTS`` plus ``host`` when it is a specific
+            address. Any other ``Host`` gets HTTP 400 (``trusted_hosts``).
         secret_key: signs the user cookie; None means read (or create) ``data_dir/secret_key``.
         api_key: when set, ``/v1`` requests must send ``Authorization: Bearer <key>``.
+        engine_secret: when set, sent to every engine on connect (``X-Engine-Secret``);
+            an engine started with the same ``ENGINE_SECRET`` refuses connections without it.
         data_dir: the project's data folder (secret key, private Redis data).
         key_prefix: prefix of every Redis key (tests use a unique one each).
         session_ttl_s: TTL of every key of a chat, refreshed on each write; None = keep forever.
@@ -147,8 +183,10 @@ class GatewayConfig:
     model: str | None = None
     engine_args: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     secret_key: str | None = None
     api_key: str | None = None
+    engine_secret: str | None = None
     data_dir: Path = field(default_factory=lambda: PROJECT_ROOT / ".data")
     key_prefix: str = ""
     session_ttl_s: int | None = None
@@ -174,9 +212,22 @@ class GatewayConfig:
             raise ConfigError("store_retry_s must be > 0")
         if self.redis_max_connections < 1 or self.redis_pool_timeout_s <= 0:
             raise ConfigError("redis_max_connections >= 1 and redis_pool_timeout_s > 0 required")
+        for h in self.allowed_hosts:
+            if h != "*" and ("*" in h[1:] or (h.startswith("*") and not h.startswith("*.")) or "/" in h):
+                raise ConfigError(f"allowed host must be a name, *.domain or *, got {h!r}")
         for o in self.allowed_origins:
             if not o.startswith(("http://", "https://")) or o.endswith("/"):
                 raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")
+
+    def trusted_hosts(self) -> list[str]:
+        """The host names allowed in ``Host`` (see ``allowed_hosts``)."""
+        if self.allowed_hosts:
+            return [h.lower() for h in self.allowed_hosts]
+        hosts = list(LOCAL_HOSTS)
+        own = f"[{self.host}]" if ":" in self.host else self.host.lower()
+        if self.host not in WILDCARD_HOSTS and own not in hosts:
+            hosts.append(own)
+        return hosts
 
     def with_overrides(self, **changes: Any) -> GatewayConfig:
         """A copy with some fields replaced; ``limits`` may be given as a dict of changes."""
@@ -216,6 +267,8 @@ ENV_VARS: dict[str, str] = {
     "model": "MODEL",
     "engine_args": "ENGINE_ARGS",
     "allowed_origins": "ALLOWED_ORIGINS",
+    "allowed_hosts": "ALLOWED_HOSTS",
+    "engine_secret": "ENGINE_SECRET",
     "secret_key": "SECRET_KEY",
     "api_key": "API_KEY",
     "data_dir": "DATA_DIR",
@@ -250,7 +303,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = int(raw)
             elif name == "session_ttl_s":
                 changes[name] = int(raw) if int(raw) > 0 else None
-            elif name in ("engine_urls", "allowed_origins"):
+            elif name in ("engine_urls", "allowed_origins", "allowed_hosts"):
                 changes[name] = _split(raw)
             elif name == "engine_args":
                 changes[name] = tuple(shlex.split(raw))  # ValueError (bad quotes) -> ConfigError below

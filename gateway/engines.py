@@ -43,6 +43,7 @@ from engine.protocol import (
 from gateway.errors import GatewayError
 from gateway.retry import Backoff
 
+SECRET_HEADER = "X-Engine-Secret"  # the engine link's shared secret (engine/server.py checks it)
 log = logging.getLogger("gateway.engines")
 
 __all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "engine_unavailable"]
@@ -120,10 +121,13 @@ class EngineClient:
         url: the engine's ``ws://host:port`` address.
         max_backoff_s: the longest wait between reconnect attempts (seconds).
         open_timeout_s: how long a connection attempt and its ``hello`` may take (seconds).
+        secret: the engine link's shared secret (``ENGINE_SECRET``), sent on connect.
     """
 
-    def __init__(self, url: str, max_backoff_s: float = 5.0, open_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, max_backoff_s: float = 5.0, open_timeout_s: float = 10.0,
+                 secret: str | None = None) -> None:
         self.url = url
+        self._headers = {SECRET_HEADER: secret} if secret else {}
         self.info: EngineInfo | None = None
         self.protocol_version = 0
         self.max_backoff_s = max_backoff_s
@@ -174,7 +178,8 @@ class EngineClient:
         while True:
             try:
                 async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
-                                   ping_interval=20, ping_timeout=60, close_timeout=2) as ws:
+                                   ping_interval=20, ping_timeout=60, close_timeout=2,
+                                   additional_headers=self._headers) as ws:
                     hello = decode_engine_frame(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
                     if not isinstance(hello, HelloFrame):
                         raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")

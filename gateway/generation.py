@@ -58,6 +58,10 @@ __all__ = ["PASSTHROUGH_CODES", "GenerationManager", "StartedTurn", "merge_param
 
 ABORT_RESEND_S = 0.2  # seconds between repeated aborts until the engine confirms one
 STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (seconds)
+# why a reply was cut short, stored with it as ``cut_reason`` (status "partial"): the
+# user's Stop (or a delete of the chat), the gateway shutting down, the engine going away
+# (or shutting down) mid-reply, or another failure after some text was shown
+CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "error")
 LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
 
 
@@ -82,6 +86,8 @@ class _Turn:
     system_prompt: str
     client_msg_id: str | None
     clamp_max_tokens: bool = True
+    created_chat: bool = False  # this turn's chat was created for it (undone with it)
+    cut_reason: str | None = None  # why the reply was stopped early (see CUT_REASONS)
     task: asyncio.Task[None] | None = None
     run: EngineRun | None = None
     log: ReplyLog = field(default_factory=ReplyLog)
@@ -160,7 +166,7 @@ class GenerationManager:
     async def close(self, timeout: float = 10.0) -> None:
         """Stop every reply (stored as partial) and the listener."""
         for turn in list(self.running.values()):
-            await self._cancel_local(turn)
+            await self._cancel_local(turn, "gateway_shutdown")
         tasks = [t.task for t in self.running.values() if t.task]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
@@ -253,8 +259,8 @@ class GenerationManager:
             begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
                                                 client_msg_id=client_msg_id)
             return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
-                                      clamp_max_tokens)
-        except GatewayError:
+                                      clamp_max_tokens, created_chat=session_id is None)
+        except Exception:
             if session_id is None:  # refused before it began: leave no empty chat behind
                 try:
                     await self.store.delete_session(owner, info.id)
@@ -283,12 +289,12 @@ class GenerationManager:
             self.router.pick("")  # raises engine_unavailable
 
     async def _launch(self, owner: str, sid: str, begun: TurnBegun, params: dict[str, Any],
-                      system_prompt: str, client_msg_id: str | None, clamp_max_tokens: bool = True
-                      ) -> StartedTurn:
+                      system_prompt: str, client_msg_id: str | None, clamp_max_tokens: bool = True,
+                      created_chat: bool = False) -> StartedTurn:
         started = StartedTurn(begun.request_id, sid, begun.message_id, begun.user_message_id, begun.duplicate)
         if begun.duplicate:
             return started
-        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens)
+        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens, created_chat)
         try:
             await self.streams.open(begun.request_id, owner, sid, begun.message_id, begun.user_message_id)
         except GatewayError:
@@ -327,10 +333,11 @@ class GenerationManager:
             raise not_found("reply")
         await self.redis.publish(self.store.keys.cancel_channel(), request_id)
 
-    async def _cancel_local(self, turn: _Turn) -> None:
+    async def _cancel_local(self, turn: _Turn, reason: str = "user_stop") -> None:
         if turn.cancel_requested:
             return
         turn.cancel_requested = True
+        turn.cut_reason = reason
         turn.cancel_deadline = time.monotonic() + self.config.cancel_grace_s
         if turn.run is not None:
             await turn.run.abort()
@@ -491,6 +498,8 @@ class GenerationManager:
         assistant = {"content": "".join(turn.parts), "status": "partial" if reason == "abort" else "complete",
                      "finish_reason": reason, "usage": usage, "timings": timings, "created_at": time.time(),
                      "request_id": rid}
+        if reason == "abort":  # an abort nobody here asked for is the engine shutting down
+            assistant["cut_reason"] = turn.cut_reason or "engine_lost"
         user_seg = a_seg = None
         if not turn.synthetic_end:
             user_seg = history.user_segment(list(end.prompt_token_ids), end.prefix_reused)
@@ -521,15 +530,26 @@ class GenerationManager:
             return False  # deleted, or Redis blinked: announce nothing
         return info.title == turn.begun.title
 
+    async def _delete_chat(self, turn: _Turn) -> None:
+        try:
+            await self.store.delete_session(turn.owner, turn.session_id)
+        except GatewayError as e:
+            if e.code != "not_found":  # already deleted by its user
+                raise
+
     async def _end_with_error(self, turn: _Turn, code: str, message: str) -> None:
         """End a reply that failed: undo it when nothing was shown, else store what was
         shown as partial. Best effort when Redis itself is the failure."""
         rid, begun = turn.begun.request_id, turn.begun
         self.events.on_error(rid, code, time.perf_counter())
         try:
-            if not turn.produced:
+            if not turn.produced and turn.created_chat:
+                # the first turn of a chat made for it was refused: leave no empty chat
+                await self._store_retrying(rid, "removing the refused new chat", lambda: self._delete_chat(turn))
+            elif not turn.produced:
                 await self._store_retrying(rid, "undoing the refused turn", lambda: self.store.fail_turn(
                     turn.owner, turn.session_id, begun, turn.client_msg_id))
+            if not turn.produced:
                 await self._store_retrying(rid, "ending the reply stream",
                                            lambda: self.streams.error(rid, turn.seq, code, message))
                 turn.log.finish(StreamEntry("error", turn.seq, {"t": "error", "code": code, "message": message}))
@@ -537,6 +557,7 @@ class GenerationManager:
             await self._flush_unsent(turn)
             assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
                          "error": {"code": code, "message": message},
+                         "cut_reason": "engine_lost" if code == "engine_unavailable" else "error",
                          "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
                          "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
                          "request_id": rid}

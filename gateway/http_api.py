@@ -5,7 +5,7 @@ user's chat answers 404 like a missing one. Errors are ``{"error": {"code", "mes
 
 from __future__ import annotations
 
-import json
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.generation import merge_params
 from gateway.protocol import is_valid_id
+from gateway.validation import BadJson, check_text, loads_json, printable, sampling_ranges
 
 log = logging.getLogger("gateway.http")
 
@@ -28,7 +29,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def error_response(e: GatewayError) -> JSONResponse:
     """``{"error": {"code", "message"}}`` with the code's HTTP status."""
-    return JSONResponse({"error": {"code": e.code, "message": e.message}}, status_code=e.http_status)
+    return JSONResponse({"error": {"code": e.code, "message": printable(e.message)}}, status_code=e.http_status)
 
 
 def api(handler: Handler) -> Handler:
@@ -76,9 +77,9 @@ async def _json_body(request: Request, config: GatewayConfig) -> dict[str, Any]:
     if not body:
         return {}
     try:
-        obj = json.loads(body)
-    except ValueError:
-        raise GatewayError("invalid_request", "body is not valid JSON") from None
+        obj = loads_json(body)
+    except BadJson as e:
+        raise GatewayError("invalid_request", f"body is {e}" if "nests" not in str(e) else f"body {e}") from None
     if not isinstance(obj, dict):
         raise GatewayError("invalid_request", "body must be a JSON object")
     return obj
@@ -93,6 +94,7 @@ def _session_fields(body: dict[str, Any], config: GatewayConfig) -> dict[str, An
             v = body[key]
             if not isinstance(v, str) or len(v) > cap:
                 raise GatewayError("invalid_request", f"'{key}' must be a string of at most {cap} characters")
+            check_text(v, key)
             out[key] = v.strip() if key == "title" else v
     if "params" in body:
         if not isinstance(body["params"], dict):
@@ -112,7 +114,7 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     d = config.defaults
     return {"model": model, "max_model_len": info.max_model_len if info else None,
             "format": info.format if info and info.format else None,
-            "limits": config.limits.public(),
+            "limits": config.limits.public(), "ranges": sampling_ranges(),
             "defaults": {"temperature": d.temperature, "top_p": d.top_p, "max_tokens": d.max_tokens,
                          "system_prompt": d.system_prompt}}
 
@@ -144,7 +146,8 @@ async def create_session(request: Request) -> Response:
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 
-PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "usage", "timings", "error", "created_at")
+PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "cut_reason", "usage", "timings", "error",
+                         "created_at")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:
@@ -189,13 +192,24 @@ async def delete_session(request: Request) -> Response:
     return Response(status_code=204)
 
 
+def _is_operator(request: Request) -> bool:
+    """True when the request carries the configured API key (``Authorization: Bearer``)."""
+    key = request.app.state.config.api_key
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return bool(key) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 @api
 async def engine_stats(request: Request) -> Response:
-    """GET /api/engine/stats: each engine's counters (KV blocks, requests), for
-    operators and tests (stop frees the engine (docs/acceptance.md) checks that a cancel frees blocks)."""
+    """GET /api/engine/stats: each engine's name, health and counters (KV blocks,
+    requests), for operators and tests (stop frees the engine (docs/acceptance.md)
+    checks that a cancel frees blocks); its ``url`` only with the API key."""
     out = []
-    for c in request.app.state.router.clients:
-        entry: dict[str, Any] = {"url": c.url, "healthy": c.healthy, "stats": None}
+    operator = _is_operator(request)
+    for i, c in enumerate(request.app.state.router.clients):
+        entry: dict[str, Any] = {"name": f"engine-{i + 1}", "healthy": c.healthy, "stats": None}
+        if operator:  # internal addresses only for whoever holds the API key
+            entry["url"] = c.url
         if c.healthy:
             try:
                 entry["stats"] = await c.stats()

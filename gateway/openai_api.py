@@ -69,6 +69,7 @@ from gateway.openai_request import (
     parse_chat_request,
 )
 from gateway.protocol import is_valid_id
+from gateway.validation import BadJson, loads_json
 
 log = logging.getLogger("gateway.openai")
 
@@ -92,8 +93,8 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(e: OpenAIError) -> Response:
-    """The OpenAI error body with its status (a 401 names the scheme in ``WWW-Authenticate``)."""
-    headers = {"www-authenticate": 'Bearer realm="chat"'} if e.status == 401 else None
+    """The OpenAI error body with its status (a 401 says how to authenticate, RFC 9110)."""
+    headers = {"www-authenticate": 'Bearer realm="chatserve"'} if e.status == 401 else None
     return json_response(e.body(), e.status, headers)
 
 
@@ -282,10 +283,10 @@ class OpenAIApi:
             if len(body) > limit:
                 raise openai_error_from("frame_too_large", f"request body over {limit} bytes")
         try:
-            return await asyncio.to_thread(json.loads, bytes(body)) if len(body) > BIG_BODY_BYTES \
-                else json.loads(bytes(body))
-        except (ValueError, RecursionError):
-            raise bad("the request body is not valid JSON") from None
+            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_BODY_BYTES \
+                else loads_json(bytes(body))
+        except BadJson as e:
+            raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
 
     async def _start(self, request: Request, creq: ChatRequest) -> ReplySource:
         state = request.app.state

@@ -12,17 +12,18 @@
 * ignored as harmless: ``IGNORED_FIELDS`` (``user``, ``metadata``, ...), and
   feature fields at their "off" value (``tools: []``, ``response_format: {"type": "text"}``...).
 * refused with 400: any other field, a feature we do not serve (tools, images,
-  logprobs), or a value out of OpenAI's range.
+  logprobs), a value out of the engine's range (``engine.sampling_params.RANGES``, the
+  same text as every other entry point), or text that is not valid Unicode.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, STOP_ERROR, SamplingParams, param_error
+from engine.text_checks import text_error
 from gateway.errors import GatewayError
 
 # OpenAI fields with no effect on a text reply here; accepted and dropped.
@@ -30,8 +31,6 @@ IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "verbosity", "web_search_options",
 })
-SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)  # OpenAI's int64; torch generators refuse more
-MAX_STOP_STRINGS = 16  # the engine's limit (OpenAI allows 4)
 NEW_SESSION = "new"
 
 
@@ -117,28 +116,18 @@ class ChatRequest:
     session_id: str | None = None
 
 
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_num(v) or v > hi or v < lo or (lo_open and v == lo):
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise bad(f"'{name}' must be a number in {interval}, got {v!r}", name)
-    return float(v)
+def _text(value: Any, field: str, param: str | None = None) -> None:
+    """Refuse a string that is not valid Unicode (``engine.text_checks``)."""
+    message = text_error(value, field)
+    if message is not None:
+        raise bad(message, param or field)
 
 
 def _content(i: int, role: str, content: Any) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text"}`` parts."""
     param = f"messages[{i}].content"
     if isinstance(content, str):
+        _text(content, param)
         return content
     if content is None and role == "assistant":
         return ""
@@ -148,6 +137,7 @@ def _content(i: int, role: str, content: Any) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad(f"only text content parts are supported; {param}[{j}] is {kind!r}", param)
+            _text(part["text"], f"{param}[{j}].text", param)
             texts.append(part["text"])
         return "\n".join(texts)
     raise bad(f"{param} must be a string or a list of text parts", param)
@@ -168,6 +158,10 @@ def _messages(raw: Any) -> list[dict[str, str]]:
                       " (tool and function messages are not supported)", f"messages[{i}].role")
         if m.get("tool_calls") or m.get("function_call") or m.get("audio"):
             raise bad(f"messages[{i}]: tool calls and audio are not supported", f"messages[{i}]")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"messages[{i}].name must be a string", f"messages[{i}].name")
+        _text(name, f"messages[{i}].name")
         out.append({"role": role, "content": _content(i, role, m.get("content"))})
     return out
 
@@ -204,31 +198,27 @@ KNOWN_FIELDS = frozenset({
 }) | IGNORED_FIELDS
 
 
+# OpenAI field -> engine parameter (its range and error text come from RANGES)
+NUMERIC_FIELDS: dict[str, str] = {
+    "temperature": "temperature", "top_p": "top_p", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",  # the newer name wins when both are set
+    "top_k": "top_k", "seed": "seed",
+}
+
+
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """The engine parameters the client set, range-checked as OpenAI documents them."""
+    """The engine parameters the client set, each checked against the engine's own
+    ranges (``RANGES``) with the engine's error text, naming the OpenAI field."""
     p: dict[str, Any] = {}
-    for name, lo, hi, lo_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True),
-                                  ("frequency_penalty", -2, 2, False), ("presence_penalty", -2, 2, False),
-                                  ("min_p", 0, 1, False), ("repetition_penalty", 0, math.inf, True)):
-        v = _number(body, name, lo, hi, lo_open)
-        if v is not None:
-            p[name] = v
-    for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are set
+    for name, engine_name in NUMERIC_FIELDS.items():
         v = body.get(name)
-        if v is not None:
-            if not _is_int(v) or v < 1:
-                raise bad(f"'{name}' must be an integer >= 1, got {v!r}", name)
-            p["max_tokens"] = v
-    if body.get("top_k") is not None:
-        v = body["top_k"]
-        if not _is_int(v) or v < -1:
-            raise bad(f"'top_k' must be an integer >= -1, got {v!r}", "top_k")
-        p["top_k"] = v
-    if body.get("seed") is not None:
-        v = body["seed"]
-        if not _is_int(v) or not (SEED_RANGE[0] <= v <= SEED_RANGE[1]):
-            raise bad(f"'seed' must be a 64-bit integer, got {v!r}", "seed")
-        p["seed"] = v
+        if v is None:
+            continue
+        message = param_error(engine_name, v, label=name)
+        if message is not None:
+            raise bad(message, name)
+        p[engine_name] = v
     if body.get("ignore_eos") is not None:
         if not isinstance(body["ignore_eos"], bool):
             raise bad("'ignore_eos' must be a boolean", "ignore_eos")
@@ -237,9 +227,10 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
-                or any(not isinstance(s, str) or not s or len(s) > 256 for s in stops)):
-            raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them "
-                      "(each at most 256 characters)", "stop")
+                or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops)):
+            raise bad(STOP_ERROR, "stop")
+        for i, s in enumerate(stops):
+            _text(s, f"stop[{i}]", "stop")
         if stops:
             p["stop"] = stops
     try:  # the engine's own rules, so that nothing it would refuse is sent
@@ -264,6 +255,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
+    _text(model, "model")
     n = body.get("n")
     if n is not None and n != 1:
         raise bad(f"only n=1 is supported (one choice per request), got {n!r}", "n")
@@ -276,6 +268,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     sid = body.get("session_id")
     if sid is not None and not isinstance(sid, str):
         raise bad("'session_id' must be a string", "session_id")
+    _text(sid, "session_id")
     _off_features(body)
     return ChatRequest(messages=messages, model=model, params=_sampling(body), stream=bool(stream),
                        include_usage=bool((opts or {}).get("include_usage", False)), session_id=sid)

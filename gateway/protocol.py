@@ -7,26 +7,29 @@ socket answers with an error frame and stays open.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.text_checks import text_error
 from gateway.errors import GatewayError
+from gateway.validation import BadJson, loads_json
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _CLIENT_MSG_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 
 class ProtocolError(GatewayError):
-    """A client frame that is not JSON, has an unknown type, or a missing/ill-typed field.
+    """A client frame that is not JSON, has an unknown type, or a missing/ill-typed field
+    (code ``bad_frame``), or a text field that is not valid Unicode (``invalid_request``).
 
     Attributes:
         request_id, session_id: echoed in the error frame when the bad frame named them.
     """
 
-    def __init__(self, message: str, request_id: str | None = None, session_id: str | None = None) -> None:
-        super().__init__("bad_frame", message)
+    def __init__(self, message: str, request_id: str | None = None, session_id: str | None = None,
+                 code: str = "bad_frame") -> None:
+        super().__init__(code, message)
         self.request_id = request_id
         self.session_id = session_id
 
@@ -108,15 +111,16 @@ def _context(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_json(text: str) -> Any:
-    """``json.loads`` that reports failure as a ``ProtocolError``.
+    """``json.loads`` (with the nesting limit of ``gateway.validation``) that reports
+    failure as a ``ProtocolError``.
 
     Raises:
-        ProtocolError: the text is not JSON.
+        ProtocolError: the text is not JSON or nests too deeply.
     """
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise ProtocolError(f"frame is not valid JSON ({type(e).__name__})") from None
+        return loads_json(text)
+    except BadJson as e:
+        raise ProtocolError(f"frame is {e}" if "nests" not in str(e) else f"frame {e}") from None
 
 
 def parse_client_frame(obj: Any) -> ClientFrame:
@@ -137,6 +141,9 @@ def parse_client_frame(obj: Any) -> ClientFrame:
         content = obj.get("content")
         if not isinstance(content, str) or not content.strip():
             raise ProtocolError("'content' must be a non-empty string", **ctx)
+        bad_text = text_error(content, "content")
+        if bad_text is not None:
+            raise ProtocolError(bad_text, code="invalid_request", **ctx)
         cmid = obj.get("client_msg_id")
         if cmid is not None and not (isinstance(cmid, str) and _CLIENT_MSG_ID_RE.match(cmid)):
             raise ProtocolError("'client_msg_id' must be 1-128 characters [A-Za-z0-9_.:-]", **ctx)

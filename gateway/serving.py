@@ -4,6 +4,8 @@
   documented ``max_frame_bytes``: a frame between the two reaches the app and gets a
   ``frame_too_large`` error frame; only a bigger one is refused by the WebSocket layer
   (close 1009 with a reason) before it is buffered whole.
+* Request heads are bounded in size, field count and time (``gateway/http_limits.py``):
+  431 or 408, then the connection is closed.
 * The listening socket is ours, with ``SO_SNDBUF`` set (``limits.ws_socket_sndbuf_bytes``):
   Linux copies it to every accepted connection, bounding the kernel's share of a slow
   reader's outbound bytes (autotuning would allow several MiB per connection).
@@ -24,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from gateway.config import GatewayConfig
+from gateway.http_limits import bounded_http_protocol
 
 
 def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket.socket:
@@ -61,6 +64,7 @@ def uvicorn_config(app: Any, config: GatewayConfig, log_level: str = "info") -> 
         ws="websockets-sansio", ws_max_size=config.limits.hard_frame_bytes,
         ws_per_message_deflate=config.ws_per_message_deflate,
         ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=10,
+        http=bounded_http_protocol(config.limits),
     )
 
 

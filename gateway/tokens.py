@@ -179,7 +179,7 @@ INVALID_TOKEN_BODY = json.dumps({"error": {
 UNAVAILABLE_BODY = json.dumps({"error": {
     "code": "store_unavailable", "type": "server_error", "param": None,
     "message": "the chat store (Redis) is unreachable; try again shortly"}}).encode()
-WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="chat", error="invalid_token"')
+WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="chatserve", error="invalid_token"')
 
 
 class TokenAuthMiddleware:

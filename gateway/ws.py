@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -47,6 +47,7 @@ from gateway.streams import ReplyStreams, StreamEntry, done_payload
 from gateway.tails import TAIL_BLOCK_MS, ReplyTail
 
 __all__ = ["TAIL_BLOCK_MS", "Connection", "WsStats", "websocket_endpoint"]
+from gateway.validation import printable
 
 log = logging.getLogger("gateway.ws")
 
@@ -64,6 +65,8 @@ class WsStats:
         frames_sent_total: frames handed to the socket.
         stalled_closed_total: sockets closed because the client stopped reading.
         frames_too_large_total, bad_frames_total: rejected client frames.
+        by_user, by_address: sockets open now per user and per client address (capped
+            by ``ws_max_sockets_per_user`` / ``ws_max_sockets_per_address``).
     """
 
     sockets_open: int = 0
@@ -73,6 +76,8 @@ class WsStats:
     stalled_closed_total: int = 0
     frames_too_large_total: int = 0
     bad_frames_total: int = 0
+    by_user: dict[str, int] = field(default_factory=dict)  # open sockets per user id
+    by_address: dict[str, int] = field(default_factory=dict)  # open sockets per client address
 
 
 def _utf8_len_over(text: str, limit: int) -> bool:
@@ -108,8 +113,13 @@ class Connection:
     async def send(self, frame: dict[str, Any]) -> None:
         """Queue a frame; waits while the outbox is full (the client reads slowly)."""
         data = json.dumps(frame, ensure_ascii=False)
+        try:
+            size = len(data.encode())
+        except UnicodeEncodeError:  # a lone surrogate echoed from input: never break the socket
+            data = printable(data)
+            size = len(data.encode())
         await self.outbox.put(data)
-        self.outbox_bytes += len(data.encode())
+        self.outbox_bytes += size
         self.stats.max_outbox_frames = max(self.stats.max_outbox_frames, self.outbox.qsize())
         self.stats.max_outbox_bytes = max(self.stats.max_outbox_bytes, self.outbox_bytes)
 
@@ -274,7 +284,9 @@ async def _deny(websocket: WebSocket, response: JSONResponse) -> None:
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
     """``WS /ws``: check the Origin and the user (cookie or personal token), answering
-    HTTP 403 with the reason before the upgrade otherwise, then serve the browser protocol.
+    HTTP 403 with the reason before the upgrade otherwise, and the caps on open sockets
+    per user and per address (over either: a ``rate_limited`` error frame and close
+    1008), then serve the browser protocol.
 
     A handshake identified by a personal token (``X-Chat-Token``, ``gateway.tokens``)
     needs no ``Origin``: browsers cannot set that header, so it cannot be a cross-site
@@ -284,7 +296,7 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     config: GatewayConfig = state.config
     uid = request_user(websocket.scope)
     by_token = websocket.scope.get("state", {}).get("auth") == "token"
-    if not by_token and not origin_allowed(websocket.scope, config.allowed_origins):
+    if not by_token and not origin_allowed(websocket.scope, config.allowed_origins, config.trusted_hosts()):
         origin = header(websocket.scope, b"origin")
         seen = f"Origin {origin!r}" if origin else "no Origin header"
         await _deny(websocket, _refusal(
@@ -296,9 +308,27 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
             "no_user", "no valid user cookie (chat_uid): get one with GET /api/config, "
                        "or send a personal access token in X-Chat-Token"))
         return
+    stats: WsStats = state.ws_stats
+    addr = websocket.client.host if websocket.client else ""
+    lim = config.limits
     await websocket.accept()
-    conn = Connection(websocket, uid, config, state.generations, state.streams, state.ws_stats)
-    await conn.run()
+    if stats.by_user.get(uid, 0) >= lim.ws_max_sockets_per_user or \
+            stats.by_address.get(addr, 0) >= lim.ws_max_sockets_per_address:
+        who = "user" if stats.by_user.get(uid, 0) >= lim.ws_max_sockets_per_user else "address"
+        await websocket.send_text(json.dumps(error_frame("rate_limited", f"too many open sockets for this {who}; "
+                                                         "close other tabs or try again later")))
+        await websocket.close(code=1008, reason=f"too many sockets per {who}")
+        return
+    stats.by_user[uid] = stats.by_user.get(uid, 0) + 1
+    stats.by_address[addr] = stats.by_address.get(addr, 0) + 1
+    try:
+        conn = Connection(websocket, uid, config, state.generations, state.streams, stats)
+        await conn.run()
+    finally:
+        for counts, key in ((stats.by_user, uid), (stats.by_address, addr)):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
     # A stalled socket is not closed politely (the close frame would queue behind the
     # unread data); returning lets the server drop the connection.
 

@@ -161,6 +161,8 @@ def gateway_factory(request: pytest.FixtureRequest, redis_url: str, key_prefix: 
         urls = engine_urls if engine_urls is not None else [request.getfixturevalue("engine_url")]
         fields: dict[str, Any] = dict(host="127.0.0.1", port=0, redis_url=redis_url, key_prefix=key_prefix,
                                       engine_urls=tuple(urls), secret_key=new_secret(), data_dir=tmp_path / "data")
+        if api_key is not None:
+            fields["api_key"] = api_key  # the config carries it too (operator-only views check it)
         fields.update(overrides)
         config = GatewayConfig().with_overrides(**fields)
         server = ThreadedServer(create_app_with_extras(config, api_key=api_key), config)

@@ -282,3 +282,46 @@ def test_a_taken_gateway_port_is_reported_before_the_engine_loads(redis_url, key
     assert f"cannot listen on 127.0.0.1:{port}" in res.stderr and "--port 8001" in res.stderr
     assert "PORT=8001" in res.stderr and "Traceback" not in res.stderr
     assert "Starting a local engine" not in res.stdout  # refused before any model is loaded
+
+
+async def test_ctrl_c_mid_reply_logs_no_warning_and_stores_the_reply_as_cut_by_the_shutdown(
+        tiny_model_dir, redis_url, key_prefix, tmp_path):
+    """Ctrl-C in a terminal signals the gateway and its local engine (one process group)."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from bench.soak import child_pids
+    from gateway.sessions import Keys
+
+    proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], gateway_env(redis_url, key_prefix, tmp_path))
+    try:
+        cookie = httpx.get(base + "/api/config", timeout=10).cookies[COOKIE_NAME]
+        async with connect(base.replace("http://", "ws://") + "/ws", origin=base,
+                           additional_headers={"Cookie": f"{COOKIE_NAME}={cookie}"}) as ws:
+            await ws.send(json.dumps({"type": "chat", "content": "Tell me a long story.",
+                                      "params": {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}}))
+            start = json.loads(await ws.recv())
+            while json.loads(await ws.recv())["type"] != "delta":
+                pass
+            for pid in [proc.pid, *child_pids(proc.pid)]:
+                os.kill(pid, signal.SIGINT)
+            try:
+                async for _ in ws:
+                    pass
+            except Exception:
+                pass  # closed by the shutdown
+        assert proc.wait(60) == 0
+        assert proc.stdout is not None
+        after = proc.stdout.read()
+    finally:
+        reap(proc)
+    assert "WARNING" not in after and "Traceback" not in after and "ERROR" not in after, after
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        stored = [json.loads(m) for m in client.lrange(Keys(key_prefix).session(start["session_id"]) + ":messages",
+                                                      0, -1)]
+    finally:
+        client.close()
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    assert stored[1]["status"] == "partial" and stored[1]["cut_reason"] in ("gateway_shutdown", "engine_lost")

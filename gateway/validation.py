@@ -1,0 +1,86 @@
+"""One check per kind of input, used at every boundary of the gateway (the browser
+socket, ``/api``, ``/v1``): JSON bodies and frames (size of nesting), text fields
+(valid Unicode) and sampling parameters (``engine.sampling_params.RANGES``).
+
+Every failure is a ``GatewayError`` ``invalid_request`` (or the caller's own error
+type built from the same message) naming the field; never an ``internal_error``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.sampling_params import OPEN_LOW, RANGES
+from engine.text_checks import surrogate_at, text_error
+from gateway.errors import GatewayError
+
+# Deepest JSON nesting accepted in a body or frame. Real requests nest 4-5 levels (an
+# OpenAI message's content parts); the limit keeps recursive code (json, validation,
+# Redis serialisation) far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+class BadJson(ValueError):
+    """A body or frame that is not JSON, or nests deeper than ``MAX_JSON_DEPTH``."""
+
+
+def json_depth_over(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``obj`` (decoded JSON) nests lists/objects more than ``limit`` deep.
+    Iterative, so it cannot itself hit the recursion limit."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def loads_json(data: str | bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` with a nesting limit.
+
+    Raises:
+        BadJson: invalid JSON or UTF-8, or nesting deeper than ``max_depth`` (a body of
+            thousands of ``[`` is refused, not a ``RecursionError``).
+    """
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise BadJson(f"JSON nests deeper than {max_depth} levels") from None
+    except ValueError as e:
+        raise BadJson(f"not valid JSON ({type(e).__name__})") from None
+    if json_depth_over(obj, max_depth):
+        raise BadJson(f"JSON nests deeper than {max_depth} levels")
+    return obj
+
+
+def check_text(value: Any, field: str) -> None:
+    """Refuse a string field that is not valid Unicode (a lone surrogate).
+
+    Raises:
+        GatewayError: ``invalid_request`` naming ``field``.
+    """
+    message = text_error(value, field)
+    if message is not None:
+        raise GatewayError("invalid_request", message)
+
+
+def printable(text: str) -> str:
+    """``text`` safe to send as UTF-8: a lone surrogate (only ever from echoed input)
+    becomes U+FFFD."""
+    if surrogate_at(text) is None:
+        return text
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
+def sampling_ranges() -> dict[str, dict[str, Any]]:
+    """``RANGES`` for clients (``GET /api/config`` ``ranges``, the settings form):
+    ``{name: {"min", "max", "min_exclusive"}}`` (None: unbounded)."""
+    return {name: {"min": lo, "max": hi, "min_exclusive": name in OPEN_LOW} for name, (lo, hi) in RANGES.items()}

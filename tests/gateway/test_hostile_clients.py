@@ -1,0 +1,238 @@
+"""Hostile clients are bounded: request heads are capped in bytes, fields and time
+(431/408, gateway/http_limits.py), hosts are allowed by name (DNS rebinding fails), the
+page's CSP is an HTTP header, sockets per user and per address are capped, and what
+anonymous users see and get is limited (docs/reliability.md, the probe table)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+
+
+def _port(gw) -> int:
+    return int(gw.base_url.rsplit(":", 1)[1])
+
+
+def _read_all(s: socket.socket, limit_s: float = 30.0) -> bytes:
+    """Everything the server sends until it closes (fails after ``limit_s``)."""
+    s.settimeout(limit_s)
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_a_64_mib_header_is_refused_with_431_after_a_bounded_number_of_bytes(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False)
+    limit = gw.config.limits.http_max_header_bytes
+    s = socket.create_connection(("127.0.0.1", _port(gw)), timeout=30)
+    sent = 0
+    chunk = b"b" * 65536
+    try:
+        s.sendall(HEAD + b"X-Big: ")
+        while sent < 64 * 1024 * 1024:
+            s.sendall(chunk)
+            sent += len(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server closed the connection: what it read of the header is bounded
+    try:
+        answer = _read_all(s)
+    except ConnectionResetError:
+        answer = b""
+    s.close()
+    # the kernel buffers some bytes on both sides; the server itself stops reading at the cap
+    assert sent < 64 * 1024 * 1024, "the whole 64 MiB header was accepted"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:80]
+    assert limit < 1024 * 1024
+    assert httpx.get(gw.base_url + "/healthz", timeout=10).status_code == 200  # still serving
+
+
+def test_a_header_just_over_the_cap_gets_431_and_one_under_it_is_served(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False)
+    limit = gw.config.limits.http_max_header_bytes
+    with socket.create_connection(("127.0.0.1", _port(gw)), timeout=30) as s:
+        s.sendall(HEAD + b"X-Big: " + b"b" * limit + b"\r\n\r\n")
+        assert _read_all(s).startswith(b"HTTP/1.1 431")
+    r = httpx.get(gw.base_url + "/healthz", headers={"X-Big": "b" * (limit // 2)}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_too_many_header_fields_get_431(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False)
+    n = gw.config.limits.http_max_headers + 1
+    with socket.create_connection(("127.0.0.1", _port(gw)), timeout=30) as s:
+        s.sendall(HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(n)) + b"\r\n")
+        assert _read_all(s).startswith(b"HTTP/1.1 431")
+
+
+def test_a_trickled_header_gets_408_and_the_connection_is_closed(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False, limits={"http_header_timeout_s": 1.0})
+    with socket.create_connection(("127.0.0.1", _port(gw)), timeout=30) as s:
+        s.sendall(HEAD + b"X-Slow: ")
+        s.setblocking(False)
+        answer, deadline = b"", time.monotonic() + 60  # a bound for a broken server, not a timing assert
+        while time.monotonic() < deadline:
+            try:
+                s.sendall(b"b" * 10)
+            except (BrokenPipeError, ConnectionResetError, BlockingIOError):
+                pass
+            try:
+                chunk = s.recv(4096)
+            except BlockingIOError:
+                time.sleep(0.2)
+                continue
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+
+
+def test_a_silent_connection_is_closed_after_the_header_timeout(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False, limits={"http_header_timeout_s": 1.0})
+    with socket.create_connection(("127.0.0.1", _port(gw)), timeout=30) as s:
+        assert _read_all(s).startswith(b"HTTP/1.1 408")
+
+
+def test_keep_alive_requests_and_large_bodies_are_unaffected(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False, limits={"http_header_timeout_s": 1.0})
+    with httpx.Client(base_url=gw.base_url, timeout=10) as c:
+        for _ in range(3):
+            assert c.get("/healthz").status_code == 200
+        r = c.post("/api/sessions", json={"system_prompt": "x" * 30_000})  # body in many reads
+        assert r.status_code == 201, r.text
+
+
+# ---- hosts, origins, headers ---------------------------------------------------------------
+
+
+def test_an_unknown_host_name_is_refused_so_dns_rebinding_fails(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False)
+    r = httpx.get(gw.base_url + "/api/config", headers={"Host": f"evil.example:{_port(gw)}"}, timeout=10)
+    assert r.status_code == 400
+    for host in ("127.0.0.1", "localhost"):
+        assert httpx.get(gw.base_url + "/healthz", headers={"Host": f"{host}:{_port(gw)}"},
+                         timeout=10).status_code == 200
+
+
+def test_a_rebinding_page_cannot_open_the_socket_even_with_matching_host_and_origin(gateway_factory):
+    from gateway.auth import COOKIE_NAME, origin_allowed
+
+    gw = gateway_factory(wait_for_engine=False)
+    cookie = gw.new_cookie()
+    evil = f"evil.example:{_port(gw)}"
+    with socket.create_connection(("127.0.0.1", _port(gw)), timeout=30) as s:
+        s.sendall((f"GET /ws HTTP/1.1\r\nHost: {evil}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                   f"Origin: http://{evil}\r\nCookie: {COOKIE_NAME}={cookie}\r\n\r\n").encode())
+        status = _read_all(s).split(b"\r\n", 1)[0]
+    assert status.split()[1] in (b"400", b"403"), status
+    # the Origin check itself no longer trusts Host alone
+    scope = {"headers": [(b"host", evil.encode()), (b"origin", f"http://{evil}".encode())]}
+    assert not origin_allowed(scope, (), ["localhost", "127.0.0.1"])
+    assert origin_allowed({"headers": [(b"host", b"127.0.0.1:1"), (b"origin", b"http://127.0.0.1:1")]},
+                          (), ["localhost", "127.0.0.1"])
+
+
+def test_allowed_hosts_setting_admits_a_configured_name(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False, allowed_hosts=("chat.example.com",))
+    ok = httpx.get(gw.base_url + "/healthz", headers={"Host": "chat.example.com"}, timeout=10)
+    assert ok.status_code == 200
+    assert httpx.get(gw.base_url + "/healthz", timeout=10).status_code == 400  # only the listed names
+
+
+def test_the_page_has_its_csp_as_a_header_with_connect_src_self(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False)
+    r = httpx.get(gw.base_url + "/", timeout=10)
+    csp = r.headers["content-security-policy"]
+    directives = {d.split()[0]: d.split()[1:] for d in csp.split("; ")}
+    assert directives["connect-src"] == ["'self'"] and directives["script-src"] == ["'self'"]
+    assert "frame-ancestors" in directives
+
+
+def test_probes_set_no_cookie_and_a_401_says_how_to_authenticate(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False, api_key="sekrit")
+    for path in ("/healthz", "/readyz"):
+        assert "set-cookie" not in httpx.get(gw.base_url + path, timeout=10).headers
+    r = httpx.get(gw.base_url + "/v1/models", timeout=10)
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_engine_addresses_are_shown_only_with_the_api_key(gateway_factory):
+    gw = gateway_factory(api_key="sekrit")
+    anon = httpx.get(gw.base_url + "/api/engine/stats", timeout=30).json()["engines"]
+    assert anon and all("url" not in e for e in anon) and anon[0]["name"] == "engine-1"
+    assert gw.config.engine_urls[0] not in httpx.get(gw.base_url + "/api/engine/stats", timeout=30).text
+    op = httpx.get(gw.base_url + "/api/engine/stats", headers={"Authorization": "Bearer sekrit"},
+                   timeout=30).json()["engines"]
+    assert op[0]["url"] == gw.config.engine_urls[0]
+
+
+# ---- sockets per user and per address ------------------------------------------------------
+
+
+async def test_sockets_per_user_are_capped_and_a_closed_one_frees_its_place(gateway_factory):
+    from tests.gateway_helpers import recv, send, wait_for
+
+    gw = gateway_factory(wait_for_engine=False, limits={"ws_max_sockets_per_user": 2})
+    cookie, other = gw.new_cookie(), gw.new_cookie()
+    async with gw.connect(cookie) as a, gw.connect(cookie) as b:
+        async with gw.connect(cookie) as c:
+            err = await recv(c)
+            assert (err["type"], err["code"]) == ("error", "rate_limited") and "user" in err["message"]
+        async with gw.connect(other) as d:  # another user is not affected
+            await send(d, {"type": "ping"})
+            assert await recv(d) == {"type": "pong"}
+        for ws in (a, b):
+            await send(ws, {"type": "ping"})
+            assert await recv(ws) == {"type": "pong"}
+    async with gw.connect(cookie) as again:
+        await send(again, {"type": "ping"})
+        assert await recv(again) == {"type": "pong"}
+    await wait_for(lambda: gw.app.state.ws_stats.by_user == {})  # the server saw every close
+
+
+async def test_sockets_per_address_are_capped(gateway_factory):
+    from tests.gateway_helpers import recv
+
+    gw = gateway_factory(wait_for_engine=False, limits={"ws_max_sockets_per_address": 2})
+    cookies = [gw.new_cookie() for _ in range(3)]
+    async with gw.connect(cookies[0]), gw.connect(cookies[1]):
+        async with gw.connect(cookies[2]) as c:
+            err = await recv(c)
+            assert err["code"] == "rate_limited" and "address" in err["message"]
+
+
+# ---- the engine link's shared secret --------------------------------------------------------
+
+
+async def test_the_engine_link_secret_is_required_when_set():
+    import asyncio
+    import json
+
+    from websockets.asyncio.server import serve
+
+    from engine.server import secret_check
+    from gateway.engines import EngineClient
+
+    async def hello(ws):
+        await ws.send(json.dumps({"type": "hello", "model": "m", "max_model_len": 8}))
+        await ws.wait_closed()
+
+    async with serve(hello, "127.0.0.1", 0, process_request=secret_check("s3cret")) as server:
+        url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+        without, wrong, right = EngineClient(url), EngineClient(url, secret="nope"), EngineClient(url, secret="s3cret")
+        for c in (without, wrong, right):
+            await c.start()
+        assert await right.wait_ready(10)
+        await asyncio.sleep(0.5)  # the refused ones have had their tries
+        assert not without.healthy and not wrong.healthy
+        for c in (without, wrong, right):
+            await c.close()
