@@ -142,7 +142,8 @@ async def create_session(request: Request) -> Response:
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 
-PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "usage", "timings", "error", "created_at")
+PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "usage", "timings", "error", "created_at",
+                         "versions")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:
@@ -171,6 +172,20 @@ async def patch_session(request: Request) -> Response:
     state, sid = request.app.state, _sid(request)
     fields = _session_fields(await _json_body(request, state.config), state.config)
     await state.store.update_session(_uid(request), sid, **fields)
+    return JSONResponse(await _session_detail(request, sid))
+
+
+@api
+async def switch_version(request: Request) -> Response:
+    """POST /api/sessions/{id}/versions ``{"message_id", "index"}``: show version
+    ``index`` (0-based) of the chat from that user message on (the shown branch is kept);
+    answers the chat as GET does."""
+    state, sid = request.app.state, _sid(request)
+    body = await _json_body(request, state.config)
+    mid, index = body.get("message_id"), body.get("index")
+    if not is_valid_id(mid) or not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise GatewayError("invalid_request", "'message_id' must be a message id and 'index' an integer >= 0")
+    await state.store.switch_version(_uid(request), sid, mid, index)
     return JSONResponse(await _session_detail(request, sid))
 
 
@@ -212,5 +227,6 @@ def api_routes() -> list[Route]:
         Route("/api/sessions/{sid:str}", get_session, methods=["GET"]),
         Route("/api/sessions/{sid:str}", patch_session, methods=["PATCH"]),
         Route("/api/sessions/{sid:str}", delete_session, methods=["DELETE"]),
+        Route("/api/sessions/{sid:str}/versions", switch_version, methods=["POST"]),
         Route("/api/engine/stats", engine_stats, methods=["GET"]),
     ]

@@ -35,6 +35,8 @@ from gateway.protocol import (
     CancelFrame,
     ChatFrame,
     ClientFrame,
+    ContinueFrame,
+    EditFrame,
     PingFrame,
     ProtocolError,
     RegenerateFrame,
@@ -183,11 +185,23 @@ class Connection:
                 await asyncio.shield(self.gens.cancel(self.uid, frame.request_id))
             elif isinstance(frame, ResumeFrame):
                 await self.subscribe(frame.request_id, frame.last_seq)
+            elif isinstance(frame, (EditFrame, ContinueFrame)):
+                await self._edit_or_continue(frame)
         except GatewayError as e:
             await self.send(error_from(e, request_id=rid, session_id=sid))
         except Exception:
             log.exception("handling a %s frame failed", type(frame).__name__)
             await self.send(error_frame("internal_error", "something went wrong; try again", rid, sid))
+
+    async def _edit_or_continue(self, frame: EditFrame | ContinueFrame) -> None:
+        """``edit`` and ``continue``: start the turn (shielded, as ``chat``) and follow it."""
+        if isinstance(frame, EditFrame):
+            turn = self.gens.edit(self.uid, frame.session_id, frame.message_id, frame.content, frame.params,
+                                  frame.client_msg_id)
+        else:
+            turn = self.gens.continue_reply(self.uid, frame.session_id, frame.message_id, frame.params)
+        started = await asyncio.shield(turn)
+        await self.subscribe(started.request_id, 0, self._head_of(started))
 
     # ---- tails -------------------------------------------------------------------------
 
