@@ -10,6 +10,7 @@ import { MessageView, icon, ICONS } from "./js/messages.js";
 import { SidebarView } from "./js/sidebar.js";
 import { SettingsDialog } from "./js/settings.js";
 import { ChatController } from "./js/controller.js";
+import { wireBranches } from "./js/branches.js";
 
 /**
  * The GET /api/config body the gateway put into `<script id="chat-config">`;
@@ -146,6 +147,7 @@ async function main(win) {
     onDelete: (id) => confirmDelete(id),
   });
   controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange });
+  wireBranches({ doc, listEl: $("messages"), controller, announce });
   const settings = new SettingsDialog({
     dialog: $("settings-dialog"),
     maxTokensLimit: Number(config.max_model_len) || 0,

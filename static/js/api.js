@@ -65,4 +65,11 @@ export const api = {
   patchSession: (id, body) => request("PATCH", `/api/sessions/${encodeURIComponent(id)}`, body),
   /** @param {string} id */
   deleteSession: (id) => request("DELETE", `/api/sessions/${encodeURIComponent(id)}`),
+  /**
+   * Show another version of a chat from a user message on (docs/protocol.md §3).
+   * @param {string} id  @param {string} messageId  @param {number} index  0-based
+   * @returns {Promise<object>} the session as `getSession` gives it
+   */
+  switchVersion: (id, messageId, index) =>
+    request("POST", `/api/sessions/${encodeURIComponent(id)}/versions`, { message_id: messageId, index }),
 };

@@ -196,6 +196,61 @@ export class ChatController {
     this.changed();
   }
 
+  /**
+   * Edit a user message and resend: the chat is cut after it and answered anew; the
+   * old branch stays as a version (docs/protocol.md, `edit`).
+   * @param {string} messageId  the user message edited
+   * @param {string} content
+   * @returns {boolean} false when nothing was sent (the editor stays open)
+   */
+  edit(messageId, content) {
+    const id = this.currentId;
+    if (!id || !content.trim() || this.isBusy()) return false;
+    this.notify("");
+    const frame = { type: "edit", session_id: id, message_id: messageId, content, client_msg_id: randomId() };
+    this.book.pending.set(id, { sessionId: id, kind: "edit", frame, sent: false, content, userEl: null, cancelRequested: false, editedId: messageId });
+    this.flushPending();
+    this.changed();
+    return true;
+  }
+
+  /**
+   * Continue the last reply, cut at max tokens: it is extended in place.
+   * @param {string} messageId  the reply
+   */
+  continueReply(messageId) {
+    const id = this.currentId;
+    if (!id || this.isBusy()) return;
+    this.notify("");
+    const frame = { type: "continue", session_id: id, message_id: messageId };
+    this.book.pending.set(id, { sessionId: id, kind: "continue", frame, sent: false, content: "", userEl: null, cancelRequested: false });
+    this.flushPending();
+    this.changed();
+  }
+
+  /**
+   * Show another version of the chat from a user message on; the scroll position stays.
+   * @param {string} messageId  the user message shown at that point
+   * @param {number} index  0-based version
+   */
+  async switchVersion(messageId, index) {
+    const id = this.currentId;
+    if (!id || this.isBusy()) return;
+    this.notify("");
+    let s;
+    try {
+      s = await this.api.switchVersion(id, messageId, index);
+    } catch (err) {
+      this.notify(this.apiErrorText(err));
+      if (err instanceof ApiError && err.code === "conflict") this.openChat(id);
+      return;
+    }
+    if (id !== this.currentId) return;
+    const top = this.view.scrollEl.scrollTop;
+    this.showSession(s);
+    this.view.scrollEl.scrollTop = top;
+  }
+
   /** Stop the open chat's reply (`cancel`); its partial text is kept. */
   stop() {
     const id = this.currentId;
@@ -294,7 +349,7 @@ export class ChatController {
     for (const p of [...this.book.pending.values()]) {
       // A chat frame carries client_msg_id, so re-sending it is safe; a
       // regenerate is not, so the chat is re-read to see whether it started.
-      if (p.sent && p.kind === "regenerate") {
+      if (p.sent && (p.kind === "regenerate" || p.kind === "continue")) {
         this.book.pending.delete(p.sessionId);
         if (p.sessionId === this.currentId) reload = true;
       } else {
@@ -358,7 +413,9 @@ export class ChatController {
         const old = this.view.lastAssistant();
         if (old) old.remove();
       }
-      r.el = this.view.addAssistant(f.message_id);
+      if (p.kind === "edit") r.userEl = this.showEdited(p, f);
+      const continued = p.kind === "continue" ? this.view.lastAssistant() : null;
+      r.el = continued && continued.dataset.messageId === f.message_id ? continued : this.view.addAssistant(f.message_id);
       this.view.startStreaming(r.el);
       this.announce("The assistant is replying.");
     }
@@ -367,6 +424,25 @@ export class ChatController {
       this.socket.send({ type: "cancel", request_id: r.requestId });
     }
     this.changed();
+  }
+
+  /**
+   * An edit started: cut the view at the edited message and show the new text as
+   * the newest of its versions.
+   * @private
+   * @returns {HTMLLIElement} the new user message
+   */
+  showEdited(p, f) {
+    const list = this.view.listEl;
+    const old = [...list.querySelectorAll(".msg.user")].find((li) => li.dataset.messageId === p.editedId);
+    let count = 2;
+    if (old) {
+      const known = (old.dataset.versions || "").split("/");
+      if (known.length === 2) count = Number(known[1]) + 1;
+      while (old.nextElementSibling) old.nextElementSibling.remove();
+      old.remove();
+    }
+    return this.view.addUser(p.content, f.user_message_id || null, { created_at: Date.now() / 1000, versions: { index: count - 1, count } });
   }
 
   /** @private */
