@@ -112,8 +112,7 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     d = config.defaults
     return {"model": model, "max_model_len": info.max_model_len if info else None,
             "limits": config.limits.public(),
-            "defaults": {"temperature": d.temperature, "top_p": d.top_p, "max_tokens": d.max_tokens,
-                         "system_prompt": d.system_prompt}}
+            "defaults": {**d.sampling(), "system_prompt": d.system_prompt}}
 
 
 @api
