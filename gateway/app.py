@@ -32,6 +32,7 @@ from gateway.engines import EngineClient, EngineRouter
 from gateway.events import GenerationEvents
 from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
+from gateway.live import LiveHub
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
 from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint
@@ -111,11 +112,14 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         s = app.state
         s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
         s.ws_stats = WsStats()
+        s.live = LiveHub(redis, keys)
         await router.start()
         await gens.start()
+        await s.live.start()
         try:
             yield
         finally:
+            await s.live.close()
             await gens.close()
             await router.close()
             await redis.aclose()

@@ -68,6 +68,11 @@ class Keys:
         """Sorted set of the user's chat ids by update time."""
         return f"{self.prefix}chat:user:{uid}:sessions"
 
+    def user_events(self, uid: str) -> str:
+        """Pub/sub channel of the user's chat events (``gateway.live``); the store scripts
+        publish on it (``KEYS[5] .. ':events'``)."""
+        return self.user_sessions(uid) + ":events"
+
     def user_gens(self, uid: str) -> str:
         """Sorted set of the user's replies in progress by lease expiry (ms)."""
         return f"{self.prefix}chat:user:{uid}:gens"

@@ -21,6 +21,9 @@ list's tail with a stored one; nothing is ever dropped.
 
 Writes refresh the TTL of KEYS[1..5] and KEYS[8] in the same script (TTLs are kept (docs/acceptance.md): a TTL is
 never lost by a rewrite, and active chats slide forward); the lock has its own lease.
+Every script that changes a chat publishes ``{"kind", "session_id", "request_id"}`` on
+the owner's channel ``KEYS[5] .. ':events'`` (``notify``), so the user's other tabs
+hear of each change in the same atomic step (gateway/live.py).
 Message JSON is written with ``"role"`` first and ``"id"`` second (compact separators)
 so a script can read both without decoding a possibly multi-MiB message.
 """
@@ -28,6 +31,11 @@ so a script can read both without decoding a possibly multi-MiB message.
 from __future__ import annotations
 
 _PRELUDE = r"""
+-- Tell the owner's open pages that a chat changed (gateway/live.py), in the same step.
+local function notify(kind, sid, rid)
+  redis.call('PUBLISH', KEYS[5] .. ':events',
+             cjson.encode({kind = kind, session_id = sid, request_id = rid or ''}))
+end
 local function touch(ttl)
   if ttl > 0 then
     for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl) end
@@ -86,6 +94,7 @@ redis.call('HSET', KEYS[1], 'id', ARGV[2], 'owner', ARGV[1], 'title', ARGV[3], '
            'params', ARGV[5], 'created_at', ARGV[6], 'updated_at', ARGV[6], 'active', '')
 redis.call('ZADD', KEYS[5], ARGV[6], ARGV[2])
 touch(tonumber(ARGV[8]))
+notify('created', ARGV[2])
 return 'ok'
 """
 
@@ -97,15 +106,17 @@ for i = 5, #ARGV do kv[#kv + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[3], unpack(kv))
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[2])
 touch(tonumber(ARGV[4]))
+notify('updated', ARGV[2])
 return 'ok'
 """
 
 # ARGV: owner, sid. Returns {'ok', active_json} or {'not_found'}.
-DELETE = r"""
+DELETE = _PRELUDE + r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {'not_found'} end
 local active = redis.call('HGET', KEYS[1], 'active') or ''
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[8])
 redis.call('ZREM', KEYS[5], ARGV[2])
+notify('deleted', ARGV[2])
 return {'ok', active}
 """
 
@@ -172,6 +183,7 @@ redis.call('HSET', KEYS[1], 'active', active, 'updated_at', ARGV[10])
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[4], ARGV[7], active) end
 redis.call('ZADD', KEYS[5], ARGV[10], ARGV[2])
 touch(tonumber(ARGV[14]))
+notify('started', ARGV[2], ARGV[3])
 return {'ok', user_id, popped, popped_tokens, title, edit_undo}
 """
 
@@ -201,6 +213,7 @@ redis.call('HSET', KEYS[1], 'updated_at', ARGV[8])
 redis.call('ZADD', KEYS[5], ARGV[8], ARGV[1])
 release(ARGV[2])
 touch(tonumber(ARGV[9]))
+notify('finished', ARGV[1], ARGV[2])
 return status
 """
 
@@ -237,6 +250,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   end
   clear_active(ARGV[1])
   touch(tonumber(ARGV[7]))
+  notify('undone', redis.call('HGET', KEYS[1], 'id') or '', ARGV[1])
 end
 release(ARGV[1])
 return 'ok'
@@ -268,6 +282,7 @@ end
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
 redis.call('ZADD', KEYS[5], ARGV[5], ARGV[2])
 touch(tonumber(ARGV[6]))
+notify('switched', ARGV[2])
 return 'ok'
 """
 

@@ -116,6 +116,16 @@ class Connection:
         self.stats.max_outbox_frames = max(self.stats.max_outbox_frames, self.outbox.qsize())
         self.stats.max_outbox_bytes = max(self.stats.max_outbox_bytes, self.outbox_bytes)
 
+    def offer(self, frame: dict[str, Any]) -> bool:
+        """Queue a frame without waiting (live events); False when the outbox is full."""
+        data = json.dumps(frame, ensure_ascii=False)
+        try:
+            self.outbox.put_nowait(data)
+        except asyncio.QueueFull:
+            return False
+        self.outbox_bytes += len(data.encode())
+        return True
+
     async def _writer(self) -> None:
         timeout = self.limits.ws_send_timeout_s
         while True:
@@ -310,6 +320,13 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         return
     await websocket.accept()
     conn = Connection(websocket, uid, config, state.generations, state.streams, state.ws_stats)
-    await conn.run()
+    live = getattr(state, "live", None)
+    if live is not None:
+        live.add(uid, conn.offer)
+    try:
+        await conn.run()
+    finally:
+        if live is not None:
+            live.remove(uid, conn.offer)
     # A stalled socket is not closed politely (the close frame would queue behind the
     # unread data); returning lets the server drop the connection.
