@@ -6,6 +6,7 @@ import { errorText } from "./format.js";
 import { chatIdFromHash, hashForChat } from "./router.js";
 import { ReplyBook, randomId } from "./replies.js";
 import { effectiveSettings } from "./settings.js";
+import { onLiveEvent, markOwnChange } from "./live.js";
 
 /**
  * @typedef {object} ControllerDeps
@@ -58,13 +59,20 @@ export class ChatController {
    * Show a chat: its history, and its running reply if any (re-attached
    * with `resume`, from seq 0 unless this page already follows it).
    * @param {string|null} id  null for a new, unsaved chat
+   * @param {{keepScroll?:boolean}} [opts]  re-read the open chat in place (no blank
+   *   pane meanwhile), keeping the scroll position unless it was at the bottom
    */
-  async openChat(id) {
+  async openChat(id, opts = {}) {
     const token = ++this.loadToken;
+    const inPlace = !!opts.keepScroll && id !== null && id === this.currentId && !!this.session;
+    const top = this.view.scrollEl.scrollTop;
+    const atBottom = this.view.isNearBottom();
     this.currentId = id;
-    this.session = null;
-    for (const r of this.book.replies.values()) r.el = null;
-    this.view.clear();
+    if (!inPlace) {
+      this.session = null;
+      for (const r of this.book.replies.values()) r.el = null;
+      this.view.clear();
+    }
     this.sidebar.setActive(id);
     this.changed();
     if (!id) return;
@@ -84,6 +92,7 @@ export class ChatController {
     }
     if (token !== this.loadToken) return;
     this.showSession(s);
+    if (inPlace && !atBottom) this.view.scrollEl.scrollTop = top;
   }
 
   /**
@@ -237,6 +246,7 @@ export class ChatController {
     const id = this.currentId;
     if (!id || this.isBusy()) return;
     this.notify("");
+    markOwnChange(this, id);
     let s;
     try {
       s = await this.api.switchVersion(id, messageId, index);
@@ -389,6 +399,8 @@ export class ChatController {
         return this.onDone(f);
       case "error":
         return this.onError(f);
+      case "event":
+        return onLiveEvent(this, f);
       default:
         return;
     }
@@ -575,7 +587,7 @@ export class ChatController {
     this.restoreText = content;
   }
 
-  /** @private Tell the page to refresh its composer and header. */
+  /** Tell the page to refresh its composer and header. */
   changed() {
     const busy = this.isBusy();
     const r = this.currentId ? this.book.replyOf(this.currentId) : undefined;
