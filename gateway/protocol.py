@@ -89,11 +89,21 @@ class ResumeFrame:
 
 
 @dataclass(frozen=True)
+class EventsFrame:
+    """``events``: start (``on`` true) or stop sending this socket ``event`` frames about
+    changes to the user's chats (live tabs). Off by default, so clients that read replies
+    frame by frame see no other frames."""
+
+    on: bool = True
+
+
+@dataclass(frozen=True)
 class PingFrame:
     """``ping``: answered by ``pong``."""
 
 
-ClientFrame = ChatFrame | CancelFrame | RegenerateFrame | ResumeFrame | PingFrame | EditFrame | ContinueFrame
+ClientFrame = (ChatFrame | CancelFrame | RegenerateFrame | ResumeFrame | PingFrame | EditFrame | ContinueFrame
+               | EventsFrame)
 
 
 def is_valid_id(value: Any) -> bool:
@@ -154,6 +164,11 @@ def parse_client_frame(obj: Any) -> ClientFrame:
     kind = obj.get("type")
     if kind == "ping":
         return PingFrame()
+    if kind == "events":
+        on = obj.get("on", True)
+        if not isinstance(on, bool):
+            raise ProtocolError("'on' must be a boolean", **ctx)
+        return EventsFrame(on=on)
     if kind in ("chat", "edit"):
         content = obj.get("content")
         if not isinstance(content, str) or not content.strip():

@@ -30,6 +30,7 @@ from gateway.auth import origin_allowed, request_user
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.generation import GenerationManager, StartedTurn
+from gateway.live import LiveHub
 from gateway.protocol import (
     PONG,
     CancelFrame,
@@ -37,6 +38,7 @@ from gateway.protocol import (
     ClientFrame,
     ContinueFrame,
     EditFrame,
+    EventsFrame,
     PingFrame,
     ProtocolError,
     RegenerateFrame,
@@ -105,6 +107,7 @@ class Connection:
         self.tails: dict[str, asyncio.Task[None]] = {}
         self.handlers: set[asyncio.Task[None]] = set()
         self.stalled = False
+        self.live: LiveHub | None = None  # set by the endpoint; ``events`` frames (un)register here
 
     # ---- out ---------------------------------------------------------------------------
 
@@ -169,10 +172,18 @@ class Connection:
             if isinstance(frame, PingFrame):
                 await self.send(PONG)
                 continue
+            if isinstance(frame, EventsFrame):
+                self._watch_events(frame.on)
+                continue
             await self.inflight.acquire()
             task = asyncio.create_task(self._handle(frame))
             self.handlers.add(task)
             task.add_done_callback(self._handler_done)
+
+    def _watch_events(self, on: bool) -> None:
+        """``events``: (un)register this socket for the user's live chat events."""
+        if self.live is not None:
+            (self.live.add if on else self.live.remove)(self.uid, self.offer)
 
     def _handler_done(self, task: asyncio.Task[None]) -> None:
         self.handlers.discard(task)
@@ -320,13 +331,11 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         return
     await websocket.accept()
     conn = Connection(websocket, uid, config, state.generations, state.streams, state.ws_stats)
-    live = getattr(state, "live", None)
-    if live is not None:
-        live.add(uid, conn.offer)
+    conn.live = getattr(state, "live", None)
     try:
         await conn.run()
     finally:
-        if live is not None:
-            live.remove(uid, conn.offer)
+        if conn.live is not None:
+            conn.live.remove(uid, conn.offer)
     # A stalled socket is not closed politely (the close frame would queue behind the
     # unread data); returning lets the server drop the connection.

@@ -355,6 +355,7 @@ export class ChatController {
   onOpen() {
     const reconnect = this.wasOpen;
     this.wasOpen = true;
+    this.socket.send({ type: "events" }); // live tabs: hear of changes made elsewhere
     let reload = false;
     for (const p of [...this.book.pending.values()]) {
       // A chat frame carries client_msg_id, so re-sending it is safe; a
