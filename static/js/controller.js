@@ -505,7 +505,7 @@ export class ChatController {
         if (r.el) r.el.remove();
         if (r.userEl) r.userEl.remove();
         if (f.code !== "not_found") {
-          if (r.kind === "chat") this.restoreInput(r.content);
+          if (r.kind === "chat" || r.kind === "edit") this.restoreInput(r.content);
           this.notify(text);
         }
         if (r.createdHere && f.code !== "not_found" && this.view.isEmpty()) this.dropNewChat(r.sessionId);
@@ -521,7 +521,7 @@ export class ChatController {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
       if (p.sessionId === this.currentId) {
-        if (p.kind === "chat") this.restoreInput(p.content);
+        if (p.kind === "chat" || p.kind === "edit") this.restoreInput(p.content);
         this.notify(f.code === "busy" ? "This chat is still writing a reply (started in another tab); it is shown below, where you can stop it." : text);
         this.openChat(this.currentId);
       }
@@ -531,7 +531,7 @@ export class ChatController {
     if (p) {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
-      if (p.kind === "chat" && p.sessionId === this.currentId) this.restoreInput(p.content);
+      if ((p.kind === "chat" || p.kind === "edit") && p.sessionId === this.currentId) this.restoreInput(p.content);
       this.view.updateRegenerate(true);
       if (p.sessionId === this.currentId || !this.currentId) this.notify(text);
       if (p.createdHere && p.sessionId === this.currentId && this.view.isEmpty()) this.dropNewChat(p.sessionId);

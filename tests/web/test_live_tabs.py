@@ -6,10 +6,12 @@ Screenshots go to artifacts/screenshots/ (ignored by git)."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Any
 
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Browser, Page, WebSocketRoute
 
 from tests.engine_gate import EngineGate, text_delta
 from tests.web.test_browser import (  # noqa: F401  (fixtures used by name)
@@ -129,5 +131,46 @@ def test_what_one_tab_does_shows_in_the_other_tab_on_another_replica(
         assert "deleted in another tab" in (b.text_content("#notice-text") or "")
         assert b.locator(".chat-link").count() == 0
         assert watch.errors == []
+    finally:
+        context.close()
+
+
+def test_a_stale_tabs_regenerate_rereads_the_chat_and_then_works(
+        browser: Browser, gateway: Any, watch: PageWatch) -> None:  # noqa: F811
+    context = browser.new_context(base_url=gateway.base_url, viewport=DESKTOP)
+    try:
+        a, b = watch.attach(context.new_page()), watch.attach(context.new_page())
+
+        def without_events(ws: WebSocketRoute) -> None:
+            # tab b misses the live events (the race they cannot close: two tabs at once)
+            server = ws.connect_to_server()
+            server.on_message(lambda m: None if json.loads(m).get("type") == "event" else ws.send(m))
+
+        b.route_web_socket(re.compile(r".*/ws$"), without_events)
+        open_at(a, gateway.base_url)
+        sid = a.request.post("/api/sessions", data={"params": SHORT}).json()["id"]
+        open_at(a, gateway.base_url, sid)
+        send(a, "Name a colour.")
+        wait_finished(a, 1)
+        open_at(b, gateway.base_url, sid)
+        wait_finished(b, 1)
+        seen_by_b = b.locator(".msg.assistant").get_attribute("data-message-id")
+        a.locator(".msg.assistant").locator(".regenerate").click()
+        a.wait_for_function("(old) => { const m = document.querySelector('.msg.assistant');"
+                            " return m && m.dataset.status && m.dataset.messageId !== old; }",
+                            arg=seen_by_b, timeout=WAIT_MS)
+        now = a.locator(".msg.assistant").get_attribute("data-message-id")
+
+        b.locator(".msg.assistant").locator(".regenerate").click()  # b still shows the old reply
+        b.wait_for_selector("#notice:not([hidden])", timeout=WAIT_MS)
+        assert "another tab" in (b.text_content("#notice-text") or "")
+        assert "reload" not in (b.text_content("#notice-text") or "")
+        b.wait_for_function("(id) => document.querySelector('.msg.assistant')?.dataset.messageId === id",
+                            arg=now, timeout=WAIT_MS)  # re-read: b shows a's reply
+        b.locator(".msg.assistant").locator(".regenerate").click()  # and now it works
+        b.wait_for_function("(id) => { const m = document.querySelector('.msg.assistant');"
+                            " return m && m.dataset.status && m.dataset.messageId !== id; }",
+                            arg=now, timeout=WAIT_MS)
+        assert b.locator(".msg.assistant").count() == 1
     finally:
         context.close()
