@@ -3,6 +3,8 @@ engine (tiny model)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.gateway.test_e2e import BLOCK, stored, token_messages, uid_of
 from tests.gateway_helpers import chat, read_reply, send
 
@@ -62,3 +64,23 @@ async def test_continue_appends_to_a_reply_cut_at_max_tokens_from_the_cached_pre
     assert body["messages"][1]["content"] == c.text
     msgs = token_messages(gw, uid_of(gw, cookie), sid)
     assert len(msgs[1]["token_ids"]) == first["completion_tokens"] + usage["completion_tokens"]
+
+
+@pytest.mark.slow
+async def test_on_smollm2_a_continued_greedy_reply_equals_the_reply_written_in_one_go(gateway_factory,
+                                                                                      smollm2_engine_url):
+    """Continue renders nothing: the prompt is the chat's exact ids through the cut reply
+    (no end-of-turn token), so greedy 12 + 12 tokens are the greedy 24 written at once
+    (without the default frequency penalty, which counts only a request's own output)."""
+    gw = gateway_factory(engine_urls=[smollm2_engine_url])
+    cookie = gw.new_cookie()
+    async with gw.connect(cookie) as ws:
+        whole = await chat(ws, "Write a short story about a cat.", max_tokens=24, frequency_penalty=0, timeout=300)
+        cut = await chat(ws, "Write a short story about a cat.", max_tokens=12, frequency_penalty=0, timeout=300)
+        assert cut.done["finish_reason"] == "length"
+        await send(ws, {"type": "continue", "session_id": cut.start["session_id"],
+                        "message_id": cut.start["message_id"], "params": {"temperature": 0, "max_tokens": 12, "frequency_penalty": 0}})
+        more = await read_reply(ws, timeout=300)
+    assert more.error is None, more.error
+    assert more.text == whole.text
+    assert more.done["usage"]["cached_tokens"] >= more.done["usage"]["prompt_tokens"] - BLOCK
