@@ -79,7 +79,8 @@ async def test_on_smollm2_a_continued_greedy_reply_equals_the_reply_written_in_o
         cut = await chat(ws, "Write a short story about a cat.", max_tokens=12, frequency_penalty=0, timeout=300)
         assert cut.done["finish_reason"] == "length"
         await send(ws, {"type": "continue", "session_id": cut.start["session_id"],
-                        "message_id": cut.start["message_id"], "params": {"temperature": 0, "max_tokens": 12, "frequency_penalty": 0}})
+                        "message_id": cut.start["message_id"],
+                        "params": {"temperature": 0, "max_tokens": 12, "frequency_penalty": 0}})
         more = await read_reply(ws, timeout=300)
     assert more.error is None, more.error
     assert more.text == whole.text
