@@ -34,6 +34,7 @@ from gateway.engines import EngineClient, EngineRouter
 from gateway.events import GenerationEvents
 from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
+from gateway.live import LiveHub
 from gateway.redis_client import resilience_options
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
@@ -132,11 +133,14 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         s.ws_stats = WsStats()
         s.tokens = TokenStore(redis, config.key_prefix)
         s.user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
+        s.live = LiveHub(redis, keys)
         await router.start()
         await gens.start()
+        await s.live.start()
         try:
             yield
         finally:
+            await s.live.close()
             await gens.close()
             await router.close()
             await redis.aclose()

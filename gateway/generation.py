@@ -29,6 +29,7 @@ background if Redis is still down).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -101,11 +102,15 @@ class _Turn:
     delta_uncertain: bool = False  # a delta write failed: it may or may not have been applied
     store_warned: bool = False
     output_ids: list[int] = field(default_factory=list)
+    # a "continue" turn: the reply it extends (stored message) and that reply's token ids
+    continued: dict[str, Any] | None = None
+    continued_ids: list[int] = field(default_factory=list)
 
     @property
     def produced(self) -> bool:
-        """True once the engine produced any text or token (shown or not)."""
-        return bool(self.parts or self.output_ids)
+        """True once the engine produced any text or token (shown or not); the text a
+        continued reply already had does not count."""
+        return bool(self.parts[1 if self.continued else 0:] or self.output_ids)
 
 
 def merge_params(*layers: dict[str, Any] | None) -> dict[str, Any]:
@@ -283,6 +288,44 @@ class GenerationManager:
         """The in-memory entries of a reply running on this gateway, else None."""
         turn = self.running.get(request_id)
         return turn.log if turn is not None else None
+    async def edit(self, owner: str, session_id: str, message_id: str, content: str, params: dict[str, Any],
+                   client_msg_id: str | None) -> StartedTurn:
+        """Replace the user message ``message_id`` (and everything after it) with
+        ``content`` and start its reply; the old branch stays as a version the user can
+        switch back to (``SessionStore.switch_version``). Same errors as ``chat``, and
+        ``conflict`` when the chat has no such user message."""
+        await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
+        info = await self.store.get_session(owner, session_id)
+        merged = merge_params(self.config.defaults.sampling(), info.params, params)
+        self._require_engine()
+        begun = await self.store.begin_turn(owner, info.id, mode="edit", content=content,
+                                            client_msg_id=client_msg_id, replaces=message_id)
+        return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id)
+
+    async def continue_reply(self, owner: str, session_id: str, message_id: str,
+                             params: dict[str, Any]) -> StartedTurn:
+        """Extend the chat's last reply ``message_id``, cut at ``max_tokens``: the engine's
+        prompt is the chat's exact token ids up to the end of that reply (no end-of-turn
+        token), so the prefix cache serves all of it and the model writes on where it
+        stopped. The reply keeps its id; its stream starts with the text it had.
+
+        Raises:
+            GatewayError: as ``regenerate``; ``invalid_request`` when the reply did not
+                stop at max_tokens or its token ids are not stored.
+        """
+        await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
+        info = await self.store.get_session(owner, session_id)
+        merged = merge_params(self.config.defaults.sampling(), info.params, params)
+        self._require_engine()
+        begun = await self.store.begin_turn(owner, info.id, mode="continue", replaces=message_id)
+        popped = json.loads(begun.popped_json) if begun.popped_json else {}
+        seg = json.loads(begun.popped_tokens) if begun.popped_tokens else None
+        if popped.get("finish_reason") != "length" or not seg or seg.get("base"):
+            await self.store.fail_turn(owner, info.id, begun, None)
+            raise GatewayError("invalid_request", "only a reply cut at its max tokens can be continued")
+        started = await self._launch(owner, info.id, begun, merged, info.system_prompt, None,
+                                     continued=popped, continued_ids=list(seg["ids"]))
+        return started
 
     def _require_engine(self) -> None:
         if not self.router.healthy:
@@ -290,11 +333,17 @@ class GenerationManager:
 
     async def _launch(self, owner: str, sid: str, begun: TurnBegun, params: dict[str, Any],
                       system_prompt: str, client_msg_id: str | None, clamp_max_tokens: bool = True,
-                      created_chat: bool = False) -> StartedTurn:
+                      created_chat: bool = False, continued: dict[str, Any] | None = None,
+                      continued_ids: list[int] | None = None) -> StartedTurn:
         started = StartedTurn(begun.request_id, sid, begun.message_id, begun.user_message_id, begun.duplicate)
         if begun.duplicate:
             return started
-        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens, created_chat)
+        turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens, created_chat,
+                     continued=continued, continued_ids=list(continued_ids or []))
+        if continued is not None:
+            # the stream starts with the text the reply had, so any tab rebuilds it whole
+            turn.parts.append(str(continued.get("content", "")))
+            turn.unsent.append(turn.parts[0])
         try:
             await self.streams.open(begun.request_id, owner, sid, begun.message_id, begun.user_message_id)
         except GatewayError:
@@ -385,13 +434,29 @@ class GenerationManager:
         produced); returns the final engine item."""
         # browser turns clamp max_tokens to the context left, so a high per-chat
         # max_tokens never makes every turn fail; the OpenAI API keeps the strict check
+        prompt_ids = self._continue_ids(turn, history) if turn.continued is not None else None
         run = turn.run = EngineRun(self.router, turn.begun.request_id, turn.session_id, history.messages,
-                                   history.prefix_token_ids, turn.params, turn.clamp_max_tokens)
+                                   history.prefix_token_ids, turn.params, turn.clamp_max_tokens,
+                                   prompt_token_ids=prompt_ids)
         run.cancelled = turn.cancel_requested
         await run.start()  # raises engine_unavailable when no engine is left
         if turn.cancel_requested:
             await run.abort()
         return await self._pump(turn, run)
+
+    @staticmethod
+    def _continue_ids(turn: _Turn, history: History) -> list[int]:
+        """A continued reply's prompt: the chat's exact ids through its user message,
+        then the reply's sampled ids (docs/protocol.md, continue).
+
+        Raises:
+            GatewayError: ``invalid_request`` when an earlier message has no token ids.
+        """
+        ids = history.full_ids
+        if ids is None:
+            raise GatewayError("invalid_request", "this reply cannot be continued (its chat's token ids "
+                                                  "are not stored); regenerate it instead")
+        return ids + turn.continued_ids
 
     async def _pump(self, turn: _Turn, run: EngineRun) -> DoneFrame | ErrorFrame:
         """Copy engine batches to the reply stream until the final item.
@@ -501,7 +566,12 @@ class GenerationManager:
         if reason == "abort":  # an abort nobody here asked for is the engine shutting down
             assistant["cut_reason"] = turn.cut_reason or "engine_lost"
         user_seg = a_seg = None
-        if not turn.synthetic_end:
+        if turn.continued is not None:
+            new_ids = turn.output_ids if turn.synthetic_end else list(end.output_token_ids)
+            if new_ids or turn.output_ids:
+                a_seg = {"ids": turn.continued_ids + list(new_ids), "base": False}
+            assistant["created_at"] = turn.continued.get("created_at", assistant["created_at"])
+        elif not turn.synthetic_end:
             user_seg = history.user_segment(list(end.prompt_token_ids), end.prefix_reused)
             a_seg = {"ids": list(end.output_token_ids), "base": False}
         try:

@@ -115,8 +115,7 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     return {"model": model, "max_model_len": info.max_model_len if info else None,
             "format": info.format if info and info.format else None,
             "limits": config.limits.public(), "ranges": sampling_ranges(),
-            "defaults": {"temperature": d.temperature, "top_p": d.top_p, "max_tokens": d.max_tokens,
-                         "system_prompt": d.system_prompt}}
+            "defaults": {**d.sampling(), "system_prompt": d.system_prompt}}
 
 
 @api
@@ -147,7 +146,7 @@ async def create_session(request: Request) -> Response:
 
 
 PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "cut_reason", "usage", "timings", "error",
-                         "created_at")
+                         "created_at", "versions")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:
@@ -176,6 +175,20 @@ async def patch_session(request: Request) -> Response:
     state, sid = request.app.state, _sid(request)
     fields = _session_fields(await _json_body(request, state.config), state.config)
     await state.store.update_session(_uid(request), sid, **fields)
+    return JSONResponse(await _session_detail(request, sid))
+
+
+@api
+async def switch_version(request: Request) -> Response:
+    """POST /api/sessions/{id}/versions ``{"message_id", "index"}``: show version
+    ``index`` (0-based) of the chat from that user message on (the shown branch is kept);
+    answers the chat as GET does."""
+    state, sid = request.app.state, _sid(request)
+    body = await _json_body(request, state.config)
+    mid, index = body.get("message_id"), body.get("index")
+    if not is_valid_id(mid) or not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise GatewayError("invalid_request", "'message_id' must be a message id and 'index' an integer >= 0")
+    await state.store.switch_version(_uid(request), sid, mid, index)
     return JSONResponse(await _session_detail(request, sid))
 
 
@@ -228,5 +241,6 @@ def api_routes() -> list[Route]:
         Route("/api/sessions/{sid:str}", get_session, methods=["GET"]),
         Route("/api/sessions/{sid:str}", patch_session, methods=["PATCH"]),
         Route("/api/sessions/{sid:str}", delete_session, methods=["DELETE"]),
+        Route("/api/sessions/{sid:str}/versions", switch_version, methods=["POST"]),
         Route("/api/engine/stats", engine_stats, methods=["GET"]),
     ]

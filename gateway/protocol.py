@@ -63,6 +63,27 @@ class RegenerateFrame:
 
 
 @dataclass(frozen=True)
+class EditFrame:
+    """``edit``: replace the user message ``message_id`` and everything after it with
+    ``content`` and reply to it; the old branch is kept as a version."""
+
+    session_id: str
+    message_id: str
+    content: str
+    params: dict[str, Any] = field(default_factory=dict)
+    client_msg_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ContinueFrame:
+    """``continue``: extend the chat's last reply ``message_id``, cut at max_tokens."""
+
+    session_id: str
+    message_id: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ResumeFrame:
     """``resume``: (re)attach to a reply; deltas with ``seq > last_seq`` follow."""
 
@@ -71,11 +92,21 @@ class ResumeFrame:
 
 
 @dataclass(frozen=True)
+class EventsFrame:
+    """``events``: start (``on`` true) or stop sending this socket ``event`` frames about
+    changes to the user's chats (live tabs). Off by default, so clients that read replies
+    frame by frame see no other frames."""
+
+    on: bool = True
+
+
+@dataclass(frozen=True)
 class PingFrame:
     """``ping``: answered by ``pong``."""
 
 
-ClientFrame = ChatFrame | CancelFrame | RegenerateFrame | ResumeFrame | PingFrame
+ClientFrame = (ChatFrame | CancelFrame | RegenerateFrame | ResumeFrame | PingFrame | EditFrame | ContinueFrame
+               | EventsFrame)
 
 
 def is_valid_id(value: Any) -> bool:
@@ -137,7 +168,12 @@ def parse_client_frame(obj: Any) -> ClientFrame:
     kind = obj.get("type")
     if kind == "ping":
         return PingFrame()
-    if kind == "chat":
+    if kind == "events":
+        on = obj.get("on", True)
+        if not isinstance(on, bool):
+            raise ProtocolError("'on' must be a boolean", **ctx)
+        return EventsFrame(on=on)
+    if kind in ("chat", "edit"):
         content = obj.get("content")
         if not isinstance(content, str) or not content.strip():
             raise ProtocolError("'content' must be a non-empty string", **ctx)
@@ -147,6 +183,10 @@ def parse_client_frame(obj: Any) -> ClientFrame:
         cmid = obj.get("client_msg_id")
         if cmid is not None and not (isinstance(cmid, str) and _CLIENT_MSG_ID_RE.match(cmid)):
             raise ProtocolError("'client_msg_id' must be 1-128 characters [A-Za-z0-9_.:-]", **ctx)
+        if kind == "edit":
+            return EditFrame(session_id=_id(obj, "session_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             message_id=_id(obj, "message_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             content=content, params=_params(obj, ctx), client_msg_id=cmid)
         return ChatFrame(
             content=content,
             session_id=_id(obj, "session_id", required=False, ctx=ctx),
@@ -159,6 +199,10 @@ def parse_client_frame(obj: Any) -> ClientFrame:
         sid = _id(obj, "session_id", required=True, ctx=ctx)
         mid = _id(obj, "message_id", required=False, ctx=ctx)
         return RegenerateFrame(session_id=sid, params=_params(obj, ctx), message_id=mid)  # type: ignore[arg-type]
+    if kind == "continue":
+        return ContinueFrame(session_id=_id(obj, "session_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             message_id=_id(obj, "message_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             params=_params(obj, ctx))
     if kind == "resume":
         rid = _id(obj, "request_id", required=True, ctx=ctx)
         last_seq = obj.get("last_seq", 0)

@@ -46,16 +46,19 @@ class EngineRun:
         affinity_key: picks the engine (rendezvous hashing: a chat meets its prefix cache).
         messages, prefix_token_ids, params, clamp_max_tokens: the ``generate`` frame's fields.
         model: only engines serving this model name, or None for any.
+        prompt_token_ids: the exact prompt ids instead of ``messages`` (a continued reply).
     """
 
     def __init__(self, router: EngineRouter, request_id: str, affinity_key: str, messages: list[dict[str, str]],
                  prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
-                 clamp_max_tokens: bool = False, model: str | None = None) -> None:
+                 clamp_max_tokens: bool = False, model: str | None = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.router = router
         self.request_id = request_id
         self.affinity_key = affinity_key
         self.messages = messages
         self.prefix_token_ids = prefix_token_ids
+        self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.clamp_max_tokens = clamp_max_tokens
         self.model = model
@@ -82,8 +85,13 @@ class EngineRun:
             self._tried.append(engine)
             self.engine = engine
             try:
-                self.request = await engine.generate(self.request_id, self.messages, self.prefix_token_ids,
-                                                     self.params, clamp_max_tokens=self.clamp_max_tokens)
+                if self.prompt_token_ids is not None:
+                    self.request = await engine.generate(self.request_id, params=self.params,
+                                                         prompt_token_ids=self.prompt_token_ids,
+                                                         clamp_max_tokens=self.clamp_max_tokens)
+                else:
+                    self.request = await engine.generate(self.request_id, self.messages, self.prefix_token_ids,
+                                                         self.params, clamp_max_tokens=self.clamp_max_tokens)
                 return
             except GatewayError as e:
                 if e.code != "engine_unavailable" or self.cancelled:

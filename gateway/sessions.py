@@ -10,6 +10,7 @@ Layout (every key under the configured prefix):
     chat:session:{sid}:tokens      hash        message id -> token-id segment {"ids", "base"}
     chat:session:{sid}:cmids       hash        client_msg_id -> turn (idempotent resend)
     chat:session:{sid}:lock        string      request id holding the chat (SET NX PX lease)
+    chat:session:{sid}:versions    hash        anchor message id -> the chat's versions after it
 
 Every change that touches more than one key is one Lua script (``store_scripts``),
 so two tabs writing at once lose nothing and no history is ever rewritten whole.
@@ -67,6 +68,11 @@ class Keys:
         """Sorted set of the user's chat ids by update time."""
         return f"{self.prefix}chat:user:{uid}:sessions"
 
+    def user_events(self, uid: str) -> str:
+        """Pub/sub channel of the user's chat events (``gateway.live``); the store scripts
+        publish on it (``KEYS[5] .. ':events'``)."""
+        return self.user_sessions(uid) + ":events"
+
     def user_gens(self, uid: str) -> str:
         """Sorted set of the user's replies in progress by lease expiry (ms)."""
         return f"{self.prefix}chat:user:{uid}:gens"
@@ -91,7 +97,7 @@ class Keys:
         """The KEYS list every store script takes (see ``store_scripts``)."""
         base = self.session(sid)
         return [base, base + ":messages", base + ":tokens", base + ":cmids",
-                self.user_sessions(uid), base + ":lock", self.user_gens(uid)]
+                self.user_sessions(uid), base + ":lock", self.user_gens(uid), base + ":versions"]
 
 
 @dataclass
@@ -127,6 +133,7 @@ class TurnBegun:
     popped_tokens: str = ""
     title: str = ""
     duplicate: bool = False
+    edit_undo: str = ""
 
 
 @dataclass
@@ -138,12 +145,14 @@ class History:
         prefix_token_ids: exact ids of a leading part of ``messages`` (see module doc).
         split: see ``plan_prefix``.
         stored: the raw stored messages (dicts), oldest first.
+        full_ids: the exact ids of the whole stored chat (``full_prefix``), or None.
     """
 
     messages: list[dict[str, str]]
     prefix_token_ids: list[int]
     split: int | None
     stored: list[dict[str, Any]] = field(default_factory=list)
+    full_ids: list[int] | None = None
 
     def user_segment(self, prompt_token_ids: list[int], prefix_reused: bool) -> dict[str, Any]:
         """The token segment to store for the turn's user message, from the engine's
@@ -190,6 +199,41 @@ def plan_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]
     return ids, split
 
 
+def mark_versions(stored: list[dict[str, Any]], versions: dict[str, str]) -> None:
+    """Give each user message that starts a branch point ``versions``: ``{"index",
+    "count"}`` (0-based index of the version shown among ``count``), from the
+    ``:versions`` hash (anchor id -> JSON array; see ``store_scripts``)."""
+    if not versions:
+        return
+    for i, m in enumerate(stored):
+        if m.get("role") != "user":
+            continue
+        raw = versions.get(stored[i - 1]["id"] if i else "^")
+        if raw is None:
+            continue
+        entries = json.loads(raw)
+        cur = next((j for j, e in enumerate(entries) if e.get("cur")), None)
+        if cur is not None and len(entries) > 1:
+            m["versions"] = {"index": cur, "count": len(entries)}
+
+
+def full_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]]) -> list[int] | None:
+    """The exact ids of the whole chat (segments from the last ``base`` one to the last
+    message), or None when a message after that base has no segment."""
+    start = 0
+    for i, m in enumerate(stored):
+        seg = segments.get(m["id"])
+        if seg and seg.get("base"):
+            start = i
+    ids: list[int] = []
+    for m in stored[start:]:
+        seg = segments.get(m["id"])
+        if seg is None:
+            return None
+        ids.extend(seg["ids"])
+    return ids or None
+
+
 def title_from(content: str, max_chars: int = 60) -> str:
     """A chat title from its first message: whitespace collapsed, cut at ``max_chars``."""
     text = " ".join(content.split())
@@ -219,6 +263,7 @@ class SessionStore:
         self._finish = redis.register_script(store_scripts.FINISH)
         self._fail = redis.register_script(store_scripts.FAIL)
         self._lease = redis.register_script(store_scripts.LEASE)
+        self._switch = redis.register_script(store_scripts.SWITCH)
 
     # ---- chats ---------------------------------------------------------------
 
@@ -316,7 +361,7 @@ class SessionStore:
         """The chat's messages oldest first; with ``with_tokens`` each carries
         ``token_ids`` (its segment or None) and ``tokens_base``."""
         info = await self.get_session(owner, sid)
-        stored, segments = await self._read_messages(info.id, owner, with_tokens)
+        stored, segments = await self._read_messages(info.id, owner, with_tokens, with_versions=True)
         if with_tokens:
             for m in stored:
                 seg = segments.get(m["id"])
@@ -324,17 +369,21 @@ class SessionStore:
                 m["tokens_base"] = bool(seg and seg.get("base"))
         return stored
 
-    async def _read_messages(self, sid: str, owner: str, with_tokens: bool
+    async def _read_messages(self, sid: str, owner: str, with_tokens: bool, with_versions: bool = False
                              ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
         k = self.keys.script_keys(sid, owner)
         async with redis_errors():
-            pipe = self.redis.pipeline(transaction=True)  # one snapshot of both keys
+            pipe = self.redis.pipeline(transaction=True)  # one snapshot of the keys
             pipe.lrange(k[1], 0, -1)
             if with_tokens:
                 pipe.hgetall(k[2])
+            if with_versions:
+                pipe.hgetall(k[7])
             res = await pipe.execute()
         stored = [json.loads(s) for s in res[0]]
         segments = {mid: json.loads(v) for mid, v in res[1].items()} if with_tokens else {}
+        if with_versions:
+            mark_versions(stored, res[-1])
         return stored, segments
 
     async def history(self, owner: str, sid: str, system_prompt: str) -> History:
@@ -343,7 +392,7 @@ class SessionStore:
         msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
         msgs += [{"role": m["role"], "content": m["content"]} for m in stored]
         prefix, split = plan_prefix(stored, segments)
-        return History(msgs, prefix, split, stored)
+        return History(msgs, prefix, split, stored, full_prefix(stored, segments))
 
     # ---- turns (one reply at a time per chat) ---------------------------------------
 
@@ -351,22 +400,26 @@ class SessionStore:
                          client_msg_id: str | None = None, title_chars: int = 60,
                          replaces: str | None = None) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
-        message (``mode="chat"``) or drop the last reply (``mode="regenerate"``; with
-        ``replaces``, only when the last reply is the message of that id).
+        message (``mode="chat"``), replace the user message ``replaces`` and everything
+        after it with ``content``, keeping the old branch as a version (``mode="edit"``),
+        or take the last reply off the list (``mode="regenerate"``, and ``"continue"``,
+        which keeps the reply's id; with ``replaces``, only when the last reply is the
+        message of that id; the reply comes back in ``popped_json``).
 
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
                 ``too_many_generations``, ``invalid_request`` (nothing to regenerate),
-                ``conflict`` (the last reply is not ``replaces``).
+                ``conflict`` (the last reply is not ``replaces``, or no user message is).
         """
         now = time.time()
-        rid, aid = new_id(), new_id()
-        uid_msg = new_id() if mode == "chat" else ""
+        rid = new_id()
+        aid = replaces if mode == "continue" and replaces else new_id()
+        uid_msg = new_id() if mode in ("chat", "edit") else ""
         user_json = ""
-        if mode == "chat":
+        if mode in ("chat", "edit"):
             user_json = dumps({"role": "user", "id": uid_msg, "content": content, "status": "complete",
                                "created_at": now, "client_msg_id": client_msg_id})
-        title = title_from(content, title_chars) if mode == "chat" else ""
+        title = title_from(content, title_chars) if mode in ("chat", "edit") else ""
         async with redis_errors():
             res = await self._begin(
                 keys=self.keys.script_keys(sid, owner),
@@ -384,10 +437,11 @@ class SessionStore:
             raise GatewayError("too_many_generations",
                                f"at most {self.max_generations} replies in progress per user")
         if code == "conflict":
-            raise GatewayError("conflict", "the chat changed: its last reply is not the one shown; reload it")
+            raise GatewayError("conflict", "the chat changed in another tab or window: it is shown again "
+                               "as it is now; try again")
         if code == "empty":
             raise GatewayError("invalid_request", "nothing to regenerate: the chat has no user message")
-        return TurnBegun(rid, aid, res[1], user_json, res[2], res[3], res[4])
+        return TurnBegun(rid, aid, res[1], user_json, res[2], res[3], res[4], edit_undo=res[5])
 
     async def finish_turn(self, owner: str, sid: str, turn: TurnBegun, assistant: dict[str, Any] | None,
                           user_tokens: dict[str, Any] | None, assistant_tokens: dict[str, Any] | None) -> str:
@@ -415,7 +469,27 @@ class SessionStore:
         async with redis_errors():
             await self._fail(keys=self.keys.script_keys(sid, owner),
                              args=[turn.request_id, turn.user_json, client_msg_id or "", turn.popped_json,
-                                   popped_id, turn.popped_tokens, self.ttl, turn.title])
+                                   popped_id, turn.popped_tokens, self.ttl, turn.title, turn.edit_undo])
+
+    async def switch_version(self, owner: str, sid: str, message_id: str, index: int) -> None:
+        """Show version ``index`` (0-based) of the chat from the user message
+        ``message_id`` on; the branch shown until now is kept as a version.
+
+        Raises:
+            GatewayError: ``not_found``, ``busy`` (a reply is in progress), ``conflict``
+                (no such user message now), ``invalid_request`` (no such version).
+        """
+        async with redis_errors():
+            res = await self._switch(keys=self.keys.script_keys(sid, owner),
+                                     args=[owner, sid, message_id, index + 1, time.time(), self.ttl])
+        if res == "not_found":
+            raise not_found()
+        if res == "busy":
+            raise GatewayError("busy", "this chat has a reply in progress; stop it first")
+        if res == "conflict":
+            raise GatewayError("conflict", "the chat changed in another tab or window; try again")
+        if res == "invalid":
+            raise GatewayError("invalid_request", f"that message has no version {index + 1}")
 
     async def renew_lease(self, owner: str, sid: str, request_id: str) -> bool:
         """Extend the chat lock and generation slot of a reply in progress; False when

@@ -29,11 +29,15 @@ from gateway.auth import header, origin_allowed, own_origins, request_user
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.generation import GenerationManager, StartedTurn
+from gateway.live import LiveHub
 from gateway.protocol import (
     PONG,
     CancelFrame,
     ChatFrame,
     ClientFrame,
+    ContinueFrame,
+    EditFrame,
+    EventsFrame,
     PingFrame,
     ProtocolError,
     RegenerateFrame,
@@ -107,6 +111,7 @@ class Connection:
         self.tails: dict[str, asyncio.Task[None]] = {}
         self.handlers: set[asyncio.Task[None]] = set()
         self.stalled = False
+        self.live: LiveHub | None = None  # set by the endpoint; ``events`` frames (un)register here
 
     # ---- out ---------------------------------------------------------------------------
 
@@ -122,6 +127,16 @@ class Connection:
         self.outbox_bytes += size
         self.stats.max_outbox_frames = max(self.stats.max_outbox_frames, self.outbox.qsize())
         self.stats.max_outbox_bytes = max(self.stats.max_outbox_bytes, self.outbox_bytes)
+
+    def offer(self, frame: dict[str, Any]) -> bool:
+        """Queue a frame without waiting (live events); False when the outbox is full."""
+        data = json.dumps(frame, ensure_ascii=False)
+        try:
+            self.outbox.put_nowait(data)
+        except asyncio.QueueFull:
+            return False
+        self.outbox_bytes += len(data.encode())
+        return True
 
     async def _writer(self) -> None:
         timeout = self.limits.ws_send_timeout_s
@@ -166,10 +181,18 @@ class Connection:
             if isinstance(frame, PingFrame):
                 await self.send(PONG)
                 continue
+            if isinstance(frame, EventsFrame):
+                self._watch_events(frame.on)
+                continue
             await self.inflight.acquire()
             task = asyncio.create_task(self._handle(frame))
             self.handlers.add(task)
             task.add_done_callback(self._handler_done)
+
+    def _watch_events(self, on: bool) -> None:
+        """``events``: (un)register this socket for the user's live chat events."""
+        if self.live is not None:
+            (self.live.add if on else self.live.remove)(self.uid, self.offer)
 
     def _handler_done(self, task: asyncio.Task[None]) -> None:
         self.handlers.discard(task)
@@ -192,11 +215,23 @@ class Connection:
                 await asyncio.shield(self.gens.cancel(self.uid, frame.request_id))
             elif isinstance(frame, ResumeFrame):
                 await self.subscribe(frame.request_id, frame.last_seq)
+            elif isinstance(frame, (EditFrame, ContinueFrame)):
+                await self._edit_or_continue(frame)
         except GatewayError as e:
             await self.send(error_from(e, request_id=rid, session_id=sid))
         except Exception:
             log.exception("handling a %s frame failed", type(frame).__name__)
             await self.send(error_frame("internal_error", "something went wrong; try again", rid, sid))
+
+    async def _edit_or_continue(self, frame: EditFrame | ContinueFrame) -> None:
+        """``edit`` and ``continue``: start the turn (shielded, as ``chat``) and follow it."""
+        if isinstance(frame, EditFrame):
+            turn = self.gens.edit(self.uid, frame.session_id, frame.message_id, frame.content, frame.params,
+                                  frame.client_msg_id)
+        else:
+            turn = self.gens.continue_reply(self.uid, frame.session_id, frame.message_id, frame.params)
+        started = await asyncio.shield(turn)
+        await self.subscribe(started.request_id, 0, self._head_of(started))
 
     # ---- tails -------------------------------------------------------------------------
 
@@ -321,10 +356,13 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         return
     stats.by_user[uid] = stats.by_user.get(uid, 0) + 1
     stats.by_address[addr] = stats.by_address.get(addr, 0) + 1
+    conn = Connection(websocket, uid, config, state.generations, state.streams, stats)
+    conn.live = getattr(state, "live", None)
     try:
-        conn = Connection(websocket, uid, config, state.generations, state.streams, stats)
         await conn.run()
     finally:
+        if conn.live is not None:
+            conn.live.remove(uid, conn.offer)
         for counts, key in ((stats.by_user, uid), (stats.by_address, addr)):
             counts[key] -= 1
             if counts[key] <= 0:

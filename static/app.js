@@ -16,6 +16,8 @@ import { errorText } from "./js/format.js";
 
 const READY_POLL_MS = 3000;
 const OFFLINE_TEXT = "Not connected to the server, so nothing was sent; your message stays in the box. Send it again once the connection is back.";
+import { ChatController } from "./js/controller.js";
+import { wireBranches } from "./js/branches.js";
 
 /**
  * The GET /api/config body the gateway put into `<script id="chat-config">`;
@@ -179,6 +181,7 @@ async function main(win) {
   });
   controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange });
   config.defaults = config.defaults || {};
+  wireBranches({ doc, listEl: $("messages"), controller, announce });
   const settings = new SettingsDialog({
     dialog: $("settings-dialog"),
     maxTokensLimit: Number(config.max_model_len) || 0,

@@ -82,4 +82,11 @@ export const api = {
    * @returns {Promise<Array<{id:string, title:string, updated_at:number, snippet:string, in_title:boolean}>>}
    */
   search: async (q, signal) => (await request("GET", `/api/search?q=${encodeURIComponent(q)}`, undefined, signal)).results || [],
+  /**
+   * Show another version of a chat from a user message on (docs/protocol.md §3).
+   * @param {string} id  @param {string} messageId  @param {number} index  0-based
+   * @returns {Promise<object>} the session as `getSession` gives it
+   */
+  switchVersion: (id, messageId, index) =>
+    request("POST", `/api/sessions/${encodeURIComponent(id)}/versions`, { message_id: messageId, index }),
 };

@@ -21,6 +21,7 @@ export function replaceDefaults(config, d) {
   for (const k of Object.keys(target)) delete target[k];
   Object.assign(target, d.params || {}, { system_prompt: d.system_prompt ?? "" });
 }
+import { onLiveEvent, markOwnChange } from "./live.js";
 
 /**
  * @typedef {object} ControllerDeps
@@ -73,13 +74,20 @@ export class ChatController {
    * Show a chat: its history, and its running reply if any (re-attached
    * with `resume`, from seq 0 unless this page already follows it).
    * @param {string|null} id  null for a new, unsaved chat
+   * @param {{keepScroll?:boolean}} [opts]  re-read the open chat in place (no blank
+   *   pane meanwhile), keeping the scroll position unless it was at the bottom
    */
-  async openChat(id) {
+  async openChat(id, opts = {}) {
     const token = ++this.loadToken;
+    const inPlace = !!opts.keepScroll && id !== null && id === this.currentId && !!this.session;
+    const top = this.view.scrollEl.scrollTop;
+    const atBottom = this.view.isNearBottom();
     this.currentId = id;
-    this.session = null;
-    for (const r of this.book.replies.values()) r.el = null;
-    this.view.clear();
+    if (!inPlace) {
+      this.session = null;
+      for (const r of this.book.replies.values()) r.el = null;
+      this.view.clear();
+    }
     this.sidebar.setActive(id);
     this.changed();
     if (!id) return;
@@ -99,6 +107,7 @@ export class ChatController {
     }
     if (token !== this.loadToken) return;
     this.showSession(s);
+    if (inPlace && !atBottom) this.view.scrollEl.scrollTop = top;
   }
 
   /**
@@ -211,6 +220,62 @@ export class ChatController {
     this.changed();
   }
 
+  /**
+   * Edit a user message and resend: the chat is cut after it and answered anew; the
+   * old branch stays as a version (docs/protocol.md, `edit`).
+   * @param {string} messageId  the user message edited
+   * @param {string} content
+   * @returns {boolean} false when nothing was sent (the editor stays open)
+   */
+  edit(messageId, content) {
+    const id = this.currentId;
+    if (!id || !content.trim() || this.isBusy()) return false;
+    this.notify("");
+    const frame = { type: "edit", session_id: id, message_id: messageId, content, client_msg_id: randomId() };
+    this.book.pending.set(id, { sessionId: id, kind: "edit", frame, sent: false, content, userEl: null, cancelRequested: false, editedId: messageId });
+    this.flushPending();
+    this.changed();
+    return true;
+  }
+
+  /**
+   * Continue the last reply, cut at max tokens: it is extended in place.
+   * @param {string} messageId  the reply
+   */
+  continueReply(messageId) {
+    const id = this.currentId;
+    if (!id || this.isBusy()) return;
+    this.notify("");
+    const frame = { type: "continue", session_id: id, message_id: messageId };
+    this.book.pending.set(id, { sessionId: id, kind: "continue", frame, sent: false, content: "", userEl: null, cancelRequested: false });
+    this.flushPending();
+    this.changed();
+  }
+
+  /**
+   * Show another version of the chat from a user message on; the scroll position stays.
+   * @param {string} messageId  the user message shown at that point
+   * @param {number} index  0-based version
+   */
+  async switchVersion(messageId, index) {
+    const id = this.currentId;
+    if (!id || this.isBusy()) return;
+    this.notify("");
+    markOwnChange(this, id);
+    let s;
+    try {
+      s = await this.api.switchVersion(id, messageId, index);
+    } catch (err) {
+      this.notify(this.apiErrorText(err));
+      if (err instanceof ApiError && err.code === "conflict") this.openChat(id);
+      return;
+    }
+    if (id !== this.currentId) return;
+    const top = this.view.scrollEl.scrollTop;
+    this.showSession(s);
+    this.view.scrollEl.scrollTop = top;
+  }
+
   /** Stop the open chat's reply (`cancel`); its partial text is kept. */
   stop() {
     const id = this.currentId;
@@ -321,11 +386,12 @@ export class ChatController {
   onOpen() {
     const reconnect = this.wasOpen;
     this.wasOpen = true;
+    this.socket.send({ type: "events" }); // live tabs: hear of changes made elsewhere
     let reload = false;
     for (const p of [...this.book.pending.values()]) {
       // A chat frame carries client_msg_id, so re-sending it is safe; a
       // regenerate is not, so the chat is re-read to see whether it started.
-      if (p.sent && p.kind === "regenerate") {
+      if (p.sent && (p.kind === "regenerate" || p.kind === "continue")) {
         this.book.pending.delete(p.sessionId);
         if (p.sessionId === this.currentId) reload = true;
       } else {
@@ -365,6 +431,8 @@ export class ChatController {
         return this.onDone(f);
       case "error":
         return this.onError(f);
+      case "event":
+        return onLiveEvent(this, f);
       default:
         return;
     }
@@ -389,7 +457,9 @@ export class ChatController {
         const old = this.view.lastAssistant();
         if (old) old.remove();
       }
-      r.el = this.view.addAssistant(f.message_id);
+      if (p.kind === "edit") r.userEl = this.showEdited(p, f);
+      const continued = p.kind === "continue" ? this.view.lastAssistant() : null;
+      r.el = continued && continued.dataset.messageId === f.message_id ? continued : this.view.addAssistant(f.message_id);
       this.view.startStreaming(r.el);
       this.announce("The assistant is replying.");
     }
@@ -398,6 +468,25 @@ export class ChatController {
       this.socket.send({ type: "cancel", request_id: r.requestId });
     }
     this.changed();
+  }
+
+  /**
+   * An edit started: cut the view at the edited message and show the new text as
+   * the newest of its versions.
+   * @private
+   * @returns {HTMLLIElement} the new user message
+   */
+  showEdited(p, f) {
+    const list = this.view.listEl;
+    const old = [...list.querySelectorAll(".msg.user")].find((li) => li.dataset.messageId === p.editedId);
+    let count = 2;
+    if (old) {
+      const known = (old.dataset.versions || "").split("/");
+      if (known.length === 2) count = Number(known[1]) + 1;
+      while (old.nextElementSibling) old.nextElementSibling.remove();
+      old.remove();
+    }
+    return this.view.addUser(p.content, f.user_message_id || null, { created_at: Date.now() / 1000, versions: { index: count - 1, count } });
   }
 
   /** @private */
@@ -447,7 +536,7 @@ export class ChatController {
         if (r.el) r.el.remove();
         if (r.userEl) r.userEl.remove();
         if (f.code !== "not_found") {
-          if (r.kind === "chat") this.restoreInput(r.content);
+          if (r.kind === "chat" || r.kind === "edit") this.restoreInput(r.content);
           this.notify(text);
         }
         if (r.createdHere && f.code !== "not_found" && this.view.isEmpty()) this.dropNewChat(r.sessionId);
@@ -463,7 +552,7 @@ export class ChatController {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
       if (p.sessionId === this.currentId) {
-        if (p.kind === "chat") this.restoreInput(p.content);
+        if (p.kind === "chat" || p.kind === "edit") this.restoreInput(p.content);
         this.notify(f.code === "busy" ? "This chat is still writing a reply (started in another tab); it is shown below, where you can stop it." : text);
         this.openChat(this.currentId);
       }
@@ -473,7 +562,7 @@ export class ChatController {
     if (p) {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
-      if (p.kind === "chat" && p.sessionId === this.currentId) this.restoreInput(p.content);
+      if ((p.kind === "chat" || p.kind === "edit") && p.sessionId === this.currentId) this.restoreInput(p.content);
       this.view.updateRegenerate(true);
       if (p.sessionId === this.currentId || !this.currentId) this.notify(text);
       if (p.createdHere && p.sessionId === this.currentId && this.view.isEmpty()) this.dropNewChat(p.sessionId);
@@ -531,7 +620,7 @@ export class ChatController {
     this.restoreText = content;
   }
 
-  /** @private Tell the page to refresh its composer and header. */
+  /** Tell the page to refresh its composer and header. */
   changed() {
     const busy = this.isBusy();
     const r = this.currentId ? this.book.replyOf(this.currentId) : undefined;

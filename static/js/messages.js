@@ -2,6 +2,7 @@
 // (re-rendered at most once per animation frame), and per-reply stats.
 
 import { replyStats, formatStats, describeStats } from "./format.js";
+import { userMeta, continueButton, timeElement, setTime, updateContinue } from "./branches.js";
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 
@@ -78,7 +79,7 @@ export class MessageView {
   showHistory(messages) {
     this.listEl.replaceChildren();
     for (const m of messages) {
-      if (m.role === "user") this.addUser(m.content, m.id);
+      if (m.role === "user") this.addUser(m.content, m.id, m);
       else if (m.role === "assistant") this.finish(this.addAssistant(m.id), m);
       // system messages are shown in the settings panel, not in the flow
     }
@@ -89,17 +90,19 @@ export class MessageView {
   /**
    * @param {string} content  shown as plain text
    * @param {string|null} [id]  the stored message id, once known
+   * @param {{created_at?:number, versions?:{index:number, count:number}}} [info]  time and versions
    * @returns {HTMLLIElement}
    */
-  addUser(content, id) {
+  addUser(content, id, info = {}) {
     const li = this.doc.createElement("li");
     li.className = "msg user";
     if (id) li.dataset.messageId = id;
+    if (info.versions) li.dataset.versions = `${info.versions.index}/${info.versions.count}`;
     const sr = this.srLabel("You said:");
     const body = this.doc.createElement("div");
     body.className = "msg-body";
     body.textContent = content;
-    li.append(sr, body);
+    li.append(sr, body, userMeta(this.doc, info));
     this.listEl.append(li);
     this.updateEmpty();
     this.scrollToBottom();
@@ -140,8 +143,9 @@ export class MessageView {
     actions.append(
       this.iconButton("copy-msg", "Copy reply", ICONS.copy),
       this.iconButton("regenerate", "Regenerate reply", ICONS.regenerate),
+      continueButton(d),
     );
-    meta.append(badge, stats, actions);
+    meta.append(badge, stats, actions, timeElement(d, undefined));
     main.append(this.srLabel("Assistant said:"), body, typing, meta);
     li.append(avatar, main);
     this.listEl.append(li);
@@ -195,7 +199,8 @@ export class MessageView {
    * Finish an assistant message: final text, badge, stats line.
    * @param {HTMLLIElement} li
    * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object,
-   *   error?:{code:string, message:string}}} info  `error` says why a reply was interrupted
+   *   error?:{code:string, message:string}, created_at?:number}} info  `error` says why a reply was
+   *   interrupted; `created_at` (Unix seconds) is the time shown on hover (now when missing)
    */
   finish(li, info) {
     const stick = this.isNearBottom();
@@ -211,6 +216,9 @@ export class MessageView {
     this.renderNow(li);
     li.querySelector(".typing").hidden = true;
     const reason = info.finish_reason;
+    li.dataset.finishReason = reason || "";
+    const time = li.querySelector(".msg-time");
+    if (time) setTime(time, info.created_at);
     const status = info.status || (reason === "abort" ? "partial" : reason === "error" ? "error" : "complete");
     li.dataset.status = status;
     const badge = li.querySelector(".badge");
@@ -255,6 +263,7 @@ export class MessageView {
     for (const li of all) {
       li.querySelector(".regenerate").hidden = !(idle && lastIsAssistant && li === last);
     }
+    updateContinue(this.listEl, idle);
   }
 
   /** @returns {HTMLLIElement|null} the last assistant message, if it is the last message */

@@ -4,7 +4,7 @@
 /**
  * A frame sent (or queued) that has not been answered by `start` yet.
  * At most one per chat, since a chat runs one generation at a time.
- * @typedef {{sessionId:string, kind:"chat"|"regenerate", frame:object, sent:boolean,
+ * @typedef {{sessionId:string, kind:"chat"|"regenerate"|"edit"|"continue", frame:object, sent:boolean,
  *            content:string, userEl:HTMLElement|null, cancelRequested:boolean}} PendingRequest
  */
 
@@ -15,7 +15,7 @@
  * this page only re-attached to it).
  * @typedef {{requestId:string, sessionId:string, messageId:string, lastSeq:number,
  *            text:string, el:HTMLElement|null, stopRequested:boolean,
- *            kind:"chat"|"regenerate"|null, content:string, userEl:HTMLElement|null}} Reply
+ *            kind:"chat"|"regenerate"|"edit"|"continue"|null, content:string, userEl:HTMLElement|null}} Reply
  */
 
 /** Pending requests by chat id and attached replies by request id. */

@@ -1,0 +1,138 @@
+"""Editing a user message keeps the old branch as a version (store level, real Redis):
+the chat is cut after the edited message, switching brings a branch back with its token
+ids, a refused edit puts everything back, and a continued reply keeps its id."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.errors import GatewayError
+from gateway.sessions import full_prefix
+from tests.gateway.test_sessions import ALICE, finish_ok, make_store
+
+
+@pytest.fixture
+async def rds(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def two_turns(store, sid):
+    t1 = await store.begin_turn(ALICE, sid, mode="chat", content="q1")
+    assert await finish_ok(store, ALICE, sid, t1, "a1", [1, 2], [3], base=True) == "ok"
+    t2 = await store.begin_turn(ALICE, sid, mode="chat", content="q2")
+    assert await finish_ok(store, ALICE, sid, t2, "a2", [4], [5]) == "ok"
+    return t1, t2
+
+
+def contents(msgs):
+    return [m["content"] for m in msgs]
+
+
+async def test_an_edit_cuts_the_chat_after_the_message_and_keeps_the_old_branch(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    e = await store.begin_turn(ALICE, chat.id, mode="edit", content="q2 edited", replaces=t2.user_message_id)
+    assert await finish_ok(store, ALICE, chat.id, e, "a2 new", [6], [7]) == "ok"
+    msgs = await store.messages(ALICE, chat.id, with_tokens=True)
+    assert contents(msgs) == ["q1", "a1", "q2 edited", "a2 new"]
+    assert msgs[2]["versions"] == {"index": 1, "count": 2}
+    assert "versions" not in msgs[0]
+    # the prefix of the next turn is the new branch's exact ids
+    assert [m["token_ids"] for m in msgs] == [[1, 2], [3], [6], [7]]
+
+    await store.switch_version(ALICE, chat.id, e.user_message_id, 0)
+    msgs = await store.messages(ALICE, chat.id, with_tokens=True)
+    assert contents(msgs) == ["q1", "a1", "q2", "a2"]
+    assert msgs[2]["versions"] == {"index": 0, "count": 2}
+    assert [m["token_ids"] for m in msgs] == [[1, 2], [3], [4], [5]]  # token ids came back too
+
+    await store.switch_version(ALICE, chat.id, t2.user_message_id, 1)
+    assert contents(await store.messages(ALICE, chat.id)) == ["q1", "a1", "q2 edited", "a2 new"]
+
+
+async def test_editing_the_first_message_and_nested_branches_lose_nothing(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    # a branch inside the first branch: edit q2, then edit q1
+    e2 = await store.begin_turn(ALICE, chat.id, mode="edit", content="q2b", replaces=t2.user_message_id)
+    await finish_ok(store, ALICE, chat.id, e2, "a2b", [8], [9])
+    e1 = await store.begin_turn(ALICE, chat.id, mode="edit", content="q1b", replaces=t1.user_message_id)
+    await finish_ok(store, ALICE, chat.id, e1, "a1b", [10], [11], base=True)
+    msgs = await store.messages(ALICE, chat.id)
+    assert contents(msgs) == ["q1b", "a1b"]
+    assert msgs[0]["versions"] == {"index": 1, "count": 2}
+    await store.switch_version(ALICE, chat.id, e1.user_message_id, 0)
+    msgs = await store.messages(ALICE, chat.id)
+    assert contents(msgs) == ["q1", "a1", "q2b", "a2b"]  # the inner branch shown as it was left
+    assert msgs[2]["versions"] == {"index": 1, "count": 2}
+    await store.switch_version(ALICE, chat.id, e2.user_message_id, 0)
+    assert contents(await store.messages(ALICE, chat.id)) == ["q1", "a1", "q2", "a2"]
+
+
+async def test_a_refused_edit_puts_the_old_branch_back(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    e = await store.begin_turn(ALICE, chat.id, mode="edit", content="too long", replaces=t1.user_message_id)
+    await store.fail_turn(ALICE, chat.id, e, None)
+    msgs = await store.messages(ALICE, chat.id, with_tokens=True)
+    assert contents(msgs) == ["q1", "a1", "q2", "a2"]
+    assert [m["token_ids"] for m in msgs] == [[1, 2], [3], [4], [5]]
+    assert not any("versions" in m for m in msgs)
+    assert (await store.get_session(ALICE, chat.id)).active is None
+
+
+async def test_edit_and_switch_refuse_what_the_chat_does_not_hold(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    with pytest.raises(GatewayError) as e:
+        await store.begin_turn(ALICE, chat.id, mode="edit", content="x", replaces=t2.message_id)  # a reply
+    assert e.value.code == "conflict"
+    with pytest.raises(GatewayError) as e:
+        await store.switch_version(ALICE, chat.id, t2.user_message_id, 1)
+    assert e.value.code == "invalid_request"  # no versions there
+    running = await store.begin_turn(ALICE, chat.id, mode="chat", content="q3")
+    with pytest.raises(GatewayError) as e:
+        await store.switch_version(ALICE, chat.id, t2.user_message_id, 0)
+    assert e.value.code == "busy"
+    await store.fail_turn(ALICE, chat.id, running, None)
+    with pytest.raises(GatewayError) as e:
+        await store.switch_version("c" * 32, chat.id, t2.user_message_id, 0)
+    assert e.value.code == "not_found"
+
+
+async def test_a_continue_takes_the_last_reply_off_and_keeps_its_id(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    c = await store.begin_turn(ALICE, chat.id, mode="continue", replaces=t2.message_id)
+    assert c.message_id == t2.message_id
+    assert json.loads(c.popped_json)["content"] == "a2"
+    assert json.loads(c.popped_tokens)["ids"] == [5]
+    stored, segments = await store._read_messages(chat.id, ALICE, True)
+    assert full_prefix(stored, segments) == [1, 2, 3, 4]
+    await store.fail_turn(ALICE, chat.id, c, None)  # refused: the reply is back
+    assert contents(await store.messages(ALICE, chat.id)) == ["q1", "a1", "q2", "a2"]
+    with pytest.raises(GatewayError) as e:
+        await store.begin_turn(ALICE, chat.id, mode="continue", replaces=t1.message_id)  # not the last
+    assert e.value.code == "conflict"
+
+
+async def test_deleting_a_chat_deletes_its_versions(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    e = await store.begin_turn(ALICE, chat.id, mode="edit", content="q2b", replaces=t2.user_message_id)
+    await finish_ok(store, ALICE, chat.id, e, "x", [1], [2])
+    assert await rds.exists(f"{key_prefix}chat:session:{chat.id}:versions")
+    await store.delete_session(ALICE, chat.id)
+    assert not await rds.keys(f"{key_prefix}chat:session:{chat.id}*")
