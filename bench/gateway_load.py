@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model folder for the started engine (default: SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="engine torch threads")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="run the gateway under cProfile, write its stats to PATH and print the top functions "
+                        "(the profiler slows the gateway: its figures are not the overhead's)")
     a = p.parse_args(argv)
     base = LoadConfig(50, 16, 64, 32) if a.quick else LoadConfig()
     cfg = LoadConfig(a.connected or base.connected, a.streaming or base.streaming,
@@ -330,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             eng = start_child(cmd, r"ENGINE READY (ws://\S+)", 600, env, str(ROOT))
             children.append(eng)
             engine_url = eng.match.group(1)
-        gw = start_child([sys.executable, "-m", "bench.serving_lib.gateway_proc", "--engine", engine_url,
+        profiler = ["--profile", a.profile] if a.profile else []
+        gw = start_child([sys.executable, "-m", "bench.serving_lib.gateway_proc", *profiler, "--engine", engine_url,
                           "--redis-url", a.redis_url, "--key-prefix", prefix, "--tap"],
                          r"GATEWAY READY (http://\S+)", 120, env, str(ROOT))
         children.append(gw)
@@ -359,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         block = f"Command: `{command.strip()}` (load average before the run: {load}).\n\n{table(res)}"
         doc = ROOT / "docs" / "benchmarks.md"
         doc.write_text(replace_block(doc.read_text(), "## Gateway overhead", block, "gateway_load.py"))
+    if a.profile:
+        import pstats
+
+        pstats.Stats(a.profile).sort_stats("tottime").print_stats(30)
     if a.json:
         print(json.dumps(res, indent=1))
     else:

@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 
 import redis
 
+from gateway.retry import Backoff
+
 READY_PREFIX = "ENGINE READY "
 
 REDIS_HELP = (
@@ -259,7 +261,7 @@ class LocalEngine:
             self._watcher.start()
 
     def _watch(self, say: Callable[[str], None], backoff_s: tuple[float, float], start_timeout_s: float) -> None:
-        backoff = backoff_s[0]
+        backoff = Backoff(*backoff_s)
         while True:
             proc = self.process
             if proc is not None:
@@ -267,8 +269,8 @@ class LocalEngine:
             if self._stopping.is_set():
                 return
             code = proc.returncode if proc is not None else None
-            say(f"The local engine exited (code {code}); restarting it on port {self.port} in {backoff:.0f} s.")
-            if self._stopping.wait(backoff):
+            say(f"The local engine exited (code {code}); restarting it on port {self.port} in {backoff.peek():.0f} s.")
+            if self._stopping.wait(backoff.peek()):
                 return
             try:
                 url = self._spawn(start_timeout_s)
@@ -276,10 +278,10 @@ class LocalEngine:
                 if self._stopping.is_set():
                     return
                 say(f"Restarting the local engine failed: {str(e).splitlines()[-1] if str(e) else e}")
-                backoff = min(backoff * 2, backoff_s[1])
+                backoff.next_delay()  # double the next wait
                 continue
             self.restarts += 1
-            backoff = backoff_s[0]
+            backoff.reset()
             say(f"The local engine is back at {url}.")
 
     def stop(self, timeout_s: float = 10.0) -> None:

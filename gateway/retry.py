@@ -1,9 +1,9 @@
 """One retry policy for the gateway: exponential backoff with jitter, bounded in time.
 
 Used by the engine connection loop (reconnects), the reply task's store writes, the
-socket tails' stream reads and the cancel listener (docs/architecture.md). Delays double
-from a first delay to a cap; the engine link adds +-50% jitter (many gateways must not
-reconnect in step).
+socket tails' stream reads, the cancel listener and the local engine's supervisor
+(docs/architecture.md). Delays double from a first delay to a cap; the engine link adds
++-50% jitter (many gateways must not reconnect in step).
 """
 
 from __future__ import annotations

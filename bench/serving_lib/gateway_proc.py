@@ -57,6 +57,23 @@ def build_app(config: Any, tap: EngineTap | None) -> Any:
         return create_app(config, extra_routes=extra)
 
 
+def _profile_until_sigterm(path: str) -> None:
+    """Profile this process from now on; on SIGTERM write the stats to ``path`` and exit."""
+    import cProfile
+    import os
+    import signal
+
+    prof = cProfile.Profile()
+
+    def dump(_sig: int, _frame: object) -> None:
+        prof.disable()
+        prof.dump_stats(path)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, dump)
+    prof.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve until killed; returns the exit status."""
     from gateway.app import new_secret
@@ -70,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--tap", action="store_true")
     p.add_argument("--max-generations-per-user", type=int, default=4)
+    p.add_argument("--profile", default=None, metavar="PATH", help="cProfile the gateway; stats to PATH on SIGTERM")
     a = p.parse_args(argv)
+    if a.profile:
+        _profile_until_sigterm(a.profile)
     config = GatewayConfig().with_overrides(
         host="127.0.0.1", port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix,
         engine_urls=tuple(a.engine), secret_key=new_secret(),
