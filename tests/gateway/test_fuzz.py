@@ -24,6 +24,7 @@ from websockets.sync.client import connect as sync_connect
 
 from engine.errors import EngineError
 from engine.prompt import validate_messages
+from engine.protocol import FrameError, GenerateFrame, decode_client_frame
 from engine.server import parse_generate
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
@@ -187,8 +188,17 @@ def test_fuzzed_http_api_bodies_are_accepted_or_refused_as_invalid_request(body)
 @UNIT
 @given(generate_frames)
 def test_fuzzed_generate_frames_are_parsed_or_refused_as_engine_errors(frame):
+    """A fuzzed frame is refused by the typed protocol's decoder (FrameError, a clear
+    message the server sends as ``bad_frame``/``invalid_request``) or by the engine's
+    checks (EngineError), or parses into a request whose text is valid UTF-8."""
     try:
-        req = parse_generate(json.loads(as_wire(frame)), "1:x")
+        decoded = decode_client_frame(as_wire(frame))
+    except FrameError as e:
+        json.dumps({"message": e.message}).encode("utf-8")
+        return
+    assert isinstance(decoded, GenerateFrame)
+    try:
+        req = parse_generate(decoded, "1:x")
         if req.messages is not None:
             for m in validate_messages(req.messages):
                 m["content"].encode("utf-8")
