@@ -148,8 +148,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     cpu_kernels: bool = True
     speculative: str = "auto"
-    num_draft_tokens: int = 4
-    spec_ngram_min: int = 1
+    num_draft_tokens: int = 8
+    spec_ngram_min: int = 2
     spec_ngram_max: int = 3
     spec_max_batch: int = 4
 

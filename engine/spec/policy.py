@@ -35,8 +35,8 @@ class SpecConfig:
         ValueError: a setting out of range.
     """
 
-    num_draft_tokens: int = 4
-    min_n: int = 1
+    num_draft_tokens: int = 8
+    min_n: int = 2
     max_n: int = 3
     max_batch: int = 4
     min_acceptance: float = 0.25
