@@ -458,12 +458,19 @@ async def cancel_storm(cl: Cluster, n: int, concurrency: int = 8) -> dict[str, A
     outcomes: Counter[str] = Counter()
 
     async def worker() -> None:
+        sid, turns = None, 0
         async with connect(cl.base.replace("http", "ws") + "/ws", origin=cl.base, additional_headers=headers) as ws:
             while left[0] > 0:
                 left[0] -= 1
-                await ws.send(json.dumps({"type": "chat", "content": "Tell me a long story about the sea.",
-                                          "params": {"max_tokens": 200, "ignore_eos": True}}))
+                frame: dict[str, Any] = {"type": "chat", "content": "Tell me a long story about the sea.",
+                                         "params": {"max_tokens": 200, "ignore_eos": True}}
+                if sid is not None and turns % 50:  # a fresh chat every 50 turns (bounded history)
+                    frame["session_id"] = sid
+                turns += 1
+                await ws.send(json.dumps(frame))
                 first = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if first["type"] == "start":
+                    sid = first["session_id"]
                 if first["type"] == "error":
                     outcomes[first["code"]] += 1
                     continue
