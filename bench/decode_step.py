@@ -6,6 +6,7 @@ same run; paged decode attention against SDPA; and where one step's time goes.
     python bench/decode_step.py --attention [--contexts 64,256,1024,2048,4096,8192] [--batches 1,16]
     python bench/decode_step.py --profile [--formats default] [--batches 1]
     python bench/decode_step.py --prefill-chunk [--prefixes 0,1024,2048,4096,6000]
+    python bench/decode_step.py --quality [--formats default,int8+bf16]
 
 Formats (``engine/formats.py``): ``default`` is what the engine picks on this machine
 ("auto"); ``exact`` is float32 everywhere through torch (transformers parity);
@@ -24,6 +25,8 @@ heads of 64) at each context: the CPU kernels' paged attention over a bfloat16 c
 over a float32 one, against the torch backend (gather through the block tables, then
 SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps.
 ``--prefill-chunk`` times one 512-token prefill step after a cached prefix of each size.
+``--quality`` prints each format's mean log-likelihood of a fixed English text and its
+shift against ``exact`` (nats per token), the quality bar of the serving formats.
 """
 
 from __future__ import annotations
@@ -265,6 +268,56 @@ def profile_table(model: str | None, overrides: dict[str, Any], batch: int, cont
     return "\n".join(rows)
 
 
+QUALITY_TEXT = (
+    "Paris is the capital of France, and Berlin is the capital of Germany. Water boils at 100 degrees "
+    "Celsius at sea level, and ice melts at zero. The Earth goes around the Sun once a year and turns on "
+    "its axis once a day, which gives us night and day. Plants take in carbon dioxide and water and, with "
+    "the energy of sunlight, make sugar and release oxygen. The heart pumps blood through the body; the "
+    "lungs bring oxygen into it. A triangle has three sides, a square has four, and the angles of a "
+    "triangle add up to 180 degrees. In 1969 two astronauts walked on the Moon while a third circled above "
+    "them. To bake bread, mix flour, water, salt and yeast, let the dough rise, shape it, and bake it in a "
+    "hot oven until the crust is brown. A good function does one thing, has a clear name, and says what it "
+    "returns; tests check that it keeps its promise when the input is empty, large or strange.")
+
+
+def text_logits(model: str | None, overrides: dict[str, Any], ids: list[int]) -> torch.Tensor:
+    """One prefill of ``ids`` in a format, logits at every position: [len(ids), vocab] float64."""
+    from engine.formats import resolved_config
+    from engine.forward_batch import ForwardBatch
+    from engine.kv_cache import KVCache
+    from engine.model_runner import make_attention_backend
+
+    cfg, _ = resolved_config(EngineConfig(model=model, device="cpu", **overrides))
+    lm = load_model(cfg)
+    bs, blocks = 16, -(-len(ids) // 16)
+    kv = KVCache.allocate(lm.model_config, blocks, bs, cfg.kv_torch_dtype, "cpu")
+    attn = make_attention_backend(cfg.attention_backend, torch.device("cpu"), lm.cpu_kernels)
+    b = ForwardBatch.build(token_chunks=[ids], prefix_lens=[0], block_tables=[list(range(blocks))],
+                           sample_mask=[True], block_size=bs)
+    b.logits_indices = torch.arange(len(ids))
+    return lm.model(b, kv, attn).double()
+
+
+def quality_table(model: str | None, names: list[str]) -> str:
+    """Markdown: each format's mean negative log-likelihood of QUALITY_TEXT (nats per token),
+    its shift against ``exact`` and how often its top token is exact's."""
+    from transformers import AutoTokenizer
+
+    from engine.loader import ensure_default_model
+
+    tok = AutoTokenizer.from_pretrained(model or str(ensure_default_model()))
+    ids = tok(QUALITY_TEXT)["input_ids"]
+    target = torch.tensor(ids[1:])[:, None]
+    logits = {n: text_logits(model, FORMATS[n], ids) for n in ["exact", *[n for n in names if n != "exact"]]}
+    nll = {n: -torch.log_softmax(x[:-1], -1).gather(1, target).mean().item() for n, x in logits.items()}
+    rows = [f"{len(ids)} tokens of plain English text, one prefill per format", "",
+            "| format | mean NLL (nats/token) | shift vs exact | same top token as exact |", "|---|---|---|---|"]
+    for n, x in logits.items():
+        same = (x.argmax(-1) == logits["exact"].argmax(-1)).double().mean().item()
+        rows.append(f"| {n} | {nll[n]:.4f} | {abs(nll[n] - nll['exact']):.4f} | {same:.1%} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -280,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", action="store_true",
                    help="time a 512-token prefill chunk after cached prefixes of --prefixes tokens")
     p.add_argument("--prefixes", default="0,1024,2048,4096,6000")
+    p.add_argument("--quality", action="store_true",
+                   help="each format's log-likelihood of a text against the exact format's")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -292,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.prefill_chunk:
         print(f"threads {a.threads}; {names[0]} format; median of 3 chunks per prefix")
         print(prefill_chunk_table(a.model, FORMATS[names[0]], [int(x) for x in a.prefixes.split(",")]))
+        return 0
+    if a.quality:
+        print(quality_table(a.model, names))
         return 0
     if a.profile:
         print(profile_table(a.model, FORMATS[names[0]], batches[0], a.context))

@@ -1,17 +1,18 @@
 """Speculative decoding by prompt lookup: the engine with and without it, side by side.
 
     python bench/speculative.py [--workloads edit,quote,chat,chat16] [--max-tokens 256]
-                                [--draft-tokens 4] [--model PATH] [--json]
+                                [--draft-tokens K] [--ngram MIN,MAX] [--repeats 3] [--model PATH] [--json]
 
 Workloads (greedy, the bundled SmolLM2-135M-Instruct unless --model):
 - edit: a ~300-token Python snippet and "rename X to Y everywhere and show the whole code";
 - quote: a ~300-token passage and "quote the second paragraph word for word";
-- chat: a question answered in prose (little to copy);
+- chat: six questions answered in prose (little to copy), one after another, one stream;
 - chat16: 16 different chat questions at once.
 Each runs on one ``EngineCore`` stepped on this (main) thread, as ``engine serve`` steps,
-once with ``speculative="off"`` and once with n-gram speculation, in one process. Prints
-output tokens/s of each, the ratio, the fraction of drafts accepted and the tokens per
-decode step; the outputs of the two runs must be identical (speculation never changes
+with ``speculative="off"`` and with n-gram speculation, in one process, alternating
+``--repeats`` times (the median of each is reported). Prints output tokens/s of each,
+the ratio, the fraction of drafts accepted and the output tokens per decode step of a
+request; the outputs of the two runs must be identical (speculation never changes
 them), which the script checks.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,39 +104,46 @@ def workload(name: str) -> list[list[dict[str, str]]]:
     if name == "quote":
         return [[{"role": "user", "content": f"{PASSAGE}\n\nQuote the second paragraph above word for word."}]]
     if name == "chat":
-        return [[{"role": "user", "content": CHAT_QUESTIONS[0]}]]
+        return [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS[:6]]
     if name == "chat16":
         return [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
     raise SystemExit(f"unknown workload {name!r}")
 
 
-def run(engine: AsyncEngine, messages: list[list[dict[str, str]]], max_tokens: int) -> dict[str, Any]:
-    """All requests at once on the core, stepped here; output tokens/s, the outputs, and
-    the speculation counters' change."""
+def run(engine: AsyncEngine, messages: list[list[dict[str, str]]], max_tokens: int,
+        together: bool = True) -> dict[str, Any]:
+    """The requests on the core, stepped here: all at once (``together``) or one after
+    another; output tokens/s (after each request's first token), the outputs, the
+    speculation counters' change and a request's output tokens per decode step."""
     core = engine.core
     before = core.stats()
-    for i, msgs in enumerate(messages):
-        ids, _ = engine.prompts.build(GenerateRequest(request_id=f"r{i}", messages=msgs))
-        core.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     outputs: dict[str, list[int]] = {}
-    decode_steps = 0
-    t0 = time.perf_counter()
-    first = None
-    while core.has_work():
-        for out in core.step():
-            if first is None:
-                first = time.perf_counter()
-            if out.finished:
-                outputs[out.request_id] = out.output_token_ids or []
-        decode_steps += 1
-    wall = time.perf_counter() - (first or t0)
+    wall = 0.0
+    deltas = 0  # outputs that carried decode tokens, one per request per step
+    groups = [list(enumerate(messages))] if together else [[(i, m)] for i, m in enumerate(messages)]
+    for group in groups:
+        for i, msgs in group:
+            ids, _ = engine.prompts.build(GenerateRequest(request_id=f"r{i}", messages=msgs))
+            core.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        first = None
+        seen: set[str] = set()
+        while core.has_work():
+            for out in core.step():
+                if first is None:
+                    first = time.perf_counter()
+                if out.request_id in seen and out.token_ids:
+                    deltas += 1
+                seen.add(out.request_id)
+                if out.finished:
+                    outputs[out.request_id] = out.output_token_ids or []
+        wall += time.perf_counter() - (first or time.perf_counter())
     after = core.stats()
     tokens = sum(len(v) for v in outputs.values())
     drafted = after["spec_drafted_total"] - before["spec_drafted_total"]
     accepted = after["spec_accepted_total"] - before["spec_accepted_total"]
     return {"tok_s": (tokens - len(outputs)) / wall, "tokens": tokens, "outputs": outputs,
-            "acceptance": accepted / drafted if drafted else float("nan"),
-            "tokens_per_step": tokens / max(1, decode_steps)}
+            "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_step": (tokens - len(outputs)) / max(1, deltas)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--workloads", default="edit,quote,chat,chat16")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--draft-tokens", type=int, default=None, help="drafts per step (default: the engine's)")
+    p.add_argument("--ngram", default=None, help="min,max n-gram sizes (default: the engine's)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating off/on runs per workload (median)")
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
@@ -151,32 +162,47 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     loaded = None
     for mode in ("off", "ngram"):
-        cfg = EngineConfig(model=a.model, device="cpu", speculative=mode, num_draft_tokens=a.draft_tokens,
-                           num_blocks=2048, max_num_seqs=32)
+        ngram = {}
+        if a.ngram:
+            lo, hi = (int(x) for x in a.ngram.split(","))
+            ngram = {"spec_ngram_min": lo, "spec_ngram_max": hi}
+        drafts = {"num_draft_tokens": a.draft_tokens} if a.draft_tokens else {}
+        cfg = EngineConfig(model=a.model, device="cpu", speculative=mode, num_blocks=2048, max_num_seqs=32,
+                           **ngram, **drafts)
         loaded = loaded or load_model(cfg)
         engines[mode] = AsyncEngine.from_loaded(loaded, cfg, verbose=False)
     results: dict[str, Any] = {}
     for name in a.workloads.split(","):
         msgs = workload(name)
+        together = name != "chat"
         run(engines["off"], msgs[:1], 8)  # warm-up
-        off = run(engines["off"], msgs, a.max_tokens)
-        on = run(engines["ngram"], msgs, a.max_tokens)
-        same = off["outputs"] == on["outputs"]
-        results[name] = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "speedup": on["tok_s"] / off["tok_s"],
+        offs, ons = [], []
+        for _ in range(a.repeats):
+            offs.append(run(engines["off"], msgs, a.max_tokens, together))
+            ons.append(run(engines["ngram"], msgs, a.max_tokens, together))
+        off_tok_s = statistics.median(r["tok_s"] for r in offs)
+        on_tok_s = statistics.median(r["tok_s"] for r in ons)
+        on = ons[-1]
+        same = all(r["outputs"] == offs[0]["outputs"] for r in offs + ons)
+        results[name] = {"off_tok_s": off_tok_s, "on_tok_s": on_tok_s, "speedup": on_tok_s / off_tok_s,
                          "acceptance": on["acceptance"], "tokens_per_step": on["tokens_per_step"],
                          "tokens": on["tokens"], "identical": same}
         print(f"[{name}] {results[name]}", file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps(results))
     else:
-        print(f"threads {a.threads}, greedy, max_tokens {a.max_tokens}, {a.draft_tokens} draft tokens; "
-              f"{engines['ngram'].info.format}; load average {os.getloadavg()[0]:.2f}")
+        spec = engines["ngram"].core.spec
+        grams = f"n-grams {spec.min_n}-{spec.max_n}" if spec is not None else ""
+        drafts_n = spec.num_draft_tokens if spec is not None else 0
+        print(f"threads {a.threads}, greedy, max_tokens {a.max_tokens}, {drafts_n} draft tokens, {grams}, "
+              f"median of {a.repeats}; {engines['ngram'].info.format}; load average {os.getloadavg()[0]:.2f}")
         print("| workload | output tokens | off tok/s | n-gram tok/s | speedup | drafts accepted | tokens/step "
               "| outputs identical |")
         print("|---|---|---|---|---|---|---|---|")
         for name, r in results.items():
             print(f"| {name} | {r['tokens']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['speedup']:.2f}x | "
-                  f"{r['acceptance']:.0%} | {r['tokens_per_step']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+                  f"{'-' if r['acceptance'] is None else format(r['acceptance'], '.0%')} | "
+                  f"{r['tokens_per_step']:.2f} | {'yes' if r['identical'] else 'NO'} |")
     return 0 if all(r["identical"] for r in results.values()) else 1
 
 
