@@ -335,8 +335,9 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
-        t = Timings(**{k: (int if f.type in (int, "int") else float)(timings.get(k, 0))
-                       for k, f in Timings.__dataclass_fields__.items()})
+        tf: dict[str, Any] = {k: (int if f.type in (int, "int") else float)(timings.get(k, 0))
+                              for k, f in Timings.__dataclass_fields__.items()}
+        t = Timings(**tf)
     except (TypeError, ValueError):
         raise FrameError("usage/timings of a done frame must hold numbers") from None
     stop_reason = d.get("stop_reason")
