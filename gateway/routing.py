@@ -115,7 +115,7 @@ def choose(key: str, engines: Sequence[EngineLoad], policy: RoutingPolicy,
 
 
 class Placements:
-    """Where shed chats live now: ``{prefix}route:{key}`` holds the engine url, with
+    """Where shed chats live now: ``{prefix}chat:route:{key}`` holds the engine url, with
     the chat's TTL (or ``default_ttl_s``). Shared by every gateway on the Redis.
 
     A Redis error reads as "no placement" (the chat goes to its rendezvous home, which
@@ -128,7 +128,7 @@ class Placements:
         self.ttl_s = ttl_s or default_ttl_s
 
     def _key(self, key: str) -> str:
-        return f"{self.prefix}route:{key}"
+        return f"{self.prefix}chat:route:{key}"
 
     async def get(self, key: str) -> str | None:
         """The url the chat was moved to, or None."""

@@ -89,7 +89,7 @@ async def test_a_busy_home_engine_sheds_a_chat_to_the_idle_one_which_keeps_it(ga
             assert generates(idle_gate, r1.request_id) == 1 and generates(busy_gate, r1.request_id) == 0
             client = aioredis.from_url(redis_url, decode_responses=True)
             try:
-                assert await client.get(f"{key_prefix}route:{late}") == idle_gate.url
+                assert await client.get(f"{key_prefix}chat:route:{late}") == idle_gate.url
             finally:
                 await client.aclose()
             busy_gate.resume()
