@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         load = " ".join(f"{x:.1f}" for x in load_before)
         block = f"Command: `{command.strip()}` (load average before the run: {load}).\n\n{table(res)}"
         doc = ROOT / "docs" / "benchmarks.md"
-        doc.write_text(replace_block(doc.read_text(), "## Gateway overhead", block, "gateway_load.py"))
+        heading = "## The reply path through the gateway"
+        doc.write_text(replace_block(doc.read_text(), heading, block, "gateway_load.py"))
     if a.profile:
         import pstats
 

@@ -14,7 +14,6 @@ import itertools
 import json
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
@@ -240,7 +239,7 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
         sock = next(iter(ws_server.sockets))
         bound_port = sock.getsockname()[1]
         print(f"ENGINE READY ws://{host}:{bound_port}", flush=True)
-        print(f"engine: serving {engine.info.model} on ws://{host}:{bound_port}", file=sys.stderr, flush=True)
+        log.info("serving %s on ws://%s:%d", engine.info.model, host, bound_port)
         if ready is not None:
             ready.set()
         try:

@@ -36,6 +36,7 @@ from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
 from gateway.live import LiveHub
 from gateway.redis_client import resilience_options
+from gateway.routing import Placements
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
 from gateway.tokens import TokenAuthMiddleware, TokenStore
@@ -126,7 +127,8 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         store = SessionStore(redis, keys, config.session_ttl_s, config.lock_lease_ms,
                              lim.max_sessions_per_user, lim.max_generations_per_user)
         streams = ReplyStreams(redis, tail_redis, keys, config.stream_ttl_s, config.stream_maxlen)
-        router = EngineRouter(EngineClient(u, secret=config.engine_secret) for u in config.engine_urls)
+        router = EngineRouter((EngineClient(u, secret=config.engine_secret) for u in config.engine_urls),
+                              config.routing, Placements(redis, config.key_prefix, config.session_ttl_s))
         gens = GenerationManager(config, store, streams, router, redis, list(events))
         s = app.state
         s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens

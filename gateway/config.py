@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import param_error
+from gateway.routing import RoutingPolicy
 
 MIB = 1 << 20
 
@@ -180,6 +181,7 @@ class GatewayConfig:
         ws_per_message_deflate: compress browser frames (off: deltas are tiny).
         defaults: per-chat defaults.
         limits: documented limits.
+        routing: when a chat's request sheds from its home engine (``gateway/routing.py``).
     """
 
     host: str = "127.0.0.1"
@@ -208,6 +210,7 @@ class GatewayConfig:
     ws_per_message_deflate: bool = False
     defaults: Defaults = field(default_factory=Defaults)
     limits: Limits = field(default_factory=Limits)
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port < 65536):
@@ -238,7 +241,12 @@ class GatewayConfig:
         return hosts
 
     def with_overrides(self, **changes: Any) -> GatewayConfig:
-        """A copy with some fields replaced; ``limits`` may be given as a dict of changes."""
+        """A copy with some fields replaced; ``limits`` and ``routing`` may be given as dicts of changes."""
+        rt = changes.pop("routing", None)
+        if isinstance(rt, Mapping):
+            changes["routing"] = replace(self.routing, **rt)
+        elif rt is not None:
+            changes["routing"] = rt
         lim = changes.pop("limits", None)
         if isinstance(lim, Mapping):
             changes["limits"] = replace(self.limits, **lim)

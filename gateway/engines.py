@@ -5,16 +5,16 @@ it by request id, each with its own queue of frames; it reconnects with exponent
 backoff. When the connection drops, the engine aborts that connection's requests, so
 every open request gets a synthetic ``error`` frame with code ``engine_unavailable``.
 
-``EngineRouter`` spreads chats over several engines with rendezvous hashing of the
-chat id (Thaler & Ravishankar, "A name-based mapping scheme for rendezvous", 1996):
-a chat keeps its engine, and so its prefix cache, while that engine is up; when it is
-down only its chats move, each to the healthy engine that ranks next for it.
+``EngineRouter`` spreads chats over several engines: each chat has a home engine (by
+rendezvous hashing of the chat id, Thaler & Ravishankar 1996) where its prefix cache
+is, and a request sheds to the least-loaded engine when the home is overloaded
+(``gateway/routing.py``, docs/scaling.md). When an engine is down only its chats move,
+each to the healthy engine that ranks next for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Iterable
@@ -42,6 +42,7 @@ from engine.protocol import (
 )
 from gateway.errors import GatewayError
 from gateway.retry import Backoff
+from gateway.routing import EngineLoad, Placements, RoutingPolicy, choose, rendezvous_rank, snapshot_load
 
 SECRET_HEADER = "X-Engine-Secret"  # the engine link's shared secret (engine/server.py checks it)
 log = logging.getLogger("gateway.engines")
@@ -138,7 +139,6 @@ class EngineClient:
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._aborts: set[asyncio.Task[None]] = set()
-        self.connects_total = 0
         self.last_stats: dict[str, Any] | None = None
         self.stats_taken_at: float | None = None
 
@@ -151,14 +151,6 @@ class EngineClient:
         """Start connecting in the background (returns at once)."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"engine-client {self.url}")
-
-    async def wait_ready(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the connection; True when ready."""
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     async def close(self) -> None:
         """Close the connection and stop reconnecting."""
@@ -185,7 +177,6 @@ class EngineClient:
                         raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")
                     self.info, self.protocol_version = hello.info, hello.protocol_version
                     self._ws = ws
-                    self.connects_total += 1
                     self._ready.set()
                     backoff.reset()
                     log.info("connected to engine %s (%s)", self.url, self.info.model)
@@ -306,25 +297,59 @@ class EngineClient:
         return dict(frame.stats)
 
 
-def _rank(key: str, url: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
-
-
 class EngineRouter:
-    """Picks an engine per chat (rendezvous hashing over the healthy ones)."""
+    """Picks an engine per request: the chat's cache home unless it is overloaded
+    (the rule, its source and its thresholds: ``gateway/routing.py`` and docs/scaling.md).
 
-    def __init__(self, clients: Iterable[EngineClient]) -> None:
+    With more than one engine it asks each healthy one for its stats every
+    ``policy.stats_interval_s`` seconds (the engine answers from its end-of-step
+    snapshot without waiting for a step), so the loads it compares are at most that old.
+
+    Args:
+        clients: the engines.
+        policy: the shedding thresholds.
+        placements: where shed chats were moved (shared by gateways through Redis);
+            None keeps no placements (a shed request's chat goes home next time).
+    """
+
+    def __init__(self, clients: Iterable[EngineClient], policy: RoutingPolicy | None = None,
+                 placements: Placements | None = None) -> None:
         self.clients = list(clients)
+        self.policy = policy or RoutingPolicy()
+        self.placements = placements
+        self._refresh: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Start every client's connection loop."""
+        """Start every client's connection loop (and the stats refresh, with several)."""
         for c in self.clients:
             await c.start()
+        if len(self.clients) > 1 and self.policy.stats_interval_s > 0 and self._refresh is None:
+            self._refresh = asyncio.create_task(self._refresh_stats(), name="engine-stats-refresh")
 
     async def close(self) -> None:
-        """Close every client."""
+        """Stop the stats refresh and close every client."""
+        if self._refresh is not None:
+            self._refresh.cancel()
+            try:
+                await self._refresh
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._refresh = None
         for c in self.clients:
             await c.close()
+
+    async def _refresh_stats(self) -> None:
+        interval = self.policy.stats_interval_s
+
+        async def one(c: EngineClient) -> None:
+            try:
+                await c.stats(timeout=max(interval, 1.0))
+            except GatewayError:
+                pass  # a late or lost answer leaves the old snapshot, whose age is known
+
+        while True:
+            await asyncio.gather(*(one(c) for c in self.healthy))
+            await asyncio.sleep(interval)
 
     @property
     def healthy(self) -> list[EngineClient]:
@@ -338,14 +363,46 @@ class EngineRouter:
                 return c.info
         return None
 
-    def pick(self, key: str, exclude: Iterable[EngineClient] = ()) -> EngineClient:
-        """The healthy engine that ranks highest for ``key`` (a chat id).
-
-        Raises:
-            GatewayError: ``engine_unavailable`` when no engine (outside ``exclude``) is up.
-        """
+    def _live(self, exclude: Iterable[EngineClient]) -> list[EngineClient]:
         skip = set(map(id, exclude))
         live = [c for c in self.clients if c.healthy and id(c) not in skip]
         if not live:
             raise engine_unavailable("no engine is connected")
-        return max(live, key=lambda c: _rank(key, c.url))
+        return live
+
+    def pick(self, key: str, exclude: Iterable[EngineClient] = ()) -> EngineClient:
+        """The healthy engine that ranks highest for ``key`` (rendezvous hashing alone).
+
+        Raises:
+            GatewayError: ``engine_unavailable`` when no engine (outside ``exclude``) is up.
+        """
+        return max(self._live(exclude), key=lambda c: rendezvous_rank(key, c.url))
+
+    def loads(self, engines: Iterable[EngineClient]) -> list[EngineLoad]:
+        """The load of each engine now (``routing.snapshot_load``: its stats snapshot's
+        running + waiting, or this gateway's requests in flight on it if more)."""
+        now = time.monotonic()
+        return [EngineLoad(c.url, snapshot_load(c.last_stats, None if c.stats_taken_at is None
+                                                else now - c.stats_taken_at,
+                                                len(c._requests), self.policy.max_stats_age_s))
+                for c in engines]
+
+    async def choose(self, key: str, exclude: Iterable[EngineClient] = ()) -> EngineClient:
+        """The engine for the next request of chat ``key``: its home (placement or
+        rendezvous choice) unless the load rule sheds it to the least-loaded engine,
+        whose url then becomes the chat's placement.
+
+        Raises:
+            GatewayError: ``engine_unavailable`` when no engine (outside ``exclude``) is up.
+        """
+        live = self._live(exclude)
+        if len(live) == 1:
+            return live[0]
+        placement = await self.placements.get(key) if self.placements is not None else None
+        url = choose(key, self.loads(live), self.policy, placement)
+        if self.placements is not None:
+            ranked = max(live, key=lambda c: rendezvous_rank(key, c.url)).url
+            wanted = None if url == ranked else url
+            if wanted != placement and not (wanted is None and placement not in {c.url for c in live}):
+                await self.placements.set(key, wanted)
+        return next(c for c in live if c.url == url)

@@ -43,7 +43,7 @@ class EngineRun:
     Args:
         router: the gateway's engines.
         request_id: the engine request id (unique on this gateway).
-        affinity_key: picks the engine (rendezvous hashing: a chat meets its prefix cache).
+        affinity_key: picks the engine (the chat's cache home unless overloaded: ``gateway/routing.py``).
         messages, prefix_token_ids, params, clamp_max_tokens: the ``generate`` frame's fields.
         model: only engines serving this model name, or None for any.
         prompt_token_ids: the exact prompt ids instead of ``messages`` (a continued reply).
@@ -81,7 +81,7 @@ class EngineRun:
             GatewayError: ``engine_unavailable`` when no engine is left.
         """
         while True:
-            engine = self.router.pick(self.affinity_key, exclude=self._excluded())
+            engine = await self.router.choose(self.affinity_key, exclude=self._excluded())
             self._tried.append(engine)
             self.engine = engine
             try:

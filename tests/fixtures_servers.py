@@ -6,6 +6,8 @@
 * ``engine_gate`` (function): an ``EngineGate`` (tests/engine_gate.py) in front of
   ``tiny_engine``: point a gateway at ``engine_gate.url`` to pause and resume the engine
   mid-reply. The engine is resumed when the test ends.
+* ``spare_engine`` (function): a second engine process on the tiny model, this test's
+  own (it may kill or pause it), stopped at teardown.
 * ``smollm2_engine_url`` (session): the same on the bundled SmolLM2 (no ``--model``).
 * ``gateway_factory`` (function): ``gateway_factory(engine_urls=None, **overrides)``
   starts the real gateway app (as ``python -m gateway`` builds it: with the OpenAI API
@@ -83,6 +85,13 @@ def engine_gate(tiny_engine: LocalEngine) -> Iterator[EngineGate]:
         yield gate
     finally:
         gate.close()  # resumes the engine first: later tests share it
+
+
+@pytest.fixture
+def spare_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
+    """A second tiny-model engine process, owned by one test (see the module doc)."""
+    with _running_engine(tiny_model_dir, ENGINE_ARGS + ["--threads", "1"]) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")

@@ -96,3 +96,97 @@ def test_the_gateway_imports_and_builds_its_app_without_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+class _Tag:
+    """A value under Compose's ``!reset`` or ``!override`` tag."""
+
+    def __init__(self, kind: str, value: object) -> None:
+        self.kind, self.value = kind, value
+
+
+class TaggedLoader(yaml.SafeLoader):
+    """YAML keeping what ``!reset`` / ``!override`` apply to (for merging files)."""
+
+
+def _tagged(kind: str):
+    def construct(loader: yaml.SafeLoader, node: yaml.Node) -> _Tag:
+        if isinstance(node, yaml.MappingNode):
+            return _Tag(kind, loader.construct_mapping(node, deep=True))
+        if isinstance(node, yaml.SequenceNode):
+            return _Tag(kind, loader.construct_sequence(node, deep=True))
+        return _Tag(kind, loader.construct_scalar(node))
+    return construct
+
+
+TaggedLoader.add_constructor("!reset", _tagged("reset"))
+TaggedLoader.add_constructor("!override", _tagged("override"))
+
+
+def _merge(base: object, over: object) -> object:
+    """Compose's merge of two files, as far as these files use it: mappings merge key by
+    key, ``!reset`` empties, ``!override`` and any other value replace."""
+    if isinstance(over, _Tag):
+        return None if over.kind == "reset" else over.value
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = _merge(base.get(k), v)
+        return {k: v for k, v in out.items() if v is not None}
+    return over
+
+
+def compose_services(*files: str) -> dict:
+    """The services of ``docker compose -f a -f b ...`` (``extends`` from a file resolved)."""
+    services: dict = {}
+    for name in files:
+        for svc, spec in yaml.load((ROOT / name).read_text(), Loader=TaggedLoader)["services"].items():
+            ext = spec.pop("extends", None)
+            if ext is not None:
+                parent = yaml.load((ROOT / ext["file"]).read_text(), Loader=TaggedLoader)["services"][ext["service"]]
+                spec = _merge(parent, spec)
+            services[svc] = _merge(services.get(svc), spec)
+    return services
+
+
+def _env(service: dict) -> dict:
+    env = service.get("environment", {})
+    return env if isinstance(env, dict) else dict(e.split("=", 1) for e in env)
+
+
+@pytest.mark.parametrize("files", [
+    ("compose.yaml", "compose.scale.yaml"),
+    ("compose.yaml", "compose.cpu.yaml", "compose.scale.yaml", "compose.scale.cpu.yaml"),
+])
+def test_scale_override_runs_two_engines_and_two_gateways_on_one_redis_behind_one_port(files):
+    services = compose_services(*files)
+    assert set(services) == {"redis", "engine", "engine-2", "gateway", "gateway-2", "lb"}
+    assert [n for n, s in services.items() if s.get("ports")] == ["lb"]
+    assert services["lb"]["ports"] == ["${GATEWAY_PORT:-8000}:8000"]
+    for name in ("engine", "engine-2"):
+        e = services[name]
+        assert e["build"]["target"] == "engine" and "healthcheck" in e
+        assert "--port 9000" in " ".join(e["command"]) and "0.0.0.0" in " ".join(e["command"])
+    for name in ("gateway", "gateway-2"):
+        g = services[name]
+        assert g["build"]["target"] == "gateway" and "healthcheck" in g
+        cmd = " ".join(g["command"])
+        assert "--engine" not in cmd  # it would override ENGINE_URLS
+        assert "redis://redis:6379/0" in cmd  # one Redis for both
+        assert _env(g)["ENGINE_URLS"].split() == ["ws://engine:9000", "ws://engine-2:9000"]  # one order
+        assert "gateway-data:/data" in g["volumes"]  # one cookie secret
+        assert {"redis", "engine", "engine-2"} <= set(g["depends_on"])
+    assert services["gateway-2"]["depends_on"]["gateway"] == {"condition": "service_healthy"}
+    assert set(services["lb"]["depends_on"]) == {"gateway", "gateway-2"}
+    mount = services["lb"]["volumes"][0].split(":")
+    conf = (ROOT / mount[0]).read_text()
+    assert mount[1] == "/etc/nginx/conf.d/default.conf"
+    assert "server gateway:8000" in conf and "server gateway-2:8000" in conf and "listen 8000" in conf
+    assert "proxy_set_header Upgrade $http_upgrade" in conf and "proxy_buffering off" in conf
+    if "compose.cpu.yaml" in files:
+        assert "deploy" not in services["engine"] and "deploy" not in services["engine-2"]
+        for name in ("engine", "engine-2"):
+            assert "whl/cpu" in services[name]["build"]["args"]["TORCH_INDEX_URL"]
+    else:
+        gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"] for n in ("engine", "engine-2")]
+        assert [d[0]["device_ids"] for d in gpus] == [["${ENGINE1_GPU:-0}"], ["${ENGINE2_GPU:-1}"]]

@@ -14,7 +14,9 @@ import redis.asyncio as aioredis
 from websockets.exceptions import InvalidStatus
 
 from gateway.auth import UserIds
+from gateway.routing import rendezvous_rank
 from tests.engine_gate import of_type, text_delta
+from tests.fixtures_servers import gate_in_front_of
 from tests.gateway_helpers import Reply, chat, read_reply, recv, send, wait_for
 
 BLOCK = 16  # the engine fixture's --block-size
@@ -387,13 +389,37 @@ async def test_redis_down_gives_store_unavailable_without_tracebacks(gateway_fac
         assert await recv(ws) == {"type": "pong"}
 
 
-async def test_one_dead_engine_among_two_is_routed_around(gateway_factory, engine_url):
-    gw = gateway_factory(engine_urls=["ws://127.0.0.1:9", engine_url])
-    cookie = gw.new_cookie()
-    async with gw.connect(cookie) as ws:
-        for i in range(3):  # different chats hash differently; all must land on the live engine
-            r = await chat(ws, f"chat {i}", max_tokens=3)
-            assert r.done is not None, r.error
+async def test_one_dead_engine_among_three_is_routed_around_by_hashing(gateway_factory, tiny_engine):
+    """Rendezvous hashing over the configured engines, one of them dead: a chat whose
+    choice is the dead engine goes to the live engine that ranks next for it, and a chat
+    whose choice is a live engine stays there. Two relays in front of the live engine
+    give it two addresses, so where each chat's ``generate`` went is observable."""
+    dead = "ws://127.0.0.1:9"
+    gates = [gate_in_front_of(tiny_engine), gate_in_front_of(tiny_engine)]
+    try:
+        urls = [dead] + [g.url for g in gates]
+        gw = gateway_factory(engine_urls=urls)
+        await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+        cookie = gw.new_cookie()
+        wanted = {(dead, gates[0].url), (dead, gates[1].url), (gates[0].url, None), (gates[1].url, None)}
+        cases: dict[tuple[str, str | None], str] = {}
+        async with gw.http(cookie) as c:
+            while len(cases) < len(wanted):  # new chat ids until every case has one
+                sid = (await c.post("/api/sessions", json={})).json()["id"]
+                ranked = sorted(urls, key=lambda u: rendezvous_rank(sid, u), reverse=True)
+                case = (ranked[0], ranked[1] if ranked[0] == dead else None)
+                cases.setdefault(case, sid)
+        async with gw.connect(cookie) as ws:
+            for (first, second), sid in cases.items():
+                r = await chat(ws, "hello", sid, max_tokens=3)
+                assert r.done is not None, r.error
+                expected = second if first == dead else first
+                took = [g.url for g in gates if any(f.get("type") == "generate" and f.get("request_id") ==
+                                                    r.request_id for f in g.to_engine)]
+                assert took == [expected], (first, second, took)
+    finally:
+        for g in gates:
+            g.close()
 
 
 async def test_keys_written_by_a_conversation_all_keep_the_configured_ttl(gateway_factory, redis_url, key_prefix):

@@ -30,7 +30,7 @@ async def test_one_connection_multiplexes_many_requests_by_id(engine_url):
     client = EngineClient(engine_url)
     await client.start()
     try:
-        assert await client.wait_ready(30)
+        await wait_for(lambda: client.healthy, 30)
         assert client.info.block_size == 16 and client.info.max_model_len > 0
         reqs = [await client.generate(f"r{i}", [{"role": "user", "content": f"Say {i}."}],
                                       params={"max_tokens": 5 + i, "temperature": 0, "ignore_eos": True})
@@ -59,7 +59,7 @@ async def test_the_engine_gate_holds_a_reply_still_until_resumed_and_relays_ever
     client = EngineClient(engine_gate.url)
     await client.start()
     try:
-        assert await client.wait_ready(30)
+        await wait_for(lambda: client.healthy, 30)
         engine_gate.pause_on(of_type("delta", "r"))
         req = await client.generate("r", [{"role": "user", "content": "Go on."}],
                                     params={"max_tokens": 200, "temperature": 0, "ignore_eos": True})
@@ -84,7 +84,7 @@ async def test_router_keeps_each_chat_on_its_engine_and_moves_only_the_dead_ones
     router = EngineRouter([a, b])
     await router.start()
     try:
-        assert await a.wait_ready(30) and await b.wait_ready(30)
+        await wait_for(lambda: a.healthy and b.healthy, 30)
         keys = [f"chat-{i}" for i in range(200)]
         first = {k: router.pick(k) for k in keys}
         assert all(router.pick(k) is first[k] for k in keys)  # sticky

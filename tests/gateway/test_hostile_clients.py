@@ -221,6 +221,7 @@ async def test_the_engine_link_secret_is_required_when_set():
 
     from engine.server import secret_check
     from gateway.engines import EngineClient
+    from tests.gateway_helpers import wait_for
 
     async def hello(ws):
         await ws.send(json.dumps({"type": "hello", "model": "m", "max_model_len": 8}))
@@ -231,7 +232,7 @@ async def test_the_engine_link_secret_is_required_when_set():
         without, wrong, right = EngineClient(url), EngineClient(url, secret="nope"), EngineClient(url, secret="s3cret")
         for c in (without, wrong, right):
             await c.start()
-        assert await right.wait_ready(10)
+        await wait_for(lambda: right.healthy, 10)
         await asyncio.sleep(0.5)  # the refused ones have had their tries
         assert not without.healthy and not wrong.healthy
         for c in (without, wrong, right):

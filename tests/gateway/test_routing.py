@@ -1,0 +1,68 @@
+"""The routing rule (gateway/routing.py) as a pure function of fake stats snapshots:
+home by placement or rendezvous hashing, shedding by SGLang's imbalance test."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.routing import EngineLoad, RoutingPolicy, choose, rendezvous_rank, snapshot_load
+
+URLS = ["ws://a:1", "ws://b:2", "ws://c:3"]
+POLICY = RoutingPolicy(abs_threshold=4, rel_threshold=1.5)
+
+
+def home_of(key: str, urls: list[str] = URLS) -> str:
+    return max(urls, key=lambda u: rendezvous_rank(key, u))
+
+
+def loads(**by_url: int) -> list[EngineLoad]:
+    return [EngineLoad(u, by_url.get(u[5], 0)) for u in URLS]
+
+
+def test_idle_engines_keep_every_chat_on_its_rendezvous_home_and_spread_them():
+    keys = [f"chat-{i}" for i in range(300)]
+    chosen = [choose(k, loads(), POLICY) for k in keys]
+    assert chosen == [home_of(k) for k in keys]
+    assert all(60 < chosen.count(u) < 140 for u in URLS)
+
+
+def test_a_home_loaded_beyond_both_thresholds_sheds_to_the_least_loaded_engine():
+    key = next(k for k in (f"k{i}" for i in range(100)) if home_of(k) == "ws://a:1")
+    # a: 10 requests, b: 2, c: 5 -> 10 - 2 > 4 and 10 > 1.5 * 2
+    assert choose(key, [EngineLoad("ws://a:1", 10), EngineLoad("ws://b:2", 2), EngineLoad("ws://c:3", 5)],
+                  POLICY) == "ws://b:2"
+
+
+@pytest.mark.parametrize(("home_load", "least_load", "sheds"), [
+    (4, 0, False),  # difference 4 is not above the absolute threshold
+    (5, 0, True),
+    (9, 5, False),  # difference 4
+    (10, 5, True),  # 5 > 4 and 10 > 7.5
+    (30, 24, False),  # 6 > 4 but 30 is not above 1.5 * 24
+    (37, 24, True),
+])
+def test_shedding_needs_both_the_absolute_and_the_relative_gap(home_load, least_load, sheds):
+    key = next(k for k in (f"k{i}" for i in range(100)) if home_of(k, URLS[:2]) == "ws://a:1")
+    got = choose(key, [EngineLoad("ws://a:1", home_load), EngineLoad("ws://b:2", least_load)], POLICY)
+    assert (got == "ws://b:2") == sheds
+
+
+def test_a_placement_is_the_home_while_it_is_healthy_and_not_overloaded():
+    key = next(k for k in (f"k{i}" for i in range(100)) if home_of(k) == "ws://a:1")
+    assert choose(key, loads(), POLICY, placement="ws://c:3") == "ws://c:3"
+    assert choose(key, loads(c=9), POLICY, placement="ws://c:3") != "ws://c:3"  # it sheds in turn
+    gone = [EngineLoad("ws://a:1", 0), EngineLoad("ws://b:2", 0)]  # c is down: back to hashing
+    assert choose(key, gone, POLICY, placement="ws://c:3") == "ws://a:1"
+
+
+def test_snapshot_load_is_running_plus_waiting_unless_stale_or_below_the_local_count():
+    stats = {"running": 3, "waiting": 2, "free_blocks": 100}
+    assert snapshot_load(stats, 0.5, 0, max_age_s=10) == 5
+    assert snapshot_load(stats, 0.5, 7, max_age_s=10) == 7  # this gateway's requests are never stale
+    assert snapshot_load(stats, 11.0, 1, max_age_s=10) == 1  # a stale snapshot is not trusted
+    assert snapshot_load(None, None, 2, max_age_s=10) == 2
+
+
+def test_choose_refuses_an_empty_set():
+    with pytest.raises(ValueError):
+        choose("k", [], POLICY)
