@@ -225,11 +225,14 @@ class EngineCore:
         or the context."""
         decoding = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.output_ids]
         small = len(decoding) <= config.max_batch
+        # the step's draft rows stay near max_batch * 4 (a 4-request step with 8 drafts each
+        # was compute-bound and slower than without): k each for 1-2 requests, fewer for more
+        share = max(1, (config.max_batch * 4) // max(1, len(decoding)))
         for req in decoding:
             req.spec_drafts = []
             if not small or not req.spec.wants_drafts(config):
                 continue
-            room = min(req.spec.draft_budget(config), req.params.max_tokens - len(req.output_ids) - 1,
+            room = min(req.spec.draft_budget(config), share, req.params.max_tokens - len(req.output_ids) - 1,
                        self.max_model_len - req.num_tokens)
             if room <= 0:
                 continue
