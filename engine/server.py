@@ -33,6 +33,7 @@ from engine.protocol import (
     HelloFrame,
     PingFrame,
     PongFrame,
+    ProgressFrame,
     ReplyItem,
     StatsFrame,
     StatsRequest,
@@ -50,7 +51,10 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
 def output_item(request_id: str, out: RequestOutput) -> ReplyItem:
-    """The ``delta`` or ``done`` item of one engine output (client-side request id)."""
+    """The ``progress``, ``delta`` or ``done`` item of one engine output (client-side request id)."""
+    if out.progress is not None:
+        p = out.progress
+        return ProgressFrame(request_id, p.done, p.total, p.cached)
     logprobs = [asdict(lp) for lp in out.logprobs] if out.logprobs else None
     if not out.finished:
         return DeltaFrame(request_id, out.text, out.token_ids, logprobs)

@@ -113,8 +113,9 @@ async def test_an_abort_sent_during_a_held_step_under_stats_takes_effect_before_
 def test_a_step_frame_carries_the_items_of_several_requests_and_round_trips():
     from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, Timings, Usage, encode
 
+    timings = Timings(1.0, 2.0, 3.0, 0.5, 12, 9, 0.75, 2.5)
     step = StepFrame([DeltaFrame("a", "hé", [1, 2]), DoneFrame("b", "", [], None, "length", None, "xy", [3, 4],
-                                                               [5], True, Usage(1, 0, 2), Timings(1.0, 2.0, 3.0, 0.5, 12, 9, 0.75, 2.5)),
+                                                               [5], True, Usage(1, 0, 2), timings),
                       ErrorFrame("context_length_exceeded", "too long", "c")])
     assert decode_engine_frame(encode(step)) == step
 
