@@ -6,6 +6,10 @@
 * ``engine_gate`` (function): an ``EngineGate`` (tests/engine_gate.py) in front of
   ``tiny_engine``: point a gateway at ``engine_gate.url`` to pause and resume the engine
   mid-reply. The engine is resumed when the test ends.
+* ``chunked_gate`` (function): an ``EngineGate`` in front of ``chunked_engine`` (session),
+  the tiny model served with a step budget of ``CHUNK_TOKENS`` tokens
+  (``--max-num-batched-tokens``) and a 2,048-token context, so a prompt of a few hundred
+  tokens is read in several chunked-prefill steps (prompt progress).
 * ``smollm2_engine_url`` (session): the same on the bundled SmolLM2 (no ``--model``).
 * ``gateway_factory`` (function): ``gateway_factory(engine_urls=None, **overrides)``
   starts the real gateway app (as ``python -m gateway`` builds it: with the OpenAI API
@@ -40,6 +44,8 @@ from gateway.serving import ThreadedServer
 from tests.engine_gate import EngineGate
 
 ENGINE_ARGS = ["--num-blocks", "512", "--block-size", "16"]
+CHUNK_TOKENS = 64  # chunked_engine's step budget (tokens)
+CHUNKED_MAX_MODEL_LEN = 2048  # chunked_engine's context (tokens)
 
 
 @contextlib.contextmanager
@@ -83,6 +89,25 @@ def engine_gate(tiny_engine: LocalEngine) -> Iterator[EngineGate]:
         yield gate
     finally:
         gate.close()  # resumes the engine first: later tests share it
+
+
+@pytest.fixture(scope="session")
+def chunked_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
+    """The tiny model with a small step budget: long prompts take several steps."""
+    args = ENGINE_ARGS + ["--threads", "1", "--max-num-batched-tokens", str(CHUNK_TOKENS),
+                          "--max-model-len", str(CHUNKED_MAX_MODEL_LEN)]
+    with _running_engine(tiny_model_dir, args) as engine:
+        yield engine
+
+
+@pytest.fixture
+def chunked_gate(chunked_engine: LocalEngine) -> Iterator[EngineGate]:
+    """An ``EngineGate`` in front of ``chunked_engine``."""
+    gate = gate_in_front_of(chunked_engine)
+    try:
+        yield gate
+    finally:
+        gate.close()
 
 
 @pytest.fixture(scope="session")
