@@ -45,7 +45,9 @@ def gateway(gateway_factory: Callable[..., Any], chunked_gate: EngineGate) -> It
     yield gateway_factory(engine_urls=[chunked_gate.url])
 
 
-def words(seed: int, n: int) -> str:
+def words(seed: str, n: int) -> str:
+    """``n`` words of made-up text; a fresh ``seed`` per test keeps the prefix cache
+    (shared by the tests on one engine) from reading most of the prompt at once."""
     rng = random.Random(seed)
     return " ".join(rng.choice(["canal", "lock", "barge", "towpath", "heron", "willow", "keeper"])
                     + str(rng.randrange(100)) for _ in range(n))
@@ -72,14 +74,14 @@ def test_a_long_prompt_shows_reading_progress_then_the_context_meter_warns_near_
     open_chat(page, sid)
     assert page.is_hidden("#context-meter")  # an empty chat uses none of the context
     chunked_gate.pause_on(of_type("progress"))
-    send(page, words(1, 120))
+    send(page, words(f"{tag}-1", 120))
     chunked_gate.wait_paused()
     label = page.locator(".msg.assistant.streaming .prompt-progress-label")
     label.wait_for(timeout=WAIT_MS)
     m = re.fullmatch(r"Reading ([\d,]+) / ([\d,]+) tokens", label.text_content() or "")
     assert m, label.text_content()
     done, total = (int(g.replace(",", "")) for g in m.groups())
-    assert done % CHUNK_TOKENS == 0 and CHUNK_TOKENS <= done < total
+    assert CHUNK_TOKENS <= done < total  # a chunk read (after any prefix cache hit), not all
     assert page.is_hidden(".msg.assistant.streaming .typing")  # the bar replaces the dots
     bar = page.locator(".msg.assistant.streaming .prompt-progress-track")
     assert bar.get_attribute("aria-valuenow") == str(done) and bar.get_attribute("aria-valuemax") == str(total)
@@ -87,8 +89,9 @@ def test_a_long_prompt_shows_reading_progress_then_the_context_meter_warns_near_
 
     chunked_gate.resume(pause_on=of_type("progress"))  # one more chunk: the numbers move on
     chunked_gate.wait_paused()
-    page.wait_for_function(f"() => (document.querySelector('.prompt-progress-label') || {{}}).textContent "
-                           f"!== 'Reading {done:,} / {total:,} tokens'", timeout=WAIT_MS)
+    page.wait_for_function("(t) => { const l = document.querySelector('.prompt-progress-label');"
+                           " return l && l.textContent !== t; }", arg=f"Reading {done:,} / {total:,} tokens",
+                           timeout=WAIT_MS)
     assert (page.text_content(".prompt-progress-label") or "").endswith(f" / {total:,} tokens")
     chunked_gate.resume()
     wait_finished(page)
@@ -105,9 +108,9 @@ def test_a_long_prompt_shows_reading_progress_then_the_context_meter_warns_near_
     shot(page, f"progress-{tag}-meter")
 
     # a second turn that brings the chat to about 88% of the context: the meter warns
-    per_word = (total - 40) / 120  # about; the chat template adds a few dozen tokens
+    per_word = (total - 30) / 120  # about; the chat template adds a few dozen tokens
     more = int((0.88 * CHUNKED_MAX_MODEL_LEN - used_tokens(chat) - 20) / per_word)
-    send(page, words(2, more))
+    send(page, words(f"{tag}-2", more))
     wait_finished(page, 2)
     chat = get_chat(page, sid)
     pct = round(100 * used_tokens(chat) / CHUNKED_MAX_MODEL_LEN)
