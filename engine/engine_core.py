@@ -20,7 +20,7 @@ from engine.cpu.ops import CpuKernels
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, InvalidRequestError, InvariantError
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, Timings, Usage
+from engine.outputs import PromptProgress, RequestOutput, Timings, Usage
 from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.sampler import PenaltyState, SamplerOutput
@@ -185,7 +185,8 @@ class EngineCore:
     # ----- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs it produced (deltas and finals), at most
-        one per request (a speculative step may add several tokens to one delta)."""
+        one per request (a speculative step may add several tokens to one delta), and a
+        progress item for each prompt this step read a chunk of without finishing it."""
         if self.spec is not None:
             self._propose_drafts(self.spec)
         sched = self.scheduler.schedule()
@@ -196,6 +197,13 @@ class EngineCore:
         self.scheduler.on_step_done(sched, accepted)
         self.counters.steps_total += 1
         outputs: list[RequestOutput] = []
+        for item in sched.items:
+            # mid-prefill of a first admission (a preempted request's recompute has output
+            # and was reported already); one cheap branch per item
+            if not item.sample and not item.request.output_ids:
+                req = item.request
+                outputs.append(RequestOutput(request_id=req.request_id, progress=PromptProgress(
+                    req.num_computed_tokens, len(req.prompt_ids), max(req.num_cached_tokens, 0))))
         if sampled is None:
             return outputs
         now = time.monotonic()

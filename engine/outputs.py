@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.protocol import Timings, Usage
 from engine.sampling_params import SamplingParams
 
-__all__ = ["GenerateRequest", "RequestOutput", "Timings", "TokenLogprob", "Usage"]
+__all__ = ["GenerateRequest", "PromptProgress", "RequestOutput", "Timings", "TokenLogprob", "Usage"]
 
 
 @dataclass
@@ -54,6 +54,16 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptProgress:
+    """How much of a prompt is read (tokens): ``done`` of ``total`` prompt tokens have
+    their KV (computed, or ``cached`` of them from the prefix cache); ``done < total``."""
+
+    done: int
+    total: int
+    cached: int = 0
+
+
+@dataclass
 class RequestOutput:
     """One item yielded by ``AsyncEngine.generate``.
 
@@ -63,6 +73,10 @@ class RequestOutput:
     ``finish_reason`` ("stop", "length" or "abort"), ``usage``, ``timings``, the
     full ``output_text`` and ``output_token_ids`` and the ``prompt_token_ids``
     that were run.
+
+    A progress item (``progress`` set, no text or tokens, ``finished`` False) comes
+    after each step that computed a chunk of a long prompt without finishing it
+    (chunked prefill); a prompt read in one step gets none.
     """
 
     request_id: str
@@ -78,3 +92,4 @@ class RequestOutput:
     output_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     prefix_reused: bool | None = None
+    progress: PromptProgress | None = None

@@ -8,8 +8,8 @@ naming the field) on anything malformed.
 
 Gateway -> engine: ``GenerateFrame``, ``AbortFrame``, ``StatsRequest``, ``PingFrame``.
 Engine -> gateway: ``HelloFrame`` (first, once), ``StepFrame`` (one per engine step per
-connection, carrying that step's ``DeltaFrame``/``DoneFrame``/``ErrorFrame`` items of the
-connection's requests), ``ErrorFrame`` (alone: a refused or malformed frame),
+connection, carrying that step's ``ProgressFrame``/``DeltaFrame``/``DoneFrame``/``ErrorFrame``
+items of the connection's requests), ``ErrorFrame`` (alone: a refused or malformed frame),
 ``StatsFrame`` and ``PongFrame``.
 
 The items of a step keep the flat layout of a frame of their own (``{"type": "delta",
@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 2  # 2: per-step frames, stats from the end-of-step snapshot
+PROTOCOL_VERSION = 3  # 2: per-step frames, stats from the end-of-step snapshot; 3: progress items
 
 
 class FrameError(ValueError):
@@ -144,6 +144,25 @@ class HelloFrame:
 
 
 @dataclass
+class ProgressFrame:
+    """How far a long prompt's chunked prefill has come: sent after each step that computed
+    a chunk of the prompt without finishing it (a prompt read in one step gets none).
+
+    Attributes:
+        request_id: the request.
+        prompt_tokens_done: prompt tokens whose KV is computed or came from the prefix
+            cache (tokens); always below ``prompt_tokens``.
+        prompt_tokens: the prompt's length (tokens).
+        cached_tokens: of those done, the tokens served by the prefix cache (tokens).
+    """
+
+    request_id: str
+    prompt_tokens_done: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
 class DeltaFrame:
     """New text and tokens of one request since its previous item (at most one per step).
 
@@ -191,7 +210,7 @@ class ErrorFrame:
     request_id: str | None = None
 
 
-ReplyItem = DeltaFrame | DoneFrame | ErrorFrame
+ReplyItem = ProgressFrame | DeltaFrame | DoneFrame | ErrorFrame
 
 
 @dataclass
@@ -218,7 +237,7 @@ class PongFrame:
     """The answer to ``PingFrame``."""
 
 
-EngineFrame = HelloFrame | StepFrame | DeltaFrame | DoneFrame | ErrorFrame | StatsFrame | PongFrame
+EngineFrame = HelloFrame | StepFrame | ProgressFrame | DeltaFrame | DoneFrame | ErrorFrame | StatsFrame | PongFrame
 Frame = ClientFrame | EngineFrame
 
 
@@ -230,6 +249,9 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
         if item.request_id is not None:
             d["request_id"] = item.request_id
         return d
+    if isinstance(item, ProgressFrame):
+        return {"type": "progress", "request_id": item.request_id, "prompt_tokens_done": item.prompt_tokens_done,
+                "prompt_tokens": item.prompt_tokens, "cached_tokens": item.cached_tokens}
     if isinstance(item, DeltaFrame):
         d = {"type": "delta", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
         if item.logprobs:
@@ -246,7 +268,7 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
 
 def to_dict(frame: Frame) -> dict[str, Any]:
     """The JSON object of a frame (the wire layout of docs/protocol.md section 1)."""
-    if isinstance(frame, (DeltaFrame, DoneFrame, ErrorFrame)):
+    if isinstance(frame, (ProgressFrame, DeltaFrame, DoneFrame, ErrorFrame)):
         return _item_dict(frame)
     if isinstance(frame, StepFrame):
         return {"type": "step", "items": [_item_dict(i) for i in frame.items]}
@@ -324,6 +346,12 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     if kind == "error":
         rid = _get(d, "request_id", str, None)
         return ErrorFrame(str(_get(d, "code", str)), str(_get(d, "message", str, "")), rid)
+    if kind == "progress":
+        done, total = int(_get(d, "prompt_tokens_done", int)), int(_get(d, "prompt_tokens", int))
+        cached = int(_get(d, "cached_tokens", int, 0))
+        if not 0 <= cached <= done <= total:
+            raise FrameError("a progress frame needs 0 <= cached_tokens <= prompt_tokens_done <= prompt_tokens")
+        return ProgressFrame(_rid(d), done, total, cached)
     if kind not in ("delta", "done"):
         raise FrameError(f"unknown reply item type {kind!r}")
     rid = _rid(d)
@@ -370,7 +398,7 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
                 raise FrameError("the items of a step frame must be objects")
             out.append(_item(it))
         return StepFrame(out)
-    if kind in ("delta", "done", "error"):
+    if kind in ("progress", "delta", "done", "error"):
         return _item(d)
     if kind == "stats":
         age = _get(d, "age_ms", (int, float), 0.0)

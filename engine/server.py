@@ -37,6 +37,7 @@ from engine.protocol import (
     HelloFrame,
     PingFrame,
     PongFrame,
+    ProgressFrame,
     ReplyItem,
     StatsFrame,
     StatsRequest,
@@ -57,7 +58,10 @@ SECRET_HEADER = "X-Engine-Secret"
 
 
 def output_item(request_id: str, out: RequestOutput) -> ReplyItem:
-    """The ``delta`` or ``done`` item of one engine output (client-side request id)."""
+    """The ``progress``, ``delta`` or ``done`` item of one engine output (client-side request id)."""
+    if out.progress is not None:
+        p = out.progress
+        return ProgressFrame(request_id, p.done, p.total, p.cached)
     logprobs = [asdict(lp) for lp in out.logprobs] if out.logprobs else None
     if not out.finished:
         return DeltaFrame(request_id, out.text, out.token_ids, logprobs)

@@ -481,6 +481,9 @@ class GenerationManager:
             batch = await run.next(timeout)
             if batch is None:
                 continue  # re-check the deadline, re-send the abort
+            if batch.progress is not None and not turn.produced:
+                p = batch.progress
+                turn.log.set_progress(p.prompt_tokens_done, p.prompt_tokens, p.cached_tokens)
             turn.output_ids.extend(batch.token_ids)
             if batch.text:
                 turn.parts.append(batch.text)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame
+from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, ProgressFrame
 from gateway.engines import EngineClient, EngineRequest, EngineRouter
 from gateway.errors import GatewayError
 
@@ -30,11 +30,14 @@ def user_code(end: ErrorFrame) -> str:
 @dataclass
 class Batch:
     """What arrived for one reply since the last read: ``text`` and ``token_ids`` of its
-    deltas (and of the final item), and ``end``, the final item, once it came."""
+    deltas (and of the final item), ``end``, the final item, once it came, and
+    ``progress``, the newest prompt-progress item among them (transient: only the browser
+    socket shows it)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     end: DoneFrame | ErrorFrame | None = None
+    progress: ProgressFrame | None = None
 
 
 class EngineRun:
@@ -116,7 +119,11 @@ class EngineRun:
         text: list[str] = []
         ids: list[int] = []
         end: DoneFrame | ErrorFrame | None = None
+        progress: ProgressFrame | None = None
         for it in items:
+            if isinstance(it, ProgressFrame):
+                progress = it
+                continue
             if isinstance(it, (DeltaFrame, DoneFrame)):
                 text.append(it.text)
                 ids.extend(it.token_ids)
@@ -133,7 +140,7 @@ class EngineRun:
                 pass  # nothing left: report the loss
         if text or ids:
             self.produced = True
-        return Batch("".join(text), ids, end)
+        return Batch("".join(text), ids, end, progress)
 
     def wake(self) -> None:
         """Make a waiting ``next`` return None now."""

@@ -30,11 +30,16 @@ class ReplyLog:
     """The reply stream entries written so far by a reply running on this gateway.
 
     ``deltas[i]`` is the text of delta seq ``i + 1``; ``end`` the terminal entry once written.
+    ``progress``: (prompt tokens done, prompt tokens, cached tokens) of the newest prompt
+    progress while a long prompt is read, and ``progress_version`` how many came; kept in
+    memory only (never in the stream: a follower that misses it loses nothing).
     """
 
     def __init__(self) -> None:
         self.deltas: list[str] = []
         self.end: StreamEntry | None = None
+        self.progress: tuple[int, int, int] | None = None
+        self.progress_version = 0
         self._waiters: list[asyncio.Future[None]] = []
 
     @property
@@ -58,6 +63,19 @@ class ReplyLog:
             raise ValueError(f"delta seq {seq} after {len(self.deltas)}")
         self.deltas.append(text)
         self._notify()
+
+    def set_progress(self, done: int, total: int, cached: int) -> None:
+        """Record how far the prompt is read (tokens)."""
+        self.progress = (done, total, cached)
+        self.progress_version += 1
+        self._notify()
+
+    async def wait_progress(self, seen_version: int) -> None:
+        """Return once there is progress newer than ``seen_version``, a delta or the end."""
+        while self.end is None and not self.deltas and self.progress_version <= seen_version:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut
 
     def finish(self, entry: StreamEntry) -> None:
         """Record the terminal entry (written to the stream, or given up on)."""

@@ -48,7 +48,7 @@ from gateway.protocol import (
     parse_client_frame,
 )
 from gateway.streams import ReplyStreams, StreamEntry, done_payload
-from gateway.tails import TAIL_BLOCK_MS, ReplyTail
+from gateway.tails import TAIL_BLOCK_MS, ReplyLog, ReplyTail
 
 __all__ = ["TAIL_BLOCK_MS", "Connection", "WsStats", "websocket_endpoint"]
 from gateway.validation import printable
@@ -266,10 +266,14 @@ class Connection:
     async def _tail(self, rid: str, head: StreamEntry, cursor: int) -> None:
         sid = head.fields.get("session_id")
         tail = ReplyTail(rid, cursor, self.streams, self.gens.reply_log, self.store_retry_s)
+        progress: asyncio.Task[None] | None = None
         try:
             await self.send({"type": "start", "request_id": rid, "session_id": sid,
                              "message_id": head.fields.get("message_id"),
                              "user_message_id": head.fields.get("user_message_id") or None})
+            reply_log = self.gens.reply_log(rid)
+            if reply_log is not None and not reply_log.deltas and reply_log.end is None:
+                progress = asyncio.create_task(self._progress(rid, sid, reply_log))
             while not tail.done:
                 for e in await tail.next():
                     if e.kind == "delta":
@@ -284,6 +288,22 @@ class Connection:
                 await self.send(error_frame("not_found", "this reply is no longer available", rid, sid))
             else:
                 await self.send(error_from(e, request_id=rid, session_id=sid))
+        finally:
+            if progress is not None:
+                progress.cancel()
+
+    async def _progress(self, rid: str, sid: str | None, reply_log: ReplyLog) -> None:
+        """Send ``progress`` frames while the reply's long prompt is read, until its first
+        delta or its end (a reply running on this gateway only: progress is never stored)."""
+        seen = 0
+        while True:
+            await reply_log.wait_progress(seen)
+            if reply_log.deltas or reply_log.end is not None or reply_log.progress is None:
+                return
+            seen = reply_log.progress_version
+            done, total, cached = reply_log.progress
+            await self.send({"type": "progress", "request_id": rid, "session_id": sid,
+                             "prompt_tokens_done": done, "prompt_tokens": total, "cached_tokens": cached})
 
     # ---- lifetime ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import { ChatController, replaceDefaults } from "./js/controller.js";
 import { TokensDialog } from "./js/tokens.js";
 import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
+import { ContextMeter } from "./js/progress.js";
 
 const READY_POLL_MS = 3000;
 const OFFLINE_TEXT = "Not connected to the server, so nothing was sent; your message stays in the box. Send it again once the connection is back.";
@@ -179,7 +180,8 @@ async function main(win) {
     onRename: (id, title) => controller.rename(id, title),
     onDelete: (id) => confirmDelete(id),
   });
-  controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange });
+  const meter = new ContextMeter($("context-meter"), Number(config.max_model_len) || 0);
+  controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange, meter });
   config.defaults = config.defaults || {};
   wireBranches({ doc, listEl: $("messages"), controller, announce });
   const settings = new SettingsDialog({

@@ -8,6 +8,10 @@
   mid-reply. The engine is resumed when the test ends.
 * ``spare_engine`` (function): a second engine process on the tiny model, this test's
   own (it may kill or pause it), stopped at teardown.
+* ``chunked_gate`` (function): an ``EngineGate`` in front of ``chunked_engine`` (session),
+  the tiny model served with a step budget of ``CHUNK_TOKENS`` tokens
+  (``--max-num-batched-tokens``) and a 2,048-token context, so a prompt of a few hundred
+  tokens is read in several chunked-prefill steps (prompt progress).
 * ``smollm2_engine_url`` (session): the same on the bundled SmolLM2 (no ``--model``).
 * ``gateway_factory`` (function): ``gateway_factory(engine_urls=None, **overrides)``
   starts the real gateway app (as ``python -m gateway`` builds it: with the OpenAI API
@@ -42,6 +46,8 @@ from gateway.serving import ThreadedServer
 from tests.engine_gate import EngineGate
 
 ENGINE_ARGS = ["--num-blocks", "512", "--block-size", "16"]
+CHUNK_TOKENS = 64  # chunked_engine's step budget (tokens)
+CHUNKED_MAX_MODEL_LEN = 2048  # chunked_engine's context (tokens)
 
 
 @contextlib.contextmanager
@@ -92,6 +98,25 @@ def spare_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
     """A second tiny-model engine process, owned by one test (see the module doc)."""
     with _running_engine(tiny_model_dir, ENGINE_ARGS + ["--threads", "1"]) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def chunked_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
+    """The tiny model with a small step budget: long prompts take several steps."""
+    args = ENGINE_ARGS + ["--threads", "1", "--max-num-batched-tokens", str(CHUNK_TOKENS),
+                          "--max-model-len", str(CHUNKED_MAX_MODEL_LEN)]
+    with _running_engine(tiny_model_dir, args) as engine:
+        yield engine
+
+
+@pytest.fixture
+def chunked_gate(chunked_engine: LocalEngine) -> Iterator[EngineGate]:
+    """An ``EngineGate`` in front of ``chunked_engine``."""
+    gate = gate_in_front_of(chunked_engine)
+    try:
+        yield gate
+    finally:
+        gate.close()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import { chatIdFromHash, hashForChat } from "./router.js";
 import { ReplyBook, randomId } from "./replies.js";
 import { effectiveSettings } from "./settings.js";
 import { withoutUnset } from "./sampling.js";
+import { clearPromptProgress, contextTokens, showPromptProgress } from "./progress.js";
 
 /**
  * Put a GET/PUT /api/defaults body (`{system_prompt, params}`) into
@@ -33,6 +34,7 @@ import { onLiveEvent, markOwnChange } from "./live.js";
  * @property {import("./sidebar.js").SidebarView} sidebar
  * @property {(message:string)=>void} notify  shows an error notice ("" hides it)
  * @property {(message:string)=>void} announce  polite screen-reader announcement
+ * @property {import("./progress.js").ContextMeter} [meter]  how full the open chat's context is
  * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string,
  *   loaded:boolean})=>void} onChange
  *   refresh of the composer and header; `restore` is a refused message to put back in the
@@ -87,6 +89,7 @@ export class ChatController {
       this.session = null;
       for (const r of this.book.replies.values()) r.el = null;
       this.view.clear();
+      this.meter?.set(0);
     }
     this.sidebar.setActive(id);
     this.changed();
@@ -120,6 +123,7 @@ export class ChatController {
     const active = s.active || null;
     const history = (s.messages || []).filter((m) => !active || m.id !== active.message_id);
     this.view.showHistory(history);
+    this.meter?.set(contextTokens(history));
     this.sidebar.upsert({ id: s.id, title: s.title, created_at: s.created_at, updated_at: s.updated_at });
     if (active) {
       let r = this.book.replies.get(active.request_id);
@@ -424,9 +428,14 @@ export class ChatController {
         return this.onStart(f);
       case "delta": {
         const r = this.book.applyDelta(f);
-        if (r && r.el) this.view.setStreamingText(r.el, r.text);
+        if (r && r.el) {
+          clearPromptProgress(r.el);
+          this.view.setStreamingText(r.el, r.text);
+        }
         return;
       }
+      case "progress":
+        return this.onProgress(f);
       case "done":
         return this.onDone(f);
       case "error":
@@ -489,12 +498,28 @@ export class ChatController {
     return this.view.addUser(p.content, f.user_message_id || null, { created_at: Date.now() / 1000, versions: { index: count - 1, count } });
   }
 
+  /**
+   * A long prompt is being read: "Reading N / M tokens" in place of the typing dots
+   * (until the first text), and the meter counts the prompt.
+   * @private
+   */
+  onProgress(f) {
+    const r = this.book.replies.get(f.request_id);
+    if (!r || r.text || r.sessionId !== this.currentId) return;
+    if (r.el) showPromptProgress(r.el, Number(f.prompt_tokens_done), Number(f.prompt_tokens));
+    this.meter?.set(Number(f.prompt_tokens));
+  }
+
   /** @private */
   onDone(f) {
     const r = this.book.replies.get(f.request_id);
     if (!r) return;
     this.book.replies.delete(f.request_id);
+    if (r.sessionId === this.currentId && f.usage && f.usage.prompt_tokens > 0) {
+      this.meter?.set(f.usage.prompt_tokens + (f.usage.completion_tokens || 0));
+    }
     if (r.el) {
+      clearPromptProgress(r.el);
       this.view.finish(r.el, {
         id: f.message_id,
         content: r.text,
