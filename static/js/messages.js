@@ -4,6 +4,13 @@
 import { replyStats, formatStats, describeStats } from "./format.js";
 import { userMeta, continueButton, timeElement, setTime, updateContinue } from "./branches.js";
 
+// Why a partial reply stopped, when it was not the user's Stop (the gateway stores
+// `cut_reason` with it: docs/protocol.md).
+const CUT_TEXT = {
+  gateway_shutdown: "the server restarted while writing this reply; what was written is kept",
+  engine_lost: "the model server stopped while writing this reply; what was written is kept",
+};
+
 const SVG_NS = "http://www.w3.org/2000/svg";
 
 /**
@@ -199,8 +206,9 @@ export class MessageView {
    * Finish an assistant message: final text, badge, stats line.
    * @param {HTMLLIElement} li
    * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object,
-   *   error?:{code:string, message:string}, created_at?:number}} info  `error` says why a reply was
-   *   interrupted; `created_at` (Unix seconds) is the time shown on hover (now when missing)
+   *   error?:{code:string, message:string}, cut_reason?:string, created_at?:number}} info  `error`
+   *   (or the stored `cut_reason` of a partial reply) says why a reply was interrupted;
+   *   `created_at` (Unix seconds) is the time shown on hover (now when missing)
    */
   finish(li, info) {
     const stick = this.isNearBottom();
@@ -227,7 +235,8 @@ export class MessageView {
     badge.textContent = status === "partial" ? "partial" : status === "error" ? "error" : "max tokens";
     // A reply cut by anything but the user's Stop (an engine crash, a gateway restart)
     // carries `error` {code, message}: show that reason, not "partial".
-    const failure = info.error ? String(info.error.message || (info.error.code ? "the reply was interrupted" : "")) : "";
+    const failure = info.error ? String(info.error.message || (info.error.code ? "the reply was interrupted" : ""))
+      : CUT_TEXT[info.cut_reason] || "";
     if (failure) {
       badge.textContent = "interrupted";
       badge.hidden = false;

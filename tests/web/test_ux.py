@@ -286,15 +286,15 @@ def test_a_reply_cut_for_a_reason_shows_the_reason_not_partial(new_page: Callabl
     page.reload()
     page.wait_for_selector(".msg.assistant .badge:not([hidden])", timeout=WAIT_MS)
     assert page.text_content(".msg.assistant .badge") == "interrupted"
-    assert "gateway restarted" in (page.text_content(".msg.assistant .stats") or "")
+    assert "server restarted" in (page.text_content(".msg.assistant .stats") or "")
     shot(page, "ux-desktop-dark-interrupted")
 
 
 def cut_body(chat: dict[str, Any]) -> dict[str, Any]:
-    """``chat`` with its last reply marked cut by a gateway restart."""
+    """``chat`` with its last reply stored as cut by a gateway restart, as the gateway
+    stores it (``cut_reason``, docs/protocol.md)."""
     last = chat["messages"][-1]
-    last.update(status="partial", finish_reason="abort",
-                error={"code": "gateway_restart", "message": "the gateway restarted while writing this reply"})
+    last.update(status="partial", finish_reason="abort", cut_reason="gateway_shutdown")
     return chat
 
 
