@@ -15,10 +15,10 @@ import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
 import { ContextMeter } from "./js/progress.js";
 
+import { wireBranches } from "./js/branches.js";
+
 const READY_POLL_MS = 3000;
 const OFFLINE_TEXT = "Not connected to the server, so nothing was sent; your message stays in the box. Send it again once the connection is back.";
-import { ChatController } from "./js/controller.js";
-import { wireBranches } from "./js/branches.js";
 
 /**
  * The GET /api/config body the gateway put into `<script id="chat-config">`;
