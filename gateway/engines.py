@@ -49,6 +49,7 @@ log = logging.getLogger("gateway.engines")
 
 __all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "engine_unavailable"]
 
+UNREACHABLE_WARN_S = 5.0  # an engine down this long (seconds) is logged as a warning
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are JSON-encoded off the event loop
 
 
@@ -167,6 +168,7 @@ class EngineClient:
 
     async def _run(self) -> None:
         backoff = Backoff(0.1, self.max_backoff_s, jitter=0.5)
+        down_since: float | None = time.monotonic()
         while True:
             try:
                 async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
@@ -179,6 +181,7 @@ class EngineClient:
                     self._ws = ws
                     self._ready.set()
                     backoff.reset()
+                    down_since = None
                     log.info("connected to engine %s (%s)", self.url, self.info.model)
                     async for raw in ws:
                         try:
@@ -188,7 +191,14 @@ class EngineClient:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure means "reconnect"; log without a traceback
-                log.warning("engine %s unreachable: %s", self.url, e)
+                # a warning once it stays down: a restart (or the engine stopping with the
+                # gateway on Ctrl-C) is a second or two of refused connections
+                now = time.monotonic()
+                down_since = now if down_since is None else down_since
+                level = logging.WARNING if now - down_since >= UNREACHABLE_WARN_S else logging.INFO
+                log.log(level, "engine %s unreachable: %s", self.url, e)
+            if down_since is None:
+                down_since = time.monotonic()
             self._lost("connection to the engine was lost")
             await backoff.sleep()
 

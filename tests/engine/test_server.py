@@ -12,22 +12,7 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect
 
-from engine.server import run_server
-from tests.engine_helpers import make_engine
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-async def server(tiny_model_dir, capsys):
-    eng = make_engine(tiny_model_dir, num_blocks=256)
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_server(eng, "127.0.0.1", 0, ready=ready, stop=stop))
-    await asyncio.wait_for(ready.wait(), 30)
-    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ENGINE READY")][-1]
-    yield line.split()[-1], eng
-    stop.set()
-    await task
 
 
 async def _recv(ws) -> dict:

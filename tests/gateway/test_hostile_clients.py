@@ -215,16 +215,16 @@ async def test_sockets_per_address_are_capped(gateway_factory):
 
 async def test_the_engine_link_secret_is_required_when_set():
     import asyncio
-    import json
 
     from websockets.asyncio.server import serve
 
+    from engine.protocol import EngineInfo, HelloFrame, encode
     from engine.server import secret_check
     from gateway.engines import EngineClient
     from tests.gateway_helpers import wait_for
 
     async def hello(ws):
-        await ws.send(json.dumps({"type": "hello", "model": "m", "max_model_len": 8}))
+        await ws.send(encode(HelloFrame(EngineInfo(model="m", max_model_len=8, block_size=16, num_blocks=4))))
         await ws.wait_closed()
 
     async with serve(hello, "127.0.0.1", 0, process_request=secret_check("s3cret")) as server:

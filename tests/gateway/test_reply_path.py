@@ -7,6 +7,7 @@ way a long prefill holds it), real gateway, real Redis behind a latency proxy.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -141,6 +142,7 @@ class LatencyProxy:
         self.delay_s = delay_s
         self.server: asyncio.Server | None = None
         self.port = 0
+        self.writers: set[asyncio.StreamWriter] = set()  # every socket it holds, closed by close()
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
@@ -152,6 +154,7 @@ class LatencyProxy:
         except OSError:
             writer.close()
             return
+        self.writers.update((writer, up_writer))
         await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -163,8 +166,15 @@ class LatencyProxy:
             loop.call_later(self.delay_s, writer.close)
 
     async def close(self) -> None:
+        """Stop accepting and close every socket now, on this event loop (a delayed close
+        scheduled after the loop ends would leave them to the garbage collector)."""
         if self.server is not None:
             self.server.close()
+        for w in self.writers:
+            w.close()
+        for w in self.writers:
+            with contextlib.suppress(Exception):
+                await w.wait_closed()
 
 
 def _write(writer: asyncio.StreamWriter, data: bytes) -> None:
