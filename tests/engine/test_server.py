@@ -164,9 +164,11 @@ def test_cli_reports_unknown_model_path_clearly(tmp_path):
 
 def _serve_process(model_dir, port: int) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    # one token a step (no speculation): a 1500-token reply must still be running when
+    # the Ctrl-C test interrupts it after its first delta
     return subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--num-blocks", "128"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=ROOT)
+                             "--num-blocks", "128", "--speculative", "off"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
 def test_cli_serve_on_a_taken_port_says_so_without_a_traceback(tiny_model_dir):

@@ -64,6 +64,7 @@ async def test_the_engine_gate_holds_a_reply_still_until_resumed_and_relays_ever
         req = await client.generate("r", [{"role": "user", "content": "Go on."}],
                                     params={"max_tokens": 200, "temperature": 0, "ignore_eos": True})
         await engine_gate.paused()
+        await asyncio.sleep(0.2)  # frames the engine wrote before SIGSTOP took effect arrive
         held = len(engine_gate.from_engine)
         await asyncio.sleep(0.5)  # a running engine writes dozens of tokens in this time
         assert len(engine_gate.from_engine) == held, "a paused engine sent more frames"
