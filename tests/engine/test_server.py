@@ -207,7 +207,11 @@ async def _ctrl_c_aborts_live_requests(proc: subprocess.Popen) -> None:
                                       "params": {"max_tokens": 1500, "ignore_eos": True}}))
             first = await _recv(ws)
             assert first["type"] == "delta"
+            # paused while the Ctrl-C arrives, so the reply cannot end first however fast
+            # the engine is: resumed, it meets the pending SIGINT within a step
+            proc.send_signal(signal.SIGSTOP)
             proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGCONT)
             last = first
             while last["type"] != "done":
                 last = await _recv(ws)
