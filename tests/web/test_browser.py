@@ -551,19 +551,24 @@ def test_markup_in_a_stored_reply_shows_as_text_after_reload(
     assert_nothing_ran(page, watch)
 
 
+def miss_live_events(page: Page) -> None:
+    """Drop the live ``event`` frames the gateway sends ``page``'s socket (every other
+    frame passes), as a tab that has not heard of another tab's change yet: live events
+    are hints that can come late."""
+    def without_events(ws: WebSocketRoute) -> None:
+        server = ws.connect_to_server()
+        server.on_message(lambda m: None if json.loads(m).get("type") == "event" else ws.send(m))
+
+    page.route_web_socket(re.compile(r".*/ws$"), without_events)
+
+
 def test_second_tab_sending_to_a_busy_chat_gets_a_clear_message(
         browser: Browser, gateway: Any, watch: PageWatch, engine_gate: EngineGate) -> None:
     context = browser.new_context(base_url=gateway.base_url, viewport=DESKTOP)
     try:
         a, b = watch.attach(context.new_page()), watch.attach(context.new_page())
 
-        def without_events(ws: WebSocketRoute) -> None:
-            # tab b has not heard of tab a's turn yet (live events are hints that can
-            # come late): it learns of it from the gateway's answer to its own message
-            server = ws.connect_to_server()
-            server.on_message(lambda m: None if json.loads(m).get("type") == "event" else ws.send(m))
-
-        b.route_web_socket(re.compile(r".*/ws$"), without_events)
+        miss_live_events(b)  # b learns of a's turn from the gateway's answer to its own message
         sid = create_chat(a, LONG)
         open_chat(a, sid)
         open_chat(b, sid)

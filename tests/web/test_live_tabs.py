@@ -6,12 +6,10 @@ Screenshots go to artifacts/screenshots/ (ignored by git)."""
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from typing import Any
 
-from playwright.sync_api import Browser, Page, WebSocketRoute
+from playwright.sync_api import Browser, Page
 
 from tests.engine_gate import EngineGate, text_delta
 from tests.web.test_browser import (  # noqa: F401  (fixtures used by name)
@@ -22,6 +20,7 @@ from tests.web.test_browser import (  # noqa: F401  (fixtures used by name)
     PageWatch,
     browser,
     gateway,
+    miss_live_events,
     send,
     shot,
     wait_finished,
@@ -141,12 +140,7 @@ def test_a_stale_tabs_regenerate_rereads_the_chat_and_then_works(
     try:
         a, b = watch.attach(context.new_page()), watch.attach(context.new_page())
 
-        def without_events(ws: WebSocketRoute) -> None:
-            # tab b misses the live events (the race they cannot close: two tabs at once)
-            server = ws.connect_to_server()
-            server.on_message(lambda m: None if json.loads(m).get("type") == "event" else ws.send(m))
-
-        b.route_web_socket(re.compile(r".*/ws$"), without_events)
+        miss_live_events(b)  # the race live events cannot close: two tabs at once
         open_at(a, gateway.base_url)
         sid = a.request.post("/api/sessions", data={"params": SHORT}).json()["id"]
         open_at(a, gateway.base_url, sid)

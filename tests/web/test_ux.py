@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, WebSocketRoute
+from playwright.sync_api import Browser, Page
 
 from tests.engine_gate import EngineGate, text_delta
 from tests.web import test_browser as tb
@@ -259,12 +258,7 @@ def test_a_stale_tab_regenerating_gets_a_friendly_conflict_text(
     try:
         a, b = watch.attach(context.new_page()), watch.attach(context.new_page())
 
-        def without_events(ws: WebSocketRoute) -> None:
-            # b misses the live events that would refresh it (two tabs acting at once)
-            server = ws.connect_to_server()
-            server.on_message(lambda m: None if json.loads(m).get("type") == "event" else ws.send(m))
-
-        b.route_web_socket(re.compile(r".*/ws$"), without_events)
+        tb.miss_live_events(b)  # the live events would refresh b (two tabs acting at once)
         sid = create_chat(a, SHORT)
         open_chat(a, sid)
         send(a, "Hello")
