@@ -164,8 +164,8 @@ def test_cli_reports_unknown_model_path_clearly(tmp_path):
 
 def _serve_process(model_dir, port: int) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    # one token a step (no speculation): a 1500-token reply must still be running when
-    # the Ctrl-C test interrupts it after its first delta
+    # one token a step (no speculation) and room for one 1500-token reply at a time: the
+    # Ctrl-C test's replies run in turn, so some are still live when it interrupts them
     return subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--port", str(port),
                              "--num-blocks", "128", "--speculative", "off"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -203,19 +203,35 @@ async def _ctrl_c_aborts_live_requests(proc: subprocess.Popen) -> None:
                 url = line.split()[-1]
         async with connect(url) as ws:
             json.loads(await ws.recv())  # hello
-            await ws.send(json.dumps({"type": "generate", "request_id": "long", "prompt_token_ids": [5, 6, 7],
-                                      "params": {"max_tokens": 1500, "ignore_eos": True}}))
-            first = await _recv(ws)
-            assert first["type"] == "delta"
-            # paused while the Ctrl-C arrives, so the reply cannot end first however fast
-            # the engine is: resumed, it meets the pending SIGINT within a step
+            # eight 1500-token replies: 128 blocks hold one at a time, so they run in turn
+            # and some are still live long after the first delta, however fast the engine
+            ids = [f"long{i}" for i in range(8)]
+            for i, rid in enumerate(ids):
+                await ws.send(json.dumps({"type": "generate", "request_id": rid, "prompt_token_ids": [5, 6, 7 + i],
+                                          "params": {"max_tokens": 1500, "ignore_eos": True}}))
+            assert (await _recv(ws))["type"] == "delta"
+            # paused, the engine sends nothing more: read what it sent so far, so the test
+            # knows which replies were still live when the Ctrl-C arrives
             proc.send_signal(signal.SIGSTOP)
+            finished: dict[str, str] = {}
+            try:
+                while True:
+                    f = await asyncio.wait_for(_recv(ws), 0.5)
+                    if f["type"] == "done":
+                        finished[f["request_id"]] = f["finish_reason"]
+            except asyncio.TimeoutError:
+                pass
+            assert len(finished) < len(ids) - 2, "the engine ran ahead; the test cannot interrupt it"
+            # resumed, it meets the pending SIGINT within a step
             proc.send_signal(signal.SIGINT)
             proc.send_signal(signal.SIGCONT)
-            last = first
-            while last["type"] != "done":
-                last = await _recv(ws)
-            assert last["finish_reason"] == "abort" and last["usage"]["completion_tokens"] < 1500
+            while len(finished) < len(ids):
+                f = await _recv(ws)
+                if f["type"] == "done":
+                    assert f["request_id"] not in finished, "two done frames for one request"
+                    finished[f["request_id"]] = f["finish_reason"]
+                    assert f["finish_reason"] == "abort" or f["usage"]["completion_tokens"] == 1500, f
+            assert list(finished.values()).count("abort") >= 2
         assert await asyncio.to_thread(proc.wait, 30) == 130
     finally:
         if proc.poll() is None:

@@ -102,12 +102,14 @@ def test_continue_extends_a_reply_cut_at_max_tokens(new_page: Callable[..., Page
     button = reply.locator(".continue-reply")
     assert button.is_visible()
     shot(page, "desktop-light-continue")
+    # measured before the click: read after it, the continuation may already be whole
+    cut_length = len(reply.locator(".msg-body").text_content() or "")
     button.click()
     page.wait_for_function(
         "(n) => { const a = document.querySelectorAll('.msg.assistant');"
         " return a.length === 1 && a[0].dataset.status && !a[0].classList.contains('streaming')"
         " && a[0].querySelector('.msg-body').textContent.length > n; }",
-        arg=len(reply.locator(".msg-body").text_content() or ""), timeout=WAIT_MS)
+        arg=cut_length, timeout=WAIT_MS)
     after = get_chat(page, sid)["messages"]
     assert len(after) == 2 and after[1]["id"] == before["id"]
     assert after[1]["content"].startswith(before["content"]) and len(after[1]["content"]) > len(before["content"])
