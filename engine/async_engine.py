@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -55,6 +56,12 @@ class AsyncEngine:
         # (counters, monotonic time): replaced whole by the step thread at the end of each
         # step and after each inbox drain; read by any thread without waiting for a step
         self._snapshot: tuple[dict, float] = (self._take_stats(), time.monotonic())
+        # KV events: the page hashes cached now (the step thread's view after its last
+        # publish) and who hears of changes; both under _kv_lock
+        self._kv_lock = threading.Lock()
+        self._kv_cached: set[int] = set()
+        self._kv_listeners: dict[int, tuple[asyncio.AbstractEventLoop, Callable[[list[int], list[int]], None]]] = {}
+        self._kv_ids = itertools.count()
 
     # ----- construction -------------------------------------------------------------
     @classmethod
@@ -208,6 +215,44 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         self._snapshot = (self._take_stats(), time.monotonic())
+        self._publish_kv_events()
+
+    # ----- KV events --------------------------------------------------------------------
+    def subscribe_kv_events(self, listener: Callable[[list[int], list[int]], None]
+                            ) -> tuple[list[int], Callable[[], None]]:
+        """Hear of the pages the prefix cache stores and evicts (``engine.block_hash``).
+
+        Call on the event loop that should run ``listener(stored, removed)`` (once per
+        step that changed the cache, in order). Returns the hashes of every page cached
+        now and a function that ends the subscription. A change published just before
+        the subscription may also reach the listener; applied in order after the
+        returned snapshot, it leaves the same set.
+        """
+        loop = asyncio.get_running_loop()
+        with self._kv_lock:
+            key = next(self._kv_ids)
+            self._kv_listeners[key] = (loop, listener)
+            snapshot = list(self._kv_cached)
+
+        def unsubscribe() -> None:
+            with self._kv_lock:
+                self._kv_listeners.pop(key, None)
+
+        return snapshot, unsubscribe
+
+    def _publish_kv_events(self) -> None:
+        stored, removed = self.core.cache.take_events()
+        if not stored and not removed:
+            return
+        with self._kv_lock:
+            self._kv_cached.difference_update(removed)
+            self._kv_cached.update(stored)
+            listeners = list(self._kv_listeners.values())
+        for loop, listener in listeners:
+            try:
+                loop.call_soon_threadsafe(listener, stored, removed)
+            except RuntimeError:  # the listener's loop is closed
+                pass
 
     async def call(self, fn, *args):
         """Run ``fn(core, *args)`` on the step thread between two steps (tests, admin)."""

@@ -108,7 +108,8 @@ class EngineCore:
         self.namespace = namespace
         self.device = device
         self.pool = BlockPool(num_blocks)
-        self.cache = RadixCache(self.pool, config.block_size, enabled=config.enable_prefix_cache)
+        # events: the pages it stores and evicts, named for the gateways' prefix index
+        self.cache = RadixCache(self.pool, config.block_size, enabled=config.enable_prefix_cache, events=True)
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                             config.schedule_policy),

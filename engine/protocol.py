@@ -6,11 +6,12 @@ string ``type``; ``encode`` turns a frame into its JSON text and the ``decode_*`
 functions turn JSON text back into a frame, raising ``FrameError`` (with a message
 naming the field) on anything malformed.
 
-Gateway -> engine: ``GenerateFrame``, ``AbortFrame``, ``StatsRequest``, ``PingFrame``.
+Gateway -> engine: ``GenerateFrame``, ``AbortFrame``, ``StatsRequest``, ``PingFrame``,
+``KvSubscribeFrame``.
 Engine -> gateway: ``HelloFrame`` (first, once), ``StepFrame`` (one per engine step per
 connection, carrying that step's ``ProgressFrame``/``DeltaFrame``/``DoneFrame``/``ErrorFrame``
 items of the connection's requests), ``ErrorFrame`` (alone: a refused or malformed frame),
-``StatsFrame`` and ``PongFrame``.
+``StatsFrame``, ``PongFrame`` and, after a ``KvSubscribeFrame``, ``KvEventsFrame``.
 
 The items of a step keep the flat layout of a frame of their own (``{"type": "delta",
 "request_id", ...}``), so a reader that splits a step frame sees per-request frames.
@@ -22,7 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 3  # 2: per-step frames, stats from the end-of-step snapshot; 3: progress items
+# 2: per-step frames, stats from the end-of-step snapshot; 3: progress items; 4: KV events
+PROTOCOL_VERSION = 4
 
 
 class FrameError(ValueError):
@@ -130,7 +132,14 @@ class PingFrame:
     """Answered by ``PongFrame`` at once, whatever the engine is doing."""
 
 
-ClientFrame = GenerateFrame | AbortFrame | StatsRequest | PingFrame
+@dataclass
+class KvSubscribeFrame:
+    """Ask for the engine's KV events on this connection: one ``KvEventsFrame`` with
+    ``reset`` (every page cached now), then one per step that stored or evicted pages
+    (protocol version 4 and later)."""
+
+
+ClientFrame = GenerateFrame | AbortFrame | StatsRequest | PingFrame | KvSubscribeFrame
 
 
 # ----- engine -> gateway ---------------------------------------------------------------
@@ -237,7 +246,24 @@ class PongFrame:
     """The answer to ``PingFrame``."""
 
 
-EngineFrame = HelloFrame | StepFrame | ProgressFrame | DeltaFrame | DoneFrame | ErrorFrame | StatsFrame | PongFrame
+@dataclass
+class KvEventsFrame:
+    """Pages of KV the engine's prefix cache stored or evicted, by chained block hash
+    (``engine.block_hash``: unsigned 64-bit ints over ``block_size``-token pages).
+
+    Attributes:
+        stored: pages now cached (since the previous frame).
+        removed: pages evicted (disjoint from ``stored``).
+        reset: this frame lists every cached page (``stored``); forget earlier frames.
+    """
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False
+
+
+EngineFrame = (HelloFrame | StepFrame | ProgressFrame | DeltaFrame | DoneFrame | ErrorFrame | StatsFrame | PongFrame
+               | KvEventsFrame)
 Frame = ClientFrame | EngineFrame
 
 
@@ -294,6 +320,13 @@ def to_dict(frame: Frame) -> dict[str, Any]:
         return {"type": "ping"}
     if isinstance(frame, PongFrame):
         return {"type": "pong"}
+    if isinstance(frame, KvEventsFrame):
+        d = {"type": "kv_events", "stored": frame.stored, "removed": frame.removed}
+        if frame.reset:
+            d["reset"] = True
+        return d
+    if isinstance(frame, KvSubscribeFrame):
+        return {"type": "kv_subscribe"}
     raise TypeError(f"not a protocol frame: {type(frame).__name__}")
 
 
@@ -405,6 +438,11 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
         return StatsFrame({k: v for k, v in d.items() if k not in ("type", "age_ms")}, float(age))
     if kind == "pong":
         return PongFrame()
+    if kind == "kv_events":
+        stored, removed = _int_list(d, "stored", []), _int_list(d, "removed", [])
+        if not all(0 <= h < 1 << 64 for h in (*stored, *removed)):
+            raise FrameError("kv_events hashes must be unsigned 64-bit integers")
+        return KvEventsFrame(stored, removed, bool(_get(d, "reset", bool, False)))
     if kind == "hello":
         info = {k: v for k, v in d.items() if k in _INFO_KEYS}
         for key in ("max_model_len", "block_size", "num_blocks"):
@@ -434,6 +472,8 @@ def decode_client_frame(text: str | bytes) -> ClientFrame:
         return PingFrame()
     if kind == "stats":
         return StatsRequest()
+    if kind == "kv_subscribe":
+        return KvSubscribeFrame()
     if kind == "abort":
         return AbortFrame(_rid(d))
     if kind == "generate":

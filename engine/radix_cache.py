@@ -59,6 +59,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from engine.block_hash import chain_hashes, namespace_seed
 from engine.block_pool import BlockPool
 from engine.errors import InvariantError
 
@@ -75,7 +76,7 @@ class RadixNode:
     ``blocks`` its KV block ids; namespace nodes and the root have neither.
     """
 
-    __slots__ = ("parent", "tokens", "blocks", "children", "lock_ref", "last_access",
+    __slots__ = ("parent", "tokens", "blocks", "hashes", "children", "lock_ref", "last_access",
                  "uid", "namespace", "removed")
 
     def __init__(self, parent: RadixNode | None, tokens: tuple[int, ...], blocks: list[int],
@@ -83,6 +84,8 @@ class RadixNode:
         self.parent = parent
         self.tokens = tokens
         self.blocks = blocks
+        # the chained hash of each page (engine.block_hash), when the cache reports events
+        self.hashes: list[int] = []
         # Children are keyed by their first page of tokens (namespace nodes: by name).
         # Edges are page-aligned, so two children never share a first page.
         self.children: dict[object, RadixNode] = {}
@@ -144,11 +147,13 @@ class RadixCache:
     and ``num_locked_blocks`` (the rest).
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, enabled: bool = True) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, enabled: bool = True, events: bool = False) -> None:
         """Build an empty cache over ``pool`` with ``block_size`` tokens per block.
 
         When ``enabled`` is False, ``match_prefix`` matches nothing and ``insert``
-        stores nothing, so the scheduler keeps one code path.
+        stores nothing, so the scheduler keeps one code path. With ``events``, every
+        page stored or evicted is named by its chained hash (``engine.block_hash``) and
+        recorded for ``take_events`` (what the engine reports to gateways for routing).
 
         Raises:
             ValueError: ``block_size < 1``.
@@ -164,6 +169,11 @@ class RadixCache:
         self._tree_blocks: set[int] = set()
         self._num_cached = 0
         self._num_locked = 0
+        self.events = events
+        # page hash -> stored (True) or evicted (False) since the last take_events; a
+        # page stored and evicted in between keeps only its last state
+        self._pending: dict[int, bool] = {}
+        self._seeds: dict[str, int] = {}
 
     # --- counters ----------------------------------------------------------------------
 
@@ -300,6 +310,10 @@ class RadixCache:
                 self._root.children[namespace] = ns_node
             leaf = RadixNode(node, tokens[pos * bs:], new_blocks, next(self._uids), self._clock)
             node.children[leaf.tokens[:bs]] = leaf
+            if self.events:
+                leaf.hashes = chain_hashes(self._tail_hash(node), leaf.tokens, bs)
+                for h in leaf.hashes:
+                    self._pending[h] = True
             self.pool.incref(new_blocks)
             self._tree_blocks.update(new_blocks)
             self._num_cached += len(new_blocks)
@@ -340,6 +354,33 @@ class RadixCache:
         """Evict everything that is not locked. Returns the blocks freed."""
         return self.evict(self._num_cached)
 
+    # --- events ----------------------------------------------------------------------------
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """The pages stored and evicted since the last call, by chained hash
+        (``engine.block_hash``): ``(stored, removed)``, disjoint lists of unsigned 64-bit
+        ints. A page stored and evicted in between appears once, in its last state.
+        Both are empty when the cache was built without ``events``."""
+        if not self._pending:
+            return [], []
+        pending, self._pending = self._pending, {}
+        stored = [h for h, live in pending.items() if live]
+        removed = [h for h, live in pending.items() if not live]
+        return stored, removed
+
+    def cached_hashes(self) -> list[int]:
+        """The chained hash of every page in the tree now (empty without ``events``)."""
+        return [h for n in self._iter_live() for h in n.hashes]
+
+    def _tail_hash(self, node: RadixNode) -> int:
+        """The hash of the last page on the path to ``node`` (a namespace node: its seed)."""
+        if node.namespace is not None:
+            seed = self._seeds.get(node.namespace)
+            if seed is None:
+                seed = self._seeds[node.namespace] = namespace_seed(node.namespace)
+            return seed
+        return node.hashes[-1]
+
     # --- checks and debugging ------------------------------------------------------------
 
     def check_invariants(self) -> None:
@@ -378,6 +419,8 @@ class RadixCache:
                         raise InvariantError(f"{c!r} holds no blocks")
                     if not (len(c.tokens) == len(c.blocks) * bs):
                         raise InvariantError(f"{c!r} edge not page-aligned")
+                    if self.events and len(c.hashes) != len(c.blocks):
+                        raise InvariantError(f"{c!r} has {len(c.hashes)} page hashes for {len(c.blocks)} pages")
                     if not (key == c.tokens[:bs]):
                         raise InvariantError(f"{c!r} keyed by the wrong page")
                     for b in c.blocks:
@@ -463,6 +506,7 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         parent.children[upper.tokens[:bs]] = upper
         child.tokens, child.blocks, child.parent = child.tokens[m * bs:], child.blocks[m:], upper
+        upper.hashes, child.hashes = child.hashes[:m], child.hashes[m:]
         upper.children[child.tokens[:bs]] = child
         return upper
 
@@ -476,6 +520,8 @@ class RadixCache:
         node.removed = True
         if not node.blocks:
             return 0
+        for h in node.hashes:
+            self._pending[h] = False
         self._tree_blocks.difference_update(node.blocks)
         self._num_cached -= len(node.blocks)
         return len(self.pool.decref(node.blocks))

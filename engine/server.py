@@ -35,6 +35,8 @@ from engine.protocol import (
     FrameError,
     GenerateFrame,
     HelloFrame,
+    KvEventsFrame,
+    KvSubscribeFrame,
     PingFrame,
     PongFrame,
     ProgressFrame,
@@ -153,13 +155,16 @@ class EngineServer:
         tasks: dict[str, asyncio.Task] = {}
         out = _Outbox(ws)
         writer = asyncio.create_task(out.run())
+        unsubscribe: list[Callable[[], None]] = []
         try:
             await ws.send(json.dumps(self.hello()))
             async for raw in ws:
-                self._on_frame(out, conn, raw, tasks)
+                self._on_frame(out, conn, raw, tasks, unsubscribe)
         except ConnectionClosed:
             pass
         finally:
+            for end in unsubscribe:
+                end()
             for t in tasks.values():
                 t.cancel()  # generate()'s finally aborts the engine request
             if tasks:
@@ -167,7 +172,8 @@ class EngineServer:
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
 
-    def _on_frame(self, out: _Outbox, conn: int, raw: Any, tasks: dict[str, asyncio.Task]) -> None:
+    def _on_frame(self, out: _Outbox, conn: int, raw: Any, tasks: dict[str, asyncio.Task],
+                  unsubscribe: list[Callable[[], None]]) -> None:
         try:
             frame = decode_client_frame(raw)
         except FrameError as e:
@@ -181,6 +187,15 @@ class EngineServer:
             out.send(encode(StatsFrame(stats, round(age_s * 1000, 3))))
         elif isinstance(frame, AbortFrame):
             self.engine.abort(f"{conn}:{frame.request_id}")
+        elif isinstance(frame, KvSubscribeFrame):
+            if not unsubscribe:  # a second subscribe changes nothing
+
+                def listener(stored: list[int], removed: list[int]) -> None:
+                    out.send(encode(KvEventsFrame(stored, removed)))
+
+                snapshot, end = self.engine.subscribe_kv_events(listener)
+                unsubscribe.append(end)
+                out.send(encode(KvEventsFrame(snapshot, [], reset=True)))  # before any listener call
         else:
             rid = frame.request_id
             if rid in tasks:

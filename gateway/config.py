@@ -181,7 +181,8 @@ class GatewayConfig:
         ws_per_message_deflate: compress browser frames (off: deltas are tiny).
         defaults: per-chat defaults.
         limits: documented limits.
-        routing: when a chat's request sheds from its home engine (``gateway/routing.py``).
+        routing: which engine serves a request (``gateway/routing.py``; env
+            ``ROUTING_POLICY``, ``ROUTING_BETA``).
     """
 
     host: str = "127.0.0.1"
@@ -293,6 +294,7 @@ ENV_VARS: dict[str, str] = {
     "stream_ttl_s": "STREAM_TTL_S",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
+ROUTING_ENV = {"policy": "ROUTING_POLICY", "beta": "ROUTING_BETA"}
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -333,6 +335,14 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
             raw = env.get(var)
             if raw:
                 limits[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
+        routing: dict[str, Any] = {}
+        for name, var in ROUTING_ENV.items():
+            raw = env.get(var)
+            if raw:
+                routing[name] = float(raw) if name == "beta" else raw.strip()
+        if routing:
+            changes["routing"] = routing
+            replace(cfg.routing, **routing)  # checks the values (ValueError) while var names them
     except ValueError as e:
         raise ConfigError(f"bad environment variable {var}: {e}") from None
     if limits:

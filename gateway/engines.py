@@ -5,24 +5,28 @@ it by request id, each with its own queue of frames; it reconnects with exponent
 backoff. When the connection drops, the engine aborts that connection's requests, so
 every open request gets a synthetic ``error`` frame with code ``engine_unavailable``.
 
-``EngineRouter`` spreads chats over several engines: each chat has a home engine (by
-rendezvous hashing of the chat id, Thaler & Ravishankar 1996) where its prefix cache
-is, and a request sheds to the least-loaded engine when the home is overloaded
-(``gateway/routing.py``, docs/scaling.md). When an engine is down only its chats move,
-each to the healthy engine that ranks next for it.
+``EngineRouter`` spreads requests over several engines: each engine reports the KV
+pages it caches (``kv_events``), the router indexes them (``gateway/prefix_index.py``)
+and sends a request where most of its prompt is cached, weighed against load; a chat
+with nothing known goes to its home (rendezvous hashing of the chat id, Thaler &
+Ravishankar 1996) unless that is overloaded (``gateway/routing.py``, docs/scaling.md).
+When an engine is down only its chats move, and its pages leave the index.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from engine.block_hash import namespace_of, prompt_block_hashes
 from engine.protocol import (
     AbortFrame,
     DeltaFrame,
@@ -33,6 +37,8 @@ from engine.protocol import (
     FrameError,
     GenerateFrame,
     HelloFrame,
+    KvEventsFrame,
+    KvSubscribeFrame,
     ReplyItem,
     StatsFrame,
     StatsRequest,
@@ -41,13 +47,24 @@ from engine.protocol import (
     encode,
 )
 from gateway.errors import GatewayError
+from gateway.prefix_index import PrefixIndex
 from gateway.retry import Backoff
-from gateway.routing import EngineLoad, Placements, RoutingPolicy, choose, rendezvous_rank, snapshot_load
+from gateway.routing import (
+    EngineLoad,
+    Placements,
+    RoutingPolicy,
+    choose,
+    choose_cache_aware,
+    rendezvous_rank,
+    snapshot_load,
+)
 
 SECRET_HEADER = "X-Engine-Secret"  # the engine link's shared secret (engine/server.py checks it)
 log = logging.getLogger("gateway.engines")
 
-__all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "engine_unavailable"]
+__all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "RoutePrompt", "engine_unavailable"]
+
+KvListener = Callable[[str, KvEventsFrame | None], None]  # (engine url, frame, or None: its link was lost)
 
 UNREACHABLE_WARN_S = 5.0  # an engine down this long (seconds) is logged as a warning
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are JSON-encoded off the event loop
@@ -142,6 +159,8 @@ class EngineClient:
         self._aborts: set[asyncio.Task[None]] = set()
         self.last_stats: dict[str, Any] | None = None
         self.stats_taken_at: float | None = None
+        # set by a router that indexes prefixes: the engine's KV events go there
+        self.kv_listener: KvListener | None = None
 
     @property
     def healthy(self) -> bool:
@@ -179,6 +198,8 @@ class EngineClient:
                         raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")
                     self.info, self.protocol_version = hello.info, hello.protocol_version
                     self._ws = ws
+                    if self.kv_listener is not None and self.protocol_version >= 4:
+                        await ws.send(encode(KvSubscribeFrame()))
                     self._ready.set()
                     backoff.reset()
                     down_since = None
@@ -219,12 +240,17 @@ class EngineClient:
             fut, self._stats_waiter = self._stats_waiter, None
             if fut is not None and not fut.done():
                 fut.set_result(frame)
+        elif isinstance(frame, KvEventsFrame):
+            if self.kv_listener is not None:
+                self.kv_listener(self.url, frame)
         elif isinstance(frame, (DeltaFrame, DoneFrame, ErrorFrame)):
             self._route(frame)  # an item sent on its own (a refused generate)
 
     def _lost(self, why: str) -> None:
         self._ready.clear()
         self._ws = None
+        if self.kv_listener is not None:
+            self.kv_listener(self.url, None)  # its cache is unknown until it reconnects
         for req in list(self._requests.values()):
             req.queue.put_nowait(ErrorFrame("engine_unavailable", why, req.request_id))
         self._requests.clear()
@@ -307,9 +333,26 @@ class EngineClient:
         return dict(frame.stats)
 
 
+@dataclass(frozen=True)
+class RoutePrompt:
+    """What the router knows of a request's prompt.
+
+    Attributes:
+        token_ids: its leading token ids known exactly (the whole prompt, or the chat so
+            far before the new message); empty when none are known (a new chat).
+        num_tokens: the prompt's length, or an estimate of it (tokens, >= len(token_ids)).
+        cache_salt: the request's prefix-cache salt (part of its KV namespace).
+    """
+
+    token_ids: Sequence[int]
+    num_tokens: int
+    cache_salt: str = ""
+
+
 class EngineRouter:
-    """Picks an engine per request: the chat's cache home unless it is overloaded
-    (the rule, its source and its thresholds: ``gateway/routing.py`` and docs/scaling.md).
+    """Picks an engine per request: where most of its prompt is cached, weighed against
+    load, else the chat's home unless it is overloaded (the rules, their sources and
+    their weights: ``gateway/routing.py`` and docs/scaling.md).
 
     With more than one engine it asks each healthy one for its stats every
     ``policy.stats_interval_s`` seconds (the engine answers from its end-of-step
@@ -328,6 +371,18 @@ class EngineRouter:
         self.policy = policy or RoutingPolicy()
         self.placements = placements
         self._refresh: asyncio.Task[None] | None = None
+        self.index = PrefixIndex(self.policy.max_index_pages)
+        self._turn = 0  # round_robin's counter
+        self._rng = random.Random()
+        if len(self.clients) > 1 and self.policy.policy == "cache_aware":
+            for c in self.clients:
+                c.kv_listener = self._on_kv_events
+
+    def _on_kv_events(self, url: str, frame: KvEventsFrame | None) -> None:
+        if frame is None:
+            self.index.forget(url)
+        else:
+            self.index.apply(url, frame.stored, frame.removed, frame.reset)
 
     async def start(self) -> None:
         """Start every client's connection loop (and the stats refresh, with several)."""
@@ -397,10 +452,27 @@ class EngineRouter:
                                                 len(c._requests), self.policy.max_stats_age_s))
                 for c in engines]
 
-    async def choose(self, key: str, exclude: Iterable[EngineClient] = ()) -> EngineClient:
-        """The engine for the next request of chat ``key``: its home (placement or
-        rendezvous choice) unless the load rule sheds it to the least-loaded engine,
-        whose url then becomes the chat's placement.
+    def matched_tokens(self, prompt: RoutePrompt, engines: Sequence[EngineClient]) -> dict[str, int]:
+        """Leading tokens of ``prompt`` whose KV each engine holds, by the prefix index
+        (tokens; 0 for an engine that has not said hello)."""
+        out = dict.fromkeys((c.url for c in engines), 0)
+        groups: dict[tuple[str, int], list[str]] = {}
+        for c in engines:
+            if c.info is not None:
+                groups.setdefault((c.info.weights_id, c.info.block_size), []).append(c.url)
+        for (weights_id, block_size), urls in groups.items():
+            hashes = prompt_block_hashes(prompt.token_ids, block_size, namespace_of(weights_id, prompt.cache_salt))
+            for url, pages in self.index.match(hashes, urls).items():
+                out[url] = pages * block_size
+        return out
+
+    async def choose(self, key: str, exclude: Iterable[EngineClient] = (),
+                     prompt: RoutePrompt | None = None) -> EngineClient:
+        """The engine for a request of chat ``key`` by ``policy.policy``: by default
+        (``cache_aware``) where most of ``prompt`` is cached weighed against load; with
+        no ``prompt`` (nothing known of it) the chat's home (placement or rendezvous
+        choice) unless the load rule sheds it to the least-loaded engine. An engine
+        chosen other than the rendezvous choice becomes the chat's placement.
 
         Raises:
             GatewayError: ``engine_unavailable`` when no engine (outside ``exclude``) is up.
@@ -408,8 +480,22 @@ class EngineRouter:
         live = self._live(exclude)
         if len(live) == 1:
             return live[0]
+        name = self.policy.policy
+        if name == "hash":
+            return self.pick(key, exclude)
+        if name == "round_robin":
+            self._turn += 1
+            return live[self._turn % len(live)]
+        if name == "random":
+            return self._rng.choice(live)
         placement = await self.placements.get(key) if self.placements is not None else None
-        url = choose(key, self.loads(live), self.policy, placement)
+        loads = self.loads(live)
+        if name == "cache_aware" and prompt is not None:
+            matched = self.matched_tokens(prompt, live) if prompt.token_ids else {}
+            loads = [replace(e, matched_tokens=matched.get(e.url, 0)) for e in loads]
+            url = choose_cache_aware(key, loads, max(1, prompt.num_tokens), self.policy, placement)
+        else:
+            url = choose(key, loads, self.policy, placement)
         if self.placements is not None:
             ranked = max(live, key=lambda c: rendezvous_rank(key, c.url)).url
             wanted = None if url == ranked else url

@@ -1,6 +1,24 @@
-"""Which engine serves a chat's next turn: its cache home unless that home is overloaded.
+"""Which engine serves a request: the one that holds most of its prompt, unless load says otherwise.
 
-The rule (docs/scaling.md), for one request of chat ``key`` over the healthy engines:
+The default rule, ``cache_aware`` (docs/scaling.md), for one request of chat ``key``
+whose prompt has ``P`` tokens over the healthy engines:
+
+1. **Match.** For each engine, ``matched`` = the leading prompt tokens whose KV pages
+   it holds, from the gateway's prefix index (``gateway/prefix_index.py``, fed by the
+   engines' KV events).
+2. **Score** = ``matched / P - beta * load / max_load`` (``max_load``: the largest load
+   among the candidates, at least 1); the best score wins, ties going to the chat's home
+   (below), then to the engine ranking higher for ``key``. This is the scoring of vLLM's
+   production-stack router (matched tokens over prompt tokens, minus beta times relative
+   load); NVIDIA Dynamo's KV router weighs the same two terms (prefill blocks saved
+   against active blocks). A turn of a chat finds most of its prompt at the engine that
+   served the previous turn, so it stays there; a new chat (nothing matched) goes to
+   the least-loaded engine; a chat opening with a long shared document goes where that
+   document is cached.
+3. **Shed**, as below: when the winner is overloaded against the least-loaded engine
+   (SGLang's imbalance test), the least-loaded engine takes the request.
+
+With no prompt tokens known (or no index), the rule falls back to ``sticky``:
 
 1. **Home.** The engine the chat was last moved to (its *placement*, kept in Redis so
    every gateway sees it) while that engine is healthy; otherwise the engine that ranks
@@ -21,7 +39,9 @@ The rule (docs/scaling.md), for one request of chat ``key`` over the healthy eng
    new engine, so its next turns find their prefix there ("a chat keeps its engine
    while that is good").
 
-``choose`` is the pure function of that rule; ``Placements`` stores the moves.
+``choose`` is the pure function of that rule, ``choose_cache_aware`` of the default;
+``Placements`` stores the moves. ``hash`` (rendezvous alone), ``round_robin`` and
+``random`` exist as baselines for ``bench/routing.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +54,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-__all__ = ["EngineLoad", "Placements", "RoutingPolicy", "choose", "rendezvous_rank", "snapshot_load"]
+__all__ = ["POLICIES", "EngineLoad", "Placements", "RoutingPolicy", "choose", "choose_cache_aware",
+           "rendezvous_rank", "snapshot_load"]
+
+POLICIES = ("cache_aware", "sticky", "hash", "round_robin", "random")
 
 
 def rendezvous_rank(key: str, url: str) -> int:
@@ -45,9 +68,16 @@ def rendezvous_rank(key: str, url: str) -> int:
 
 @dataclass(frozen=True)
 class RoutingPolicy:
-    """The shedding thresholds (see the module doc).
+    """Which rule routes, and its weights (see the module doc).
 
     Attributes:
+        policy: one of ``POLICIES``: ``cache_aware`` (the default), ``sticky`` (home
+            unless overloaded), ``hash`` (rendezvous hashing of the chat id alone),
+            ``round_robin`` or ``random`` (baselines for the routing benchmark).
+        beta: weight of relative load against the matched share of the prompt in
+            ``cache_aware`` (0 ignores load; 1 lets a fully matched but busiest engine tie
+            with an idle one that matched nothing).
+        max_index_pages: the most KV page hashes the gateway's prefix index keeps.
         abs_threshold: requests (running + waiting) the home must carry beyond the
             least-loaded engine before a request sheds. SGLang's router defaults are sized
             for GPUs that batch hundreds of requests; ours suit a CPU engine that
@@ -63,6 +93,17 @@ class RoutingPolicy:
     rel_threshold: float = 1.5
     max_stats_age_s: float = 10.0
     stats_interval_s: float = 1.0
+    policy: str = "cache_aware"
+    beta: float = 0.5
+    max_index_pages: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.beta < 0:
+            raise ValueError(f"routing beta must be >= 0, got {self.beta}")
+        if self.max_index_pages < 1:
+            raise ValueError(f"max_index_pages must be >= 1, got {self.max_index_pages}")
 
 
 @dataclass(frozen=True)
@@ -72,10 +113,12 @@ class EngineLoad:
     Attributes:
         url: the engine's address (its identity in hashing and placements).
         load: running + waiting requests (see ``snapshot_load``).
+        matched_tokens: leading prompt tokens whose KV the engine holds (tokens).
     """
 
     url: str
     load: int
+    matched_tokens: int = 0
 
 
 def snapshot_load(stats: dict[str, Any] | None, age_s: float | None, in_flight: int, max_age_s: float) -> int:
@@ -112,6 +155,41 @@ def choose(key: str, engines: Sequence[EngineLoad], policy: RoutingPolicy,
     if home.load - least.load > policy.abs_threshold and home.load > policy.rel_threshold * least.load:
         return least.url
     return home.url
+
+
+def choose_cache_aware(key: str, engines: Sequence[EngineLoad], prompt_tokens: int, policy: RoutingPolicy,
+                       placement: str | None = None) -> str:
+    """The url of the engine for a request of chat ``key`` by the ``cache_aware`` rule
+    (module doc): best ``matched / prompt_tokens - beta * load / max_load``, then the
+    imbalance test. Falls back to ``choose`` when ``prompt_tokens < 1``.
+
+    Args:
+        key: the chat id.
+        engines: the healthy candidates with their loads and matched tokens.
+        prompt_tokens: the prompt's length (tokens), or 0 when unknown.
+        policy: the weights and thresholds.
+        placement: the chat's placement url, if any (its home for ties).
+
+    Raises:
+        ValueError: ``engines`` is empty.
+    """
+    if not engines:
+        raise ValueError("no engine to choose from")
+    if prompt_tokens < 1:
+        return choose(key, engines, policy, placement)
+    urls = {e.url for e in engines}
+    home_url = placement if placement in urls else max(engines, key=lambda e: rendezvous_rank(key, e.url)).url
+    max_load = max(1, max(e.load for e in engines))
+
+    def rank(e: EngineLoad) -> tuple[float, bool, int]:
+        score = min(e.matched_tokens, prompt_tokens) / prompt_tokens - policy.beta * e.load / max_load
+        return round(score, 9), e.url == home_url, rendezvous_rank(key, e.url)
+
+    best = max(engines, key=rank)
+    least = min(engines, key=lambda e: (e.load, -rendezvous_rank(key, e.url)))
+    if best.load - least.load > policy.abs_threshold and best.load > policy.rel_threshold * least.load:
+        return least.url
+    return best.url
 
 
 class Placements:

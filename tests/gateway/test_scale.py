@@ -63,7 +63,8 @@ async def test_engine_lost_before_the_first_delta_the_next_engine_takes_the_requ
 
 async def test_a_busy_home_engine_sheds_a_chat_to_the_idle_one_which_keeps_it(gateway_factory, engine_gate,
                                                                             spare_engine, redis_url, key_prefix):
-    """Five replies held on engine A (its load is 5, engine B's 0: above both
+    """The ``sticky`` rule (the cache-aware rule's fallback when nothing of a prompt is
+    known): five replies held on engine A (its load is 5, engine B's 0: above both
     thresholds, 5 - 0 > 4 and 5 > 1.5 x 0; the fifth itself met 4 - 0, not above) send
     a new chat homed on A to B; once A is idle again the chat's
     second turn still goes to B (its placement in Redis), where its prefix is cached."""
@@ -71,7 +72,8 @@ async def test_a_busy_home_engine_sheds_a_chat_to_the_idle_one_which_keeps_it(ga
     try:
         busy_gate = engine_gate
         urls = [busy_gate.url, idle_gate.url]
-        gw = gateway_factory(engine_urls=urls, limits={"max_generations_per_user": 16})
+        gw = gateway_factory(engine_urls=urls, limits={"max_generations_per_user": 16},
+                             routing={"policy": "sticky"})
         await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
         cookie = gw.new_cookie()
         async with gw.http(cookie) as c:
