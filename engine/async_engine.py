@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -99,7 +100,7 @@ class AsyncEngine:
                           num_blocks=plan.num_blocks, dtype=config.dtype, device=str(device),
                           weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids),
                           quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-                          format=fmt.describe())
+                          format=fmt.describe(), tokenizer_dir=str(Path(loaded.path).resolve()))
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
         if verbose:
             for warning in prompts.lint_template():

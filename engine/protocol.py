@@ -84,6 +84,9 @@ class EngineInfo:
         eos_token_ids: token ids that end a reply.
         quantization: "int8" or None; kv_cache_dtype: the KV cache's dtype name or None.
         format: one line naming weights, activations, KV cache and kernels.
+        tokenizer_dir: the folder of the model's tokenizer and chat template on the
+            engine's host; a gateway that can read it there (same host or a shared
+            volume) computes prompt ids as the engine does, to route by prefix.
     """
 
     model: str
@@ -97,6 +100,7 @@ class EngineInfo:
     quantization: str | None = None
     kv_cache_dtype: str | None = None
     format: str = ""
+    tokenizer_dir: str = ""
 
 
 # ----- gateway -> engine ---------------------------------------------------------------

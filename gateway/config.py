@@ -182,7 +182,7 @@ class GatewayConfig:
         defaults: per-chat defaults.
         limits: documented limits.
         routing: which engine serves a request (``gateway/routing.py``; env
-            ``ROUTING_POLICY``, ``ROUTING_BETA``).
+            ``ROUTING_POLICY``, ``ROUTING_BETA``, ``ROUTING_TOKENIZER``).
     """
 
     host: str = "127.0.0.1"
@@ -294,7 +294,7 @@ ENV_VARS: dict[str, str] = {
     "stream_ttl_s": "STREAM_TTL_S",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
-ROUTING_ENV = {"policy": "ROUTING_POLICY", "beta": "ROUTING_BETA"}
+ROUTING_ENV = {"policy": "ROUTING_POLICY", "beta": "ROUTING_BETA", "tokenizer": "ROUTING_TOKENIZER"}
 
 
 def _split(value: str) -> tuple[str, ...]:

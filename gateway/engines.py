@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import websockets
@@ -48,6 +49,7 @@ from engine.protocol import (
 )
 from gateway.errors import GatewayError
 from gateway.prefix_index import PrefixIndex
+from gateway.prompt_ids import RoutingTokenizer
 from gateway.retry import Backoff
 from gateway.routing import (
     EngineLoad,
@@ -374,9 +376,28 @@ class EngineRouter:
         self.index = PrefixIndex(self.policy.max_index_pages)
         self._turn = 0  # round_robin's counter
         self._rng = random.Random()
-        if len(self.clients) > 1 and self.policy.policy == "cache_aware":
+        self.prefix_routing = len(self.clients) > 1 and self.policy.policy == "cache_aware"
+        if self.prefix_routing:
             for c in self.clients:
                 c.kv_listener = self._on_kv_events
+        # the engines' tokenizer, read here to hash new prompts (loaded once, in the background)
+        self.tokenizer: RoutingTokenizer | None = None
+        self._tokenizer_task: asyncio.Task[None] | None = None
+
+    def prompt_tokenizer(self) -> RoutingTokenizer | None:
+        """The tokenizer for prefix routing, or None (not wanted, not found, or still
+        loading: the first call that finds an engine's folder starts the load)."""
+        if self.tokenizer is not None or not self.prefix_routing:
+            return self.tokenizer
+        if self._tokenizer_task is None:
+            folder = self.policy.tokenizer or next(
+                (c.info.tokenizer_dir for c in self.clients if c.info is not None and c.info.tokenizer_dir), "")
+            if folder and Path(folder).is_dir():
+                self._tokenizer_task = asyncio.get_running_loop().create_task(self._load_tokenizer(folder))
+        return None
+
+    async def _load_tokenizer(self, folder: str) -> None:
+        self.tokenizer = await RoutingTokenizer.load(folder)
 
     def _on_kv_events(self, url: str, frame: KvEventsFrame | None) -> None:
         if frame is None:
@@ -402,6 +423,9 @@ class EngineRouter:
             self._refresh = None
         for c in self.clients:
             await c.close()
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
+            await asyncio.gather(self._tokenizer_task, return_exceptions=True)
 
     async def _refresh_stats(self) -> None:
         interval = self.policy.stats_interval_s

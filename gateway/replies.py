@@ -71,12 +71,20 @@ class EngineRun:
         self.cancelled = False  # the owner aborted it (no fail-over either)
         self._tried: list[EngineClient] = []
 
-    def route_prompt(self) -> RoutePrompt | None:
-        """What the router may know of this prompt: its exact ids (a continued reply), the
-        chat's ids so far (a later turn), nothing yet (a new chat); None for a chat with
-        history but no ids (it goes to its home)."""
+    async def route_prompt(self) -> RoutePrompt | None:
+        """What the router may know of this prompt: its exact ids (a continued reply, or
+        computed by the router's tokenizer), else the chat's ids so far (a later turn),
+        nothing yet (a new chat); None for a chat with history but no ids (it goes to
+        its home)."""
         if self.prompt_token_ids is not None:
             return RoutePrompt(self.prompt_token_ids, len(self.prompt_token_ids))
+        tokenizer = self.router.prompt_tokenizer()
+        if tokenizer is not None and self.messages:
+            try:
+                ids = await tokenizer.prompt_ids_async(self.messages, self.prefix_token_ids)
+                return RoutePrompt(ids, len(ids))
+            except Exception:  # noqa: BLE001 - a chat the template rejects: the engine says why
+                pass
         new_chars = len(self.messages[-1].get("content", "")) if self.messages else 0
         if self.prefix_token_ids:
             return RoutePrompt(self.prefix_token_ids, len(self.prefix_token_ids) + estimate_tokens(new_chars))
@@ -96,8 +104,9 @@ class EngineRun:
         Raises:
             GatewayError: ``engine_unavailable`` when no engine is left.
         """
+        prompt = await self.route_prompt() if self.router.prefix_routing else None
         while True:
-            engine = await self.router.choose(self.affinity_key, exclude=self._excluded(), prompt=self.route_prompt())
+            engine = await self.router.choose(self.affinity_key, exclude=self._excluded(), prompt=prompt)
             self._tried.append(engine)
             self.engine = engine
             try:

@@ -78,6 +78,10 @@ class RoutingPolicy:
             ``cache_aware`` (0 ignores load; 1 lets a fully matched but busiest engine tie
             with an idle one that matched nothing).
         max_index_pages: the most KV page hashes the gateway's prefix index keeps.
+        tokenizer: a folder with the engines' tokenizer and chat template, read by the
+            gateway to compute prompt ids for ``cache_aware`` (``gateway/prompt_ids.py``);
+            None uses the folder the engines name in their hello when it is readable
+            here, else prompts are matched only by the chat's stored ids.
         abs_threshold: requests (running + waiting) the home must carry beyond the
             least-loaded engine before a request sheds. SGLang's router defaults are sized
             for GPUs that batch hundreds of requests; ours suit a CPU engine that
@@ -96,6 +100,7 @@ class RoutingPolicy:
     policy: str = "cache_aware"
     beta: float = 0.5
     max_index_pages: int = 2_000_000
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -128,3 +128,16 @@ def test_malformed_client_frames_raise_a_clear_frame_error(text, expect):
 def test_malformed_engine_frames_raise_a_clear_frame_error(text, expect):
     with pytest.raises(FrameError, match=expect):
         decode_engine_frame(text)
+
+
+def test_kv_event_frames_round_trip_and_refuse_hashes_outside_64_bits():
+    from engine.protocol import KvEventsFrame, KvSubscribeFrame, encode
+
+    frame = KvEventsFrame([1, (1 << 64) - 1], [5], reset=True)
+    assert decode_engine_frame(encode(frame)) == frame
+    assert decode_engine_frame(encode(KvEventsFrame([2], []))) == KvEventsFrame([2], [], False)
+    assert isinstance(decode_client_frame(encode(KvSubscribeFrame())), KvSubscribeFrame)
+    for bad in ('{"type": "kv_events", "stored": [-1]}', '{"type": "kv_events", "stored": [18446744073709551616]}',
+                '{"type": "kv_events", "removed": ["x"]}'):
+        with pytest.raises(FrameError):
+            decode_engine_frame(bad)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from engine.block_hash import chain_hashes, namespace_seed, prompt_block_hashes
 from engine.block_pool import BlockPool, blocks_needed
 from engine.radix_cache import RadixCache, RadixCacheError, RadixNode
 
@@ -376,7 +377,8 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self, bs, total):
         self.bs, self.total = bs, total
         self.pool = BlockPool(total)
-        self.cache = RadixCache(self.pool, bs)
+        self.cache = RadixCache(self.pool, bs, events=True)
+        self.events_seen: set[int] = set()  # what a gateway hearing the events would hold
         self.running: list[Req] = []
         self.seen: list[tuple[int, ...]] = []
         self.ref: dict[str, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
@@ -546,6 +548,20 @@ class CacheMachine(RuleBasedStateMachine):
             holders = sum(r.blocks.count(b) for r in self.running) + (b in tree_blocks)
             assert self.pool.refcount(b) == holders, f"block {b}: refcount {self.pool.refcount(b)} != {holders}"
 
+    @invariant()
+    def events_name_exactly_the_cached_pages(self):
+        """Applied in order, the events give the set of cached pages, each named by the
+        chained hash of its whole prefix (what a gateway computes from a prompt)."""
+        if not hasattr(self, "cache"):
+            return
+        stored, removed = self.cache.take_events()
+        assert not set(stored) & set(removed)
+        self.events_seen.difference_update(removed)
+        self.events_seen.update(stored)
+        expected = {prompt_block_hashes(p, self.bs, ns)[-1] for ns in NAMESPACES for p in self.ref[ns]}
+        assert self.events_seen == expected
+        assert sorted(self.cache.cached_hashes()) == sorted(expected)
+
     def teardown(self):
         if not hasattr(self, "cache"):
             return
@@ -565,3 +581,34 @@ TestCacheMachine.settings = settings(
     max_examples=90, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def test_block_hashes_chain_over_whole_pages_and_differ_by_namespace_and_prefix():
+    a = prompt_block_hashes([1, 2, 3, 4, 5], 2, "w|")
+    assert len(a) == 2  # the partial last page has no name
+    assert prompt_block_hashes([1, 2, 3, 4], 2, "w|") == a
+    assert chain_hashes(a[0], [3, 4], 2) == a[1:]  # the chain continues from a page's hash
+    assert prompt_block_hashes([1, 2, 3, 4], 2, "w|salt") != a  # another namespace
+    assert prompt_block_hashes([9, 2, 3, 4], 2, "w|")[1] != a[1]  # same page, other prefix
+    assert all(0 <= h < 1 << 64 for h in a) and namespace_seed("w|") not in a
+    with pytest.raises(ValueError):
+        prompt_block_hashes([-1, 2], 2, "w|")
+
+
+def test_events_report_a_page_stored_then_evicted_in_its_last_state_only():
+    pool = BlockPool(8)
+    cache = RadixCache(pool, 2, events=True)
+    blocks = pool.allocate(2)
+    cache.insert((1, 2, 3, 4), blocks, "ns")
+    pool.decref(blocks)
+    stored, removed = cache.take_events()
+    assert stored == prompt_block_hashes([1, 2, 3, 4], 2, "ns") and removed == []
+    assert cache.take_events() == ([], [])
+    cache.evict(8)
+    assert cache.take_events() == ([], stored)
+    blocks = pool.allocate(1)
+    cache.insert((7, 7), blocks, "ns")
+    pool.decref(blocks)
+    cache.evict(8)
+    assert cache.take_events() == ([], prompt_block_hashes([7, 7], 2, "ns"))  # never seen stored
+    assert RadixCache(pool, 2).take_events() == ([], [])  # without events: nothing recorded

@@ -237,3 +237,39 @@ async def _ctrl_c_aborts_live_requests(proc: subprocess.Popen) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_kv_events_name_the_pages_a_reply_cached_for_subscribers_only(server):
+    from engine.block_hash import namespace_of, prompt_block_hashes
+
+    url, _ = server
+    prompt = [7 + (i * 13) % 50 for i in range(40)]  # two whole pages of 16 tokens, then 8
+    async with connect(url) as plain, connect(url) as ws:
+        json.loads(await plain.recv())  # hello
+        hello = json.loads(await ws.recv())
+        await ws.send(json.dumps({"type": "kv_subscribe"}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        assert first["type"] == "kv_events" and first.get("reset") is True
+        await ws.send(json.dumps({"type": "generate", "request_id": "r", "prompt_token_ids": prompt,
+                                  "params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}}))
+        ns = namespace_of(hello["weights_id"])
+        expect = set(prompt_block_hashes(prompt, hello["block_size"], ns))
+        assert len(expect) == 2
+        stored: set[int] = set(first["stored"])
+        done = False
+        while not (done and expect <= stored):
+            f = await _recv(ws)
+            if f["type"] == "kv_events":
+                stored.update(f["stored"])
+                stored.difference_update(f["removed"])
+            elif f["type"] == "done":
+                done = True
+        # a gateway that subscribes later gets them in its snapshot
+        async with connect(url) as late:
+            json.loads(await late.recv())
+            await late.send(json.dumps({"type": "kv_subscribe"}))
+            snapshot = json.loads(await asyncio.wait_for(late.recv(), 30))
+            assert snapshot["reset"] is True and expect <= set(snapshot["stored"])
+        # the connection that never subscribed heard nothing of it
+        await plain.send(json.dumps({"type": "ping"}))
+        assert json.loads(await asyncio.wait_for(plain.recv(), 30))["type"] == "pong"

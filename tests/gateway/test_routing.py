@@ -1,11 +1,12 @@
-"""The routing rule (gateway/routing.py) as a pure function of fake stats snapshots:
-home by placement or rendezvous hashing, shedding by SGLang's imbalance test."""
+"""The routing rules (gateway/routing.py) as pure functions of fake snapshots: cache_aware
+(matched share of the prompt against load), and sticky (home by placement or rendezvous
+hashing, shedding by SGLang's imbalance test)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.routing import EngineLoad, RoutingPolicy, choose, rendezvous_rank, snapshot_load
+from gateway.routing import EngineLoad, RoutingPolicy, choose, choose_cache_aware, rendezvous_rank, snapshot_load
 
 URLS = ["ws://a:1", "ws://b:2", "ws://c:3"]
 POLICY = RoutingPolicy(abs_threshold=4, rel_threshold=1.5)
@@ -66,3 +67,48 @@ def test_snapshot_load_is_running_plus_waiting_unless_stale_or_below_the_local_c
 def test_choose_refuses_an_empty_set():
     with pytest.raises(ValueError):
         choose("k", [], POLICY)
+
+
+# --- cache_aware: matched share of the prompt against relative load ---------------------
+
+def cache_loads(matched: dict[str, int], load: dict[str, int]) -> list[EngineLoad]:
+    return [EngineLoad(u, load.get(u, 0), matched.get(u, 0)) for u in URLS]
+
+
+def test_cache_aware_sends_a_prompt_where_most_of_it_is_cached_whatever_its_chat_hashes_to():
+    for key in (f"chat-{i}" for i in range(30)):
+        assert choose_cache_aware(key, cache_loads({"ws://c:3": 1600}, {}), 1700, POLICY) == "ws://c:3"
+        # a little load does not outweigh most of the prompt
+        assert choose_cache_aware(key, cache_loads({"ws://c:3": 1600}, {"ws://c:3": 3, "ws://a:1": 2}),
+                                  1700, POLICY) == "ws://c:3"
+
+
+def test_cache_aware_sends_a_prompt_nobody_holds_to_the_least_loaded_engine_ties_to_its_home():
+    keys = [f"chat-{i}" for i in range(200)]
+    assert [choose_cache_aware(k, cache_loads({}, {}), 50, POLICY) for k in keys] == [home_of(k) for k in keys]
+    assert {choose_cache_aware(k, cache_loads({}, {"ws://a:1": 2, "ws://c:3": 1}), 50, POLICY)
+            for k in keys} == {"ws://b:2"}
+
+
+def test_cache_aware_weighs_load_by_beta_and_still_sheds_an_overloaded_winner():
+    matched = {"ws://a:1": 500}
+    # half the prompt cached at a, which carries the most load: beta decides
+    assert choose_cache_aware("k", cache_loads(matched, {"ws://a:1": 4, "ws://b:2": 1}), 1000,
+                              RoutingPolicy(beta=0.2)) == "ws://a:1"
+    assert choose_cache_aware("k", cache_loads(matched, {"ws://a:1": 4, "ws://b:2": 1}), 1000,
+                              RoutingPolicy(beta=1.0)) != "ws://a:1"
+    # fully cached but 10 vs 0: SGLang's imbalance test sheds it
+    assert choose_cache_aware("k", cache_loads({"ws://a:1": 1000}, {"ws://a:1": 10, "ws://b:2": 1, "ws://c:3": 0}),
+                              1000, RoutingPolicy(beta=0.0)) == "ws://c:3"
+
+
+def test_cache_aware_without_a_prompt_length_falls_back_to_the_sticky_rule():
+    for key in (f"chat-{i}" for i in range(30)):
+        assert choose_cache_aware(key, cache_loads({}, {}), 0, POLICY) == choose(key, loads(), POLICY)
+
+
+def test_an_unknown_policy_or_a_negative_beta_is_refused():
+    with pytest.raises(ValueError):
+        RoutingPolicy(policy="fastest")
+    with pytest.raises(ValueError):
+        RoutingPolicy(beta=-1)

@@ -158,3 +158,57 @@ async def test_two_gateways_on_one_redis_serve_one_chat_as_one(gateway_factory, 
         assert [m["role"] for m in body["messages"]] == ["user", "assistant"] * 3
     finally:
         other.close()
+
+
+async def test_a_new_chat_opening_with_a_cached_document_goes_to_the_engine_that_holds_it(
+        gateway_factory, engine_gate, spare_engine):
+    """cache_aware routing: the engines report the pages they cache, the gateway hashes a
+    new chat's prompt with the engines' tokenizer, and a chat whose home is engine 2 but
+    whose document engine 1 has cached goes to engine 1 and reads it from the cache."""
+    import uuid
+
+    other = gate_in_front_of(spare_engine)
+    try:
+        urls = [engine_gate.url, other.url]
+        gw = gateway_factory(engine_urls=urls)
+        router = gw.app.state.router
+        await wait_for(lambda: len(router.healthy) == 2, 30)
+        words = uuid.uuid4().hex  # a document no engine has seen in an earlier test
+        doc = "Shared notes " + " ".join(f"{words[i % 32]}{i}" for i in range(120))
+        cookie = gw.new_cookie()
+        async with gw.http(cookie) as c:
+            first = await chat_homed_on(c, engine_gate.url, urls)
+            second = await chat_homed_on(c, other.url, urls)
+        async with gw.connect(cookie) as ws:
+            r1 = await chat(ws, doc + "\n\nWhat is the first word?", first, max_tokens=4)
+            assert r1.done is not None, r1.error
+            assert generates(engine_gate, r1.request_id) == 1  # nothing cached anywhere: its home
+            await wait_for(lambda: router.tokenizer is not None, 120)
+            await wait_for(lambda: router.index.pages_of(engine_gate.url) >= 4, 30)
+            r2 = await chat(ws, doc + "\n\nWhat is the last word?", second, max_tokens=4)
+        assert r2.done is not None, r2.error
+        assert generates(engine_gate, r2.request_id) == 1 and generates(other, r2.request_id) == 0
+        assert r2.done["usage"]["cached_tokens"] >= 4 * 16
+    finally:
+        other.close()
+
+
+async def test_an_engine_that_drops_leaves_the_prefix_index(gateway_factory, engine_gate, spare_engine):
+    """The pages of an engine whose link is lost leave the index (its cache is unknown
+    until it reconnects and sends its snapshot); the other engine's stay."""
+    other = gate_in_front_of(spare_engine)
+    try:
+        gw = gateway_factory(engine_urls=[engine_gate.url, other.url])
+        router = gw.app.state.router
+        await wait_for(lambda: len(router.healthy) == 2, 30)
+        cookie = gw.new_cookie()
+        async with gw.connect(cookie) as ws:
+            r = await chat(ws, "Count to five, please.", max_tokens=4)
+        assert r.done is not None, r.error
+        await wait_for(lambda: router.index.pages_of(engine_gate.url) + router.index.pages_of(other.url) > 0, 30)
+        held = {u: router.index.pages_of(u) for u in (engine_gate.url, other.url)}
+    finally:
+        other.close()
+    await wait_for(lambda: len(router.healthy) == 1, 30)
+    assert router.index.pages_of(other.url) == 0
+    assert router.index.pages_of(engine_gate.url) == held[engine_gate.url]
