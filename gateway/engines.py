@@ -476,10 +476,13 @@ class EngineRouter:
                                                 len(c._requests), self.policy.max_stats_age_s))
                 for c in engines]
 
-    def matched_tokens(self, prompt: RoutePrompt, engines: Sequence[EngineClient]) -> dict[str, int]:
-        """Leading tokens of ``prompt`` whose KV each engine holds, by the prefix index
-        (tokens; 0 for an engine that has not said hello)."""
+    def matched_tokens(self, prompt: RoutePrompt, engines: Sequence[EngineClient]
+                       ) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Leading tokens of ``prompt`` whose KV each engine holds (or was just sent), by
+        the prefix index (tokens; 0 for an engine that has not said hello), and the
+        prompt's page hashes as each engine names them."""
         out = dict.fromkeys((c.url for c in engines), 0)
+        names: dict[str, list[int]] = {}
         groups: dict[tuple[str, int], list[str]] = {}
         for c in engines:
             if c.info is not None:
@@ -488,7 +491,8 @@ class EngineRouter:
             hashes = prompt_block_hashes(prompt.token_ids, block_size, namespace_of(weights_id, prompt.cache_salt))
             for url, pages in self.index.match(hashes, urls).items():
                 out[url] = pages * block_size
-        return out
+                names[url] = hashes
+        return out, names
 
     async def choose(self, key: str, exclude: Iterable[EngineClient] = (),
                      prompt: RoutePrompt | None = None) -> EngineClient:
@@ -515,9 +519,10 @@ class EngineRouter:
         placement = await self.placements.get(key) if self.placements is not None else None
         loads = self.loads(live)
         if name == "cache_aware" and prompt is not None:
-            matched = self.matched_tokens(prompt, live) if prompt.token_ids else {}
+            matched, names = self.matched_tokens(prompt, live) if prompt.token_ids else ({}, {})
             loads = [replace(e, matched_tokens=matched.get(e.url, 0)) for e in loads]
             url = choose_cache_aware(key, loads, max(1, prompt.num_tokens), self.policy, placement)
+            self.index.note_routed(url, names.get(url, []))
         else:
             url = choose(key, loads, self.policy, placement)
         if self.placements is not None:

@@ -12,6 +12,13 @@ This is the event-fed global index of NVIDIA Dynamo's KV router (engines publish
 "stored"/"removed" block events; the router keeps a radix index of block hashes per
 worker), flattened to a hash map because chained hashes already encode the prefix.
 
+Pages routed but not yet reported count too, for a while: when the router sends a
+prompt to an engine it notes that prompt's pages there (``note_routed``) until the engine
+reports them or ``routed_ttl_s`` passes, so a burst of chats opening with one document
+follows the first to its engine instead of each computing the document where load sends
+it (SGLang's cache-aware router likewise inserts a request's text into its tree for the
+chosen worker when it routes it).
+
 Memory is bounded: at most ``max_pages`` page hashes (least recently stored first out,
 across all engines). An engine cannot report more pages than its KV pool holds, so the
 bound only bites when the engines' pools together exceed it; forgetting a page then
@@ -21,6 +28,7 @@ two Python ints), the default 2,000,000 pages is about 200 MB.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 __all__ = ["PrefixIndex"]
@@ -31,6 +39,8 @@ class PrefixIndex:
 
     Args:
         max_pages: the most page hashes kept (>= 1); beyond it the oldest stored go.
+            Routed-but-unreported pages are bounded by the same number, separately.
+        routed_ttl_s: how long a routed page counts before its engine reports it (seconds).
 
     Not thread-safe: the gateway's event loop is its only user.
 
@@ -38,10 +48,13 @@ class PrefixIndex:
         ValueError: ``max_pages < 1``.
     """
 
-    def __init__(self, max_pages: int = 2_000_000) -> None:
+    def __init__(self, max_pages: int = 2_000_000, routed_ttl_s: float = 30.0) -> None:
         if max_pages < 1:
             raise ValueError(f"max_pages must be >= 1, got {max_pages}")
         self.max_pages = max_pages
+        self.routed_ttl_s = routed_ttl_s
+        # page hash -> (bitmask of engines it was routed to, monotonic expiry), oldest first
+        self._routed: dict[int, tuple[int, float]] = {}
         self._owners: dict[int, int] = {}  # page hash -> bitmask of engine slots (insertion order = age)
         self._slots: dict[str, int] = {}  # engine url -> bit index
         self._counts: dict[str, int] = {}  # engine url -> pages indexed for it
@@ -106,6 +119,31 @@ class PrefixIndex:
                 self._counts[by_bit[low.bit_length() - 1]] -= 1
                 mask ^= low
 
+    def note_routed(self, url: str, hashes: Sequence[int], now: float | None = None) -> None:
+        """Count ``hashes`` (a prompt just sent to engine ``url``) as held there for
+        ``routed_ttl_s`` seconds or until it reports them."""
+        if not hashes:
+            return
+        now = time.monotonic() if now is None else now
+        bit = 1 << self._slot(url)
+        routed = self._routed
+        expiry = now + self.routed_ttl_s
+        for h in hashes:
+            mask, _ = routed.pop(h, (0, 0.0))
+            routed[h] = (mask | bit, expiry)
+        while routed:  # drop what expired (oldest first) and what exceeds the bound
+            h = next(iter(routed))
+            if len(routed) <= self.max_pages and routed[h][1] > now:
+                break
+            del routed[h]
+
+    def _held(self, h: int, now: float) -> int:
+        mask = self._owners.get(h, 0)
+        noted = self._routed.get(h)
+        if noted is not None and noted[1] > now:
+            mask |= noted[0]
+        return mask
+
     def forget(self, url: str) -> None:
         """Drop every page of engine ``url`` (its link was lost: its cache is unknown now).
         O(pages in the index)."""
@@ -121,9 +159,16 @@ class PrefixIndex:
                 owners[h] = mask
             else:
                 del owners[h]
+        routed = self._routed
+        for h in [h for h, (mask, _) in routed.items() if mask & bit]:
+            mask, expiry = routed[h]
+            if mask & ~bit:
+                routed[h] = (mask & ~bit, expiry)
+            else:
+                del routed[h]
 
-    def match(self, hashes: Sequence[int], urls: Iterable[str]) -> dict[str, int]:
-        """How many leading pages of a prompt each engine holds.
+    def match(self, hashes: Sequence[int], urls: Iterable[str], now: float | None = None) -> dict[str, int]:
+        """How many leading pages of a prompt each engine holds (or was just sent).
 
         Args:
             hashes: the prompt's page hashes in order (``engine.block_hash.prompt_block_hashes``).
@@ -138,11 +183,11 @@ class PrefixIndex:
         for b in url_of:
             alive |= 1 << b
         depth = 0
-        owners = self._owners
+        now = time.monotonic() if now is None else now
         for h in hashes:
             if not alive:
                 break
-            held = alive & owners.get(h, 0)
+            held = alive & self._held(h, now)
             gone = alive & ~held  # their match ends before this page
             while gone:
                 low = gone & -gone

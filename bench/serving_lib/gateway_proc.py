@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--tap", action="store_true")
     p.add_argument("--max-generations-per-user", type=int, default=4)
+    p.add_argument("--routing-policy", default=None, help="gateway/routing.py POLICIES (default: the gateway's)")
     p.add_argument("--profile", default=None, metavar="PATH", help="cProfile the gateway; stats to PATH on SIGTERM")
     a = p.parse_args(argv)
     if a.profile:
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     config = GatewayConfig().with_overrides(
         host="127.0.0.1", port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix,
         engine_urls=tuple(a.engine), secret_key=new_secret(),
-        limits={"max_messages_per_minute": 100_000, "max_generations_per_user": a.max_generations_per_user})
+        limits={"max_messages_per_minute": 100_000, "max_generations_per_user": a.max_generations_per_user},
+        routing={"policy": a.routing_policy} if a.routing_policy else None)
     app = build_app(config, EngineTap() if a.tap else None)
     sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
     server = uvicorn.Server(uvicorn_config(app, config, "warning"))

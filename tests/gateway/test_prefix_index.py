@@ -65,3 +65,16 @@ def test_random_events_match_a_reference_and_never_exceed_the_bound():
 def test_a_bound_below_one_page_is_refused():
     with pytest.raises(ValueError):
         PrefixIndex(max_pages=0)
+
+
+def test_a_routed_prompt_counts_at_its_engine_until_reported_or_expired():
+    doc = list(range(32))
+    ix = PrefixIndex(routed_ttl_s=10.0)
+    ix.note_routed(A, pages(doc), now=100.0)
+    assert ix.match(pages(doc), [A, B], now=105.0) == {A: 8, B: 0}
+    assert ix.match(pages(doc), [A, B], now=111.0) == {A: 0, B: 0}  # never reported: it expired
+    ix.apply(A, pages(doc[:16]), [])  # reported (part of it) before expiry: that part stays
+    assert ix.match(pages(doc), [A], now=111.0) == {A: 4}
+    ix.note_routed(B, pages(doc), now=200.0)
+    ix.forget(B)
+    assert ix.match(pages(doc), [B], now=201.0) == {B: 0}
