@@ -8,7 +8,13 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
    at most one step of bounded size, never starve it (no decode starvation (docs/acceptance.md)).
 2. Then waiting requests (FCFS, or longest prefix match first with "lpm"):
    match the prompt in the radix tree, lock the match, allocate blocks for the
-   first chunk, and admit.
+   first chunk, and admit. A waiting request whose next uncached page is being
+   computed right now by a running prompt's prefill (chats opening with one
+   document, arriving together) waits until those pages are in the tree, then
+   reads them from it instead of computing them again; the requests behind it are
+   admitted meanwhile. SGLang's scheduler does the same ("in-batch prefix caching":
+   a waiting request that shares a prefix with one in the running batch is
+   deprioritized so that it hits the cache a round later).
 
 When blocks run out the scheduler first evicts unlocked tree pages (LRU);
 if that is not enough it preempts the newest running request (frees its blocks
@@ -96,6 +102,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_deferred = 0  # admissions put off for a prefill in flight (request-steps)
 
     # ----- queue management -------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -218,10 +225,15 @@ class Scheduler:
         # 2. Admit waiting requests while budget, seats and blocks last.
         if self.config.policy == "lpm" and len(self.waiting) > 1 and not batch.preempted:
             self._sort_waiting_by_prefix()
+        prefilling = [r for r in self.running if r.num_computed_tokens < len(r.prompt_ids)]
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req in batch.preempted:
                 break  # preempted this step: it needs the blocks we could not find
+            if prefilling and self._prefill_in_flight(req, prefilling):
+                deferred.append(self.waiting.popleft())  # next step, from the tree
+                continue
             if not self._admit(req, budget):
                 break
             self.waiting.popleft()
@@ -230,7 +242,27 @@ class Scheduler:
             num_new = min(req.num_uncomputed, budget)
             batch.items.append(ScheduledItem(req, num_new, num_new == req.num_uncomputed))
             budget -= num_new
+            prefilling.append(req)  # its pages reach the tree after this step at the earliest
+        self.waiting.extendleft(reversed(deferred))  # still first in line, in their order
+        self.num_deferred += len(deferred)
         return batch
+
+    def _prefill_in_flight(self, req: Request, prefilling: list[Request]) -> bool:
+        """Whether a running prompt still being prefilled shares with ``req`` at least one
+        whole page beyond what the tree holds for ``req`` now (those pages will be in the
+        tree once that prefill ends)."""
+        if not self.cache.enabled:
+            return False
+        bs = self.config.block_size
+        tokens = req.all_ids()
+        cached = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1).num_tokens
+        end = cached + bs
+        if end > len(tokens) - 1:
+            return False  # nothing more a page could give it
+        page = tokens[cached:end]
+        return any(r.namespace == req.namespace and len(r.prompt_ids) >= end
+                   and r.prompt_ids[cached:end] == page and r.prompt_ids[:cached] == tokens[:cached]
+                   for r in prefilling)
 
     def _admit(self, req: Request, budget: int) -> bool:
         """Match the prefix, lock it, and reserve blocks for the first chunk."""

@@ -214,3 +214,26 @@ def test_a_broken_invariant_is_counted_in_stats_and_logged_once_with_the_state(c
     assert core.stats()["invariant_failures_total"] == 3
     logged = [r.getMessage() for r in caplog.records if "invariant failed" in r.getMessage()]
     assert len(logged) == 1 and "blocks_free" in logged[0], logged
+
+
+def test_prompts_sharing_a_document_in_flight_wait_for_its_pages_instead_of_computing_them_again(tiny_model_dir):
+    """Chats that open with one document, arriving together: the first computes it,
+    the others wait until its pages are in the tree and read them from there, while a
+    prompt sharing nothing is admitted at once."""
+    core = make_engine(tiny_model_dir, num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64).core
+    rng = random.Random(11)
+    doc = _tokens(rng, 200)  # 12 whole pages of 16; one step's budget holds every prompt
+    prompts = {f"d{i}": doc + _tokens(rng, 10) for i in range(4)}
+    prompts["other"] = _tokens(rng, 40)
+    for rid, ids in prompts.items():
+        core.add_request(rid, ids, greedy(4))
+    finals = {o.request_id: o for o in core.step() if o.finished}
+    assert {r.request_id for r in core.scheduler.running} == {"d0", "other"}  # d1..d3 wait for d0's pages
+    assert {r.request_id for r in core.scheduler.waiting} == {"d1", "d2", "d3"}
+    finals.update(run_core(core))
+    cached = {rid: f.usage.cached_tokens for rid, f in finals.items()}
+    assert cached["d0"] == 0 and cached["other"] == 0
+    assert all(cached[f"d{i}"] == 12 * 16 for i in (1, 2, 3))
+    assert all(f.usage.completion_tokens == 4 for f in finals.values())
+    assert core.scheduler.num_deferred == 3
+    core.check_invariants()
