@@ -23,7 +23,8 @@ replaces the connection loop (a health probe), ``generate``, ``abort`` and ``sta
 * Health: ``GET {base}/models`` at start, every ``health_interval_s`` seconds, and at
   once after a request failed to reach the upstream; while it fails, retries back off
   (0.1 s doubling to ``max_backoff_s``, with jitter), as the WebSocket client reconnects.
-  ``info`` comes from that answer: the first model's ``id``; its context from vLLM's and
+  ``info`` comes from that answer: the first model's ``id`` (a filesystem path shown by
+  its last part, ``shown_model_name``); its context from vLLM's and
   SGLang's ``max_model_len`` or llama-server's ``meta.n_ctx`` (else its ``/props``),
   else ``max_model_len`` given here (0: unknown, the page then shows no context meter).
 * No token ids: ``DeltaFrame``/``DoneFrame`` carry text only, so the gateway stores no
@@ -53,7 +54,8 @@ from gateway.retry import Backoff
 
 log = logging.getLogger("gateway.upstream")
 
-__all__ = ["UpstreamClient", "engine_client", "is_upstream_url", "upstream_body", "upstream_error"]
+__all__ = ["UpstreamClient", "engine_client", "is_upstream_url", "shown_model_name", "upstream_body",
+           "upstream_error"]
 
 UPSTREAM_SCHEMES = ("http://", "https://")
 READ_TIMEOUT_S = 600.0  # longest silence (seconds) inside one streamed reply before it is given up
@@ -84,6 +86,13 @@ def engine_client(url: str, config: GatewayConfig) -> EngineClient:
     if is_upstream_url(url):
         return UpstreamClient(url, api_key=config.upstream_api_key, max_model_len=config.upstream_max_model_len)
     return EngineClient(url, secret=config.engine_secret)
+
+
+def shown_model_name(model_id: str) -> str:
+    """The model name users see for an upstream's model id: a filesystem path (llama-server
+    and vLLM name a model by the path it was loaded from, unless given an alias) becomes
+    its last part, so no server path is shown; any other id is kept (``org/model``)."""
+    return model_id.rstrip("/").rsplit("/", 1)[-1] if model_id.startswith("/") else model_id
 
 
 def upstream_body(model: str, messages: list[dict[str, str]], params: dict[str, Any] | None,
@@ -216,6 +225,7 @@ class UpstreamClient(EngineClient):
         self.default_max_model_len = max_model_len
         self.health_interval_s = health_interval_s
         self.read_timeout_s = read_timeout_s
+        self.model_id = ""  # the model as the upstream names it (sent in requests)
         self.flavor = ""  # the models list's ``owned_by``: "vllm", "sglang", "llamacpp", "chatserve", ...
         self._http: httpx.AsyncClient | None = None
         self._streams: dict[str, asyncio.Task[None]] = {}
@@ -301,7 +311,8 @@ class UpstreamClient(EngineClient):
         n_ctx = _int(card.get("max_model_len")) or _int(meta.get("n_ctx"))
         if not n_ctx and self.flavor == "llamacpp":
             n_ctx = await self._llamacpp_n_ctx()
-        return EngineInfo(model=str(card["id"]), max_model_len=n_ctx or self.default_max_model_len,
+        self.model_id = str(card["id"])
+        return EngineInfo(model=shown_model_name(self.model_id), max_model_len=n_ctx or self.default_max_model_len,
                           block_size=0, num_blocks=0,
                           format=f"OpenAI-compatible upstream ({self.flavor or 'unknown server'})")
 
@@ -336,7 +347,7 @@ class UpstreamClient(EngineClient):
             raise GatewayError("invalid_request", "this engine is an OpenAI-compatible upstream: it takes the "
                                                   "chat's text, not token ids")
         assert self.info is not None  # healthy: a probe set it
-        body = upstream_body(self.info.model, messages, params, self.flavor)
+        body = upstream_body(self.model_id, messages, params, self.flavor)
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
         self.counters["requests_total"] += 1

@@ -6,17 +6,15 @@ second gateway whose ``ENGINE_URLS`` names that upstream."""
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig
 from gateway.engines import EngineClient, EngineRouter
 from gateway.replies import EngineRun
-from gateway.upstream import UpstreamClient, engine_client, upstream_body, upstream_error
+from gateway.upstream import UpstreamClient, engine_client, shown_model_name, upstream_body, upstream_error
 from tests.engine_gate import of_type, text_delta
-from tests.gateway_helpers import chat, read_reply, recv, send, wait_for
+from tests.gateway_helpers import chat, openai_client, read_reply, recv, send, wait_for
 
 BLOCK = 16  # the tiny engine's --block-size
 SYSTEM = GatewayConfig().defaults.system_prompt
@@ -64,6 +62,12 @@ def test_sampling_params_map_to_openai_fields_and_the_rest_is_dropped():
         "repeat_penalty": None}
     llama = upstream_body("m", [], ext, flavor="llamacpp")
     assert llama["repeat_penalty"] == 1.2 and "repetition_penalty" not in llama
+
+
+def test_a_model_path_is_shown_by_its_last_part_and_other_ids_as_they_are():
+    assert shown_model_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert shown_model_name("/srv/llama-3/") == "llama-3"
+    assert shown_model_name("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
 
 
 @pytest.mark.parametrize("status, body, code", [
@@ -210,13 +214,33 @@ async def test_an_upstream_that_is_down_or_goes_away_answers_engine_unavailable(
 
 async def test_the_upstream_api_key_is_sent_as_a_bearer_token(gateway_factory):
     up = gateway_factory(api_key="upstream-secret")
+    async with httpx.AsyncClient(timeout=10) as c:
+        assert (await c.get(f"{v1(up)}/models")).status_code == 401  # the upstream wants the key
     keyed = gateway_factory(engine_urls=[v1(up)], upstream_api_key="upstream-secret")
     async with keyed.connect(keyed.new_cookie()) as ws:
         r = await chat(ws, "Hi.", max_tokens=3)
         assert r.error is None and r.done["finish_reason"] in ("stop", "length")
     keyless = gateway_factory(engine_urls=[v1(up)], wait_for_engine=False)
-    await asyncio.sleep(1.0)  # a few probes, all refused (401)
-    assert not keyless.app.state.router.healthy
+    async with keyless.connect(keyless.new_cookie()) as ws:
+        await send(ws, {"type": "chat", "content": "Hi."})
+        assert (await recv(ws))["code"] == "engine_unavailable"
+
+
+def test_the_openai_api_through_an_upstream_streams_usage_with_cached_tokens(gateway_factory):
+    up = gateway_factory()
+    front = gateway_factory(engine_urls=[v1(up)])
+    client = openai_client(front)
+    messages = [{"role": "system", "content": "You are terse. " * 8}, {"role": "user", "content": "Hi."}]
+    usages = []
+    for _ in range(2):
+        stream = client.chat.completions.create(model="default", messages=messages, max_tokens=5, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text and chunks[-1].usage is not None
+        usages.append(chunks[-1].usage)
+    assert usages[0].completion_tokens <= 5 and usages[1].prompt_tokens == usages[0].prompt_tokens
+    assert usages[1].prompt_tokens_details.cached_tokens >= usages[1].prompt_tokens - BLOCK
 
 
 async def test_a_mixed_engine_list_refreshes_stats_and_sends_token_id_prompts_to_our_engine(
@@ -277,6 +301,7 @@ async def test_llama_server_as_the_upstream_streams_stores_reports_its_cache_and
     async with httpx.AsyncClient(timeout=10) as c:
         n_ctx = (await c.get(f"{llama_server}/props")).json()["default_generation_settings"]["n_ctx"]
     assert client.flavor == "llamacpp" and client.info.max_model_len == n_ctx > 0  # a slot's context
+    assert client.model_id.startswith("/") and client.info.model == client.model_id.rsplit("/", 1)[-1]
     cookie = front.new_cookie()
     async with front.connect(cookie) as ws:
         sid = None
