@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     p.add_argument("--port", type=int, default=base.port, help="listen port (PORT)")
     p.add_argument("--redis-url", default=base.redis_url, help="Redis URL (REDIS_URL)")
     p.add_argument("--engine", action="append", default=None, metavar="URL",
-                   help="engine ws:// URL, repeatable (ENGINE_URLS); none starts a local engine")
+                   help="our engine's ws://host:port, or an OpenAI-compatible http(s)://host:port/v1 (vLLM, "
+                        "SGLang, llama-server), repeatable (ENGINE_URLS); none starts a local engine")
     p.add_argument("--model", default=base.model, help="model for the local engine (MODEL)")
     p.add_argument("--engine-args", default=None, metavar="'OPTIONS'",
                    help="more options for the local engine, one quoted string (ENGINE_ARGS), e.g. "

@@ -30,7 +30,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.auth import UserCookieMiddleware, UserIds
 from gateway.chat_export import export_routes
 from gateway.config import GatewayConfig
-from gateway.engines import EngineClient, EngineRouter
+from gateway.engines import EngineRouter
 from gateway.events import GenerationEvents
 from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
@@ -40,6 +40,7 @@ from gateway.routing import Placements
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
 from gateway.tokens import TokenAuthMiddleware, TokenStore
+from gateway.upstream import engine_client
 from gateway.user_api import user_routes
 from gateway.user_defaults import UserDefaultsStore
 from gateway.ws import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not_found
@@ -96,7 +97,8 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     """Build the gateway application.
 
     Args:
-        config: settings (``engine_urls`` must name at least one engine for replies).
+        config: settings (``engine_urls`` must name at least one engine for replies: our
+            engines' ``ws://`` urls and OpenAI-compatible ``http(s)://`` upstreams).
         extra_routes: more routes (e.g. ``/v1/...``, ``/metrics``); they see the same
             ``app.state`` (config, store, streams, router, generations, ws_stats).
         events: hooks called on every reply (see ``gateway.events``).
@@ -127,7 +129,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         store = SessionStore(redis, keys, config.session_ttl_s, config.lock_lease_ms,
                              lim.max_sessions_per_user, lim.max_generations_per_user)
         streams = ReplyStreams(redis, tail_redis, keys, config.stream_ttl_s, config.stream_maxlen)
-        router = EngineRouter((EngineClient(u, secret=config.engine_secret) for u in config.engine_urls),
+        router = EngineRouter((engine_client(u, config) for u in config.engine_urls),
                               config.routing, Placements(redis, config.key_prefix, config.session_ttl_s))
         gens = GenerationManager(config, store, streams, router, redis, list(events))
         s = app.state

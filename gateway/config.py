@@ -152,8 +152,10 @@ class GatewayConfig:
         redis_pool_timeout_s: how long such a caller waits for a connection (seconds)
             before the store counts as unavailable: latency and bursts queue, and only
             a real outage answers ``store_unavailable``.
-        engine_urls: internal engine WebSocket URLs; empty means "start a local engine"
-            (done by ``python -m gateway``, not by the app factory).
+        engine_urls: the engines: our engines' internal WebSocket URLs (``ws://host:port``)
+            and OpenAI-compatible servers (``http(s)://host:port/v1``: vLLM, SGLang,
+            llama-server, another gateway; ``gateway/upstream.py``); empty means "start a
+            local engine" (done by ``python -m gateway``, not by the app factory).
         model: model path for that local engine (None: the bundled SmolLM2).
         engine_args: more ``python -m engine serve`` options for that local engine
             (e.g. ``("--dtype", "bfloat16", "--quantization", "int8")``).
@@ -167,6 +169,11 @@ class GatewayConfig:
         api_key: when set, ``/v1`` requests must send ``Authorization: Bearer <key>``.
         engine_secret: when set, sent to every engine on connect (``X-Engine-Secret``);
             an engine started with the same ``ENGINE_SECRET`` refuses connections without it.
+            Never sent to an OpenAI-compatible upstream.
+        upstream_api_key: sent to every OpenAI-compatible upstream of ``engine_urls`` as
+            ``Authorization: Bearer`` (a url may not carry it: urls show in ``/metrics``).
+        upstream_max_model_len: the context (tokens) shown for an upstream that reports
+            none (vLLM, SGLang and llama-server do); 0 means unknown.
         data_dir: the project's data folder (secret key, private Redis data).
         key_prefix: prefix of every Redis key (tests use a unique one each).
         session_ttl_s: TTL of every key of a chat, refreshed on each write; None = keep forever.
@@ -198,6 +205,8 @@ class GatewayConfig:
     secret_key: str | None = None
     api_key: str | None = None
     engine_secret: str | None = None
+    upstream_api_key: str | None = None
+    upstream_max_model_len: int = 0
     data_dir: Path = field(default_factory=lambda: PROJECT_ROOT / ".data")
     key_prefix: str = ""
     session_ttl_s: int | None = None
@@ -224,6 +233,16 @@ class GatewayConfig:
             raise ConfigError("store_retry_s must be > 0")
         if self.redis_max_connections < 1 or self.redis_pool_timeout_s <= 0:
             raise ConfigError("redis_max_connections >= 1 and redis_pool_timeout_s > 0 required")
+        if self.upstream_max_model_len < 0:
+            raise ConfigError("upstream_max_model_len must be >= 0")
+        for u in self.engine_urls:
+            scheme, sep, rest = u.partition("://")
+            if not sep or scheme.lower() not in ("ws", "wss", "http", "https") or not rest:
+                raise ConfigError(f"an engine url must be ws(s)://host:port (our engine) or "
+                                  f"http(s)://host:port/v1 (an OpenAI-compatible server), got {u!r}")
+            if "@" in rest.split("/", 1)[0]:
+                raise ConfigError("an engine url may not carry credentials (urls show in /metrics); "
+                                  "set UPSTREAM_API_KEY for an upstream's API key")
         for h in self.allowed_hosts:
             if h != "*" and ("*" in h[1:] or (h.startswith("*") and not h.startswith("*.")) or "/" in h):
                 raise ConfigError(f"allowed host must be a name, *.domain or *, got {h!r}")
@@ -286,6 +305,8 @@ ENV_VARS: dict[str, str] = {
     "allowed_origins": "ALLOWED_ORIGINS",
     "allowed_hosts": "ALLOWED_HOSTS",
     "engine_secret": "ENGINE_SECRET",
+    "upstream_api_key": "UPSTREAM_API_KEY",
+    "upstream_max_model_len": "UPSTREAM_MAX_MODEL_LEN",
     "secret_key": "SECRET_KEY",
     "api_key": "API_KEY",
     "data_dir": "DATA_DIR",
@@ -317,7 +338,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
             raw = env.get(var)
             if raw is None or raw == "":
                 continue
-            if name in ("port", "stream_ttl_s"):
+            if name in ("port", "stream_ttl_s", "upstream_max_model_len"):
                 changes[name] = int(raw)
             elif name == "session_ttl_s":
                 changes[name] = int(raw) if int(raw) > 0 else None

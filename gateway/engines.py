@@ -145,6 +145,10 @@ class EngineClient:
         secret: the engine link's shared secret (``ENGINE_SECRET``), sent on connect.
     """
 
+    # the engine takes prompts as token ids (a continued reply) and reports the ids it
+    # read and sampled; an OpenAI-compatible upstream (gateway/upstream.py) does neither
+    takes_token_ids: bool = True
+
     def __init__(self, url: str, max_backoff_s: float = 5.0, open_timeout_s: float = 10.0,
                  secret: str | None = None) -> None:
         self.url = url

@@ -63,6 +63,8 @@ STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (se
 # user's Stop (or a delete of the chat), the gateway shutting down, the engine going away
 # (or shutting down) mid-reply, or another failure after some text was shown
 CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "error")
+NO_IDS_TO_CONTINUE = ("this reply cannot be continued: its token ids are not stored (a reply written by an "
+                      "OpenAI-compatible upstream engine has none); regenerate it with a higher max tokens instead")
 LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
 
 
@@ -322,6 +324,8 @@ class GenerationManager:
         seg = json.loads(begun.popped_tokens) if begun.popped_tokens else None
         if popped.get("finish_reason") != "length" or not seg or seg.get("base"):
             await self.store.fail_turn(owner, info.id, begun, None)
+            if popped.get("finish_reason") == "length" and not seg:
+                raise GatewayError("invalid_request", NO_IDS_TO_CONTINUE)
             raise GatewayError("invalid_request", "only a reply cut at its max tokens can be continued")
         started = await self._launch(owner, info.id, begun, merged, info.system_prompt, None,
                                      continued=popped, continued_ids=list(seg["ids"]))
@@ -454,8 +458,7 @@ class GenerationManager:
         """
         ids = history.full_ids
         if ids is None:
-            raise GatewayError("invalid_request", "this reply cannot be continued (its chat's token ids "
-                                                  "are not stored); regenerate it instead")
+            raise GatewayError("invalid_request", NO_IDS_TO_CONTINUE)
         return ids + turn.continued_ids
 
     async def _pump(self, turn: _Turn, run: EngineRun) -> DoneFrame | ErrorFrame:
@@ -574,9 +577,11 @@ class GenerationManager:
             if new_ids or turn.output_ids:
                 a_seg = {"ids": turn.continued_ids + list(new_ids), "base": False}
             assistant["created_at"] = turn.continued.get("created_at", assistant["created_at"])
-        elif not turn.synthetic_end:
+        elif not turn.synthetic_end and end.prompt_token_ids:
             user_seg = history.user_segment(list(end.prompt_token_ids), end.prefix_reused)
             a_seg = {"ids": list(end.output_token_ids), "base": False}
+        # else no ids came back (an OpenAI-compatible upstream): the turn stores no token
+        # segments, so the next turn's exact prefix stops before it and its text is re-read
         try:
             await self._flush_unsent(turn)
             stored = await self._store_retrying(rid, "storing the reply", lambda: self.store.finish_turn(

@@ -93,8 +93,11 @@ class EngineRun:
         return None
 
     def _excluded(self) -> Iterable[EngineClient]:
+        # another model than asked for; and for a prompt of token ids (a continued reply),
+        # an engine that takes text only (an OpenAI-compatible upstream)
         others = [c for c in self.router.clients
-                  if self.model is not None and (c.info is None or c.info.model != self.model)]
+                  if (self.model is not None and (c.info is None or c.info.model != self.model))
+                  or (self.prompt_token_ids is not None and not c.takes_token_ids)]
         return self._tried + others
 
     async def start(self) -> None:
