@@ -489,7 +489,7 @@ class EngineRouter:
         names: dict[str, list[int]] = {}
         groups: dict[tuple[str, int], list[str]] = {}
         for c in engines:
-            if c.info is not None:
+            if c.info is not None and c.info.block_size > 0:  # an upstream names no pages
                 groups.setdefault((c.info.weights_id, c.info.block_size), []).append(c.url)
         for (weights_id, block_size), urls in groups.items():
             hashes = prompt_block_hashes(prompt.token_ids, block_size, namespace_of(weights_id, prompt.cache_salt))
