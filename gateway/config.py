@@ -361,9 +361,9 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
             raw = env.get(var)
             if raw:
                 routing[name] = float(raw) if name == "beta" else raw.strip()
+                replace(cfg.routing, **{name: routing[name]})  # checks it (ValueError) while var names it
         if routing:
             changes["routing"] = routing
-            replace(cfg.routing, **routing)  # checks the values (ValueError) while var names them
     except ValueError as e:
         raise ConfigError(f"bad environment variable {var}: {e}") from None
     if limits:

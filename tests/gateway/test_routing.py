@@ -112,3 +112,15 @@ def test_an_unknown_policy_or_a_negative_beta_is_refused():
         RoutingPolicy(policy="fastest")
     with pytest.raises(ValueError):
         RoutingPolicy(beta=-1)
+
+
+def test_routing_settings_come_from_the_environment_and_bad_ones_name_their_variable():
+    from gateway.config import ConfigError, config_from_env
+
+    cfg = config_from_env({"ROUTING_POLICY": "hash", "ROUTING_BETA": "0.2", "ROUTING_TOKENIZER": "/m/tok"})
+    assert (cfg.routing.policy, cfg.routing.beta, cfg.routing.tokenizer) == ("hash", 0.2, "/m/tok")
+    assert config_from_env({}).routing.policy == "cache_aware"
+    for env, var in (({"ROUTING_POLICY": "fastest"}, "ROUTING_POLICY"), ({"ROUTING_BETA": "-1"}, "ROUTING_BETA"),
+                     ({"ROUTING_BETA": "lots"}, "ROUTING_BETA")):
+        with pytest.raises(ConfigError, match=var):
+            config_from_env(env)
