@@ -189,7 +189,7 @@ class GatewayConfig:
         defaults: per-chat defaults.
         limits: documented limits.
         routing: which engine serves a request (``gateway/routing.py``; env
-            ``ROUTING_POLICY``, ``ROUTING_BETA``, ``ROUTING_TOKENIZER``).
+            ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``).
     """
 
     host: str = "127.0.0.1"
@@ -315,7 +315,7 @@ ENV_VARS: dict[str, str] = {
     "stream_ttl_s": "STREAM_TTL_S",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
-ROUTING_ENV = {"policy": "ROUTING_POLICY", "beta": "ROUTING_BETA", "tokenizer": "ROUTING_TOKENIZER"}
+ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER"}
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -360,7 +360,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
         for name, var in ROUTING_ENV.items():
             raw = env.get(var)
             if raw:
-                routing[name] = float(raw) if name == "beta" else raw.strip()
+                routing[name] = float(raw) if name == "load_tokens" else raw.strip()
                 replace(cfg.routing, **{name: routing[name]})  # checks it (ValueError) while var names it
         if routing:
             changes["routing"] = routing

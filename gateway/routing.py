@@ -6,15 +6,18 @@ whose prompt has ``P`` tokens over the healthy engines:
 1. **Match.** For each engine, ``matched`` = the leading prompt tokens whose KV pages
    it holds, from the gateway's prefix index (``gateway/prefix_index.py``, fed by the
    engines' KV events).
-2. **Score** = ``matched / P - beta * load / max_load`` (``max_load``: the largest load
-   among the candidates, at least 1); the best score wins, ties going to the chat's home
-   (below), then to the engine ranking higher for ``key``. This is the scoring of vLLM's
-   production-stack router (matched tokens over prompt tokens, minus beta times relative
-   load); NVIDIA Dynamo's KV router weighs the same two terms (prefill blocks saved
-   against active blocks). A turn of a chat finds most of its prompt at the engine that
-   served the previous turn, so it stays there; a new chat (nothing matched) goes to
-   the least-loaded engine; a chat opening with a long shared document goes where that
-   document is cached.
+2. **Cost** = ``(P - matched) + load_tokens * load``: the prompt tokens the engine must
+   still compute, plus ``load_tokens`` for each request it runs or queues (both in
+   tokens of work); the lowest cost wins, ties going to the chat's home (below), then to
+   the engine ranking higher for ``key``. This is the cost of NVIDIA Dynamo's KV router
+   (prefill blocks the request still needs plus the blocks active on the worker, in one
+   unit); vLLM's production-stack router scores the same two terms as a matched share
+   minus beta times relative load, which bench/routing_sim.py found to move chats off
+   their own history whenever another engine idles (a relative term charges 1 request
+   against 0 as much as 100 against 0). A turn of a chat finds most of its prompt at the
+   engine that served the previous turn, so it stays there; a new chat (nothing
+   matched) goes to the least-loaded engine; a chat opening with a long shared document
+   goes where that document is cached.
 3. **Shed**, as below: when the winner is overloaded against the least-loaded engine
    (SGLang's imbalance test), the least-loaded engine takes the request.
 
@@ -74,9 +77,11 @@ class RoutingPolicy:
         policy: one of ``POLICIES``: ``cache_aware`` (the default), ``sticky`` (home
             unless overloaded), ``hash`` (rendezvous hashing of the chat id alone),
             ``round_robin`` or ``random`` (baselines for the routing benchmark).
-        beta: weight of relative load against the matched share of the prompt in
-            ``cache_aware`` (0 ignores load; 1 lets a fully matched but busiest engine tie
-            with an idle one that matched nothing).
+        load_tokens: in ``cache_aware``, what one request of load (running or waiting)
+            weighs against prompt tokens still to compute (tokens). 0 ignores load (the
+            longest match wins, a new chat goes to its rendezvous home); with 256 a
+            request moves off an engine holding 1,000 more of its tokens only when that
+            engine carries 4 more requests.
         max_index_pages: the most KV page hashes the gateway's prefix index keeps.
         tokenizer: a folder with the engines' tokenizer and chat template, read by the
             gateway to compute prompt ids for ``cache_aware`` (``gateway/prompt_ids.py``);
@@ -98,15 +103,15 @@ class RoutingPolicy:
     max_stats_age_s: float = 10.0
     stats_interval_s: float = 1.0
     policy: str = "cache_aware"
-    beta: float = 0.5
+    load_tokens: float = 256.0
     max_index_pages: int = 2_000_000
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.beta < 0:
-            raise ValueError(f"routing beta must be >= 0, got {self.beta}")
+        if self.load_tokens < 0:
+            raise ValueError(f"routing load_tokens must be >= 0, got {self.load_tokens}")
         if self.max_index_pages < 1:
             raise ValueError(f"max_index_pages must be >= 1, got {self.max_index_pages}")
 
@@ -136,9 +141,23 @@ def snapshot_load(stats: dict[str, Any] | None, age_s: float | None, in_flight: 
     return max(seen, in_flight)
 
 
+def _ranks(key: str, engines: Sequence[EngineLoad]) -> dict[str, int]:
+    return {e.url: rendezvous_rank(key, e.url) for e in engines}
+
+
+def _shed(best: EngineLoad, engines: Sequence[EngineLoad], ranks: dict[str, int], policy: RoutingPolicy) -> str:
+    """``best``, or the least-loaded engine when ``best`` is overloaded against it (SGLang's
+    imbalance test; ties: the engine ranking higher for the key)."""
+    least = min(engines, key=lambda e: (e.load, -ranks[e.url]))
+    if best.load - least.load > policy.abs_threshold and best.load > policy.rel_threshold * least.load:
+        return least.url
+    return best.url
+
+
 def choose(key: str, engines: Sequence[EngineLoad], policy: RoutingPolicy,
            placement: str | None = None) -> str:
-    """The url of the engine for ``key`` (see the module doc for the rule and its source).
+    """The url of the engine for ``key`` by the ``sticky`` rule (see the module doc for
+    the rule and its source).
 
     Args:
         key: the chat id.
@@ -152,20 +171,15 @@ def choose(key: str, engines: Sequence[EngineLoad], policy: RoutingPolicy,
     """
     if not engines:
         raise ValueError("no engine to choose from")
-    urls = {e.url for e in engines}
-    home_url = placement if placement in urls else max(engines, key=lambda e: rendezvous_rank(key, e.url)).url
-    home = next(e for e in engines if e.url == home_url)
-    # ties go to the engine that ranks higher for this key: a stable, spread choice
-    least = min(engines, key=lambda e: (e.load, -rendezvous_rank(key, e.url)))
-    if home.load - least.load > policy.abs_threshold and home.load > policy.rel_threshold * least.load:
-        return least.url
-    return home.url
+    ranks = _ranks(key, engines)
+    home_url = placement if placement in ranks else max(ranks, key=ranks.__getitem__)
+    return _shed(next(e for e in engines if e.url == home_url), engines, ranks, policy)
 
 
 def choose_cache_aware(key: str, engines: Sequence[EngineLoad], prompt_tokens: int, policy: RoutingPolicy,
                        placement: str | None = None) -> str:
     """The url of the engine for a request of chat ``key`` by the ``cache_aware`` rule
-    (module doc): best ``matched / prompt_tokens - beta * load / max_load``, then the
+    (module doc): least ``uncached prompt tokens + load_tokens x load``, then the
     imbalance test. Falls back to ``choose`` when ``prompt_tokens < 1``.
 
     Args:
@@ -182,19 +196,14 @@ def choose_cache_aware(key: str, engines: Sequence[EngineLoad], prompt_tokens: i
         raise ValueError("no engine to choose from")
     if prompt_tokens < 1:
         return choose(key, engines, policy, placement)
-    urls = {e.url for e in engines}
-    home_url = placement if placement in urls else max(engines, key=lambda e: rendezvous_rank(key, e.url)).url
-    max_load = max(1, max(e.load for e in engines))
+    ranks = _ranks(key, engines)
+    home_url = placement if placement in ranks else max(ranks, key=ranks.__getitem__)
 
-    def rank(e: EngineLoad) -> tuple[float, bool, int]:
-        score = min(e.matched_tokens, prompt_tokens) / prompt_tokens - policy.beta * e.load / max_load
-        return round(score, 9), e.url == home_url, rendezvous_rank(key, e.url)
+    def cost(e: EngineLoad) -> tuple[float, bool, int]:
+        work = prompt_tokens - min(e.matched_tokens, prompt_tokens) + policy.load_tokens * e.load
+        return work, e.url != home_url, -ranks[e.url]
 
-    best = max(engines, key=rank)
-    least = min(engines, key=lambda e: (e.load, -rendezvous_rank(key, e.url)))
-    if best.load - least.load > policy.abs_threshold and best.load > policy.rel_threshold * least.load:
-        return least.url
-    return best.url
+    return _shed(min(engines, key=cost), engines, ranks, policy)
 
 
 class Placements:

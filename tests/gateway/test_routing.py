@@ -90,16 +90,18 @@ def test_cache_aware_sends_a_prompt_nobody_holds_to_the_least_loaded_engine_ties
             for k in keys} == {"ws://b:2"}
 
 
-def test_cache_aware_weighs_load_by_beta_and_still_sheds_an_overloaded_winner():
-    matched = {"ws://a:1": 500}
-    # half the prompt cached at a, which carries the most load: beta decides
-    assert choose_cache_aware("k", cache_loads(matched, {"ws://a:1": 4, "ws://b:2": 1}), 1000,
-                              RoutingPolicy(beta=0.2)) == "ws://a:1"
-    assert choose_cache_aware("k", cache_loads(matched, {"ws://a:1": 4, "ws://b:2": 1}), 1000,
-                              RoutingPolicy(beta=1.0)) != "ws://a:1"
+def test_cache_aware_weighs_uncached_tokens_against_load_in_tokens_and_still_sheds_an_overloaded_winner():
+    # a holds 500 of 1000 tokens and carries 2 more requests than b
+    matched, load = {"ws://a:1": 500}, {"ws://a:1": 3, "ws://b:2": 1, "ws://c:3": 1}
+    assert choose_cache_aware("k", cache_loads(matched, load), 1000, RoutingPolicy(load_tokens=200)) == "ws://a:1"
+    assert choose_cache_aware("k", cache_loads(matched, load), 1000, RoutingPolicy(load_tokens=300)) != "ws://a:1"
+    # a chat's own history keeps it home against an idle engine that holds only the
+    # shared document it opened with (the case a relative load term got wrong)
+    own = {"ws://a:1": 1900, "ws://b:2": 1500, "ws://c:3": 1500}
+    assert choose_cache_aware("k", cache_loads(own, {"ws://a:1": 1}), 2000, POLICY) == "ws://a:1"
     # fully cached but 10 vs 0: SGLang's imbalance test sheds it
     assert choose_cache_aware("k", cache_loads({"ws://a:1": 1000}, {"ws://a:1": 10, "ws://b:2": 1, "ws://c:3": 0}),
-                              1000, RoutingPolicy(beta=0.0)) == "ws://c:3"
+                              1000, RoutingPolicy(load_tokens=0)) == "ws://c:3"
 
 
 def test_cache_aware_without_a_prompt_length_falls_back_to_the_sticky_rule():
@@ -107,20 +109,21 @@ def test_cache_aware_without_a_prompt_length_falls_back_to_the_sticky_rule():
         assert choose_cache_aware(key, cache_loads({}, {}), 0, POLICY) == choose(key, loads(), POLICY)
 
 
-def test_an_unknown_policy_or_a_negative_beta_is_refused():
+def test_an_unknown_policy_or_a_negative_load_weight_is_refused():
     with pytest.raises(ValueError):
         RoutingPolicy(policy="fastest")
     with pytest.raises(ValueError):
-        RoutingPolicy(beta=-1)
+        RoutingPolicy(load_tokens=-1)
 
 
 def test_routing_settings_come_from_the_environment_and_bad_ones_name_their_variable():
     from gateway.config import ConfigError, config_from_env
 
-    cfg = config_from_env({"ROUTING_POLICY": "hash", "ROUTING_BETA": "0.2", "ROUTING_TOKENIZER": "/m/tok"})
-    assert (cfg.routing.policy, cfg.routing.beta, cfg.routing.tokenizer) == ("hash", 0.2, "/m/tok")
+    cfg = config_from_env({"ROUTING_POLICY": "hash", "ROUTING_LOAD_TOKENS": "64", "ROUTING_TOKENIZER": "/m/tok"})
+    assert (cfg.routing.policy, cfg.routing.load_tokens, cfg.routing.tokenizer) == ("hash", 64.0, "/m/tok")
     assert config_from_env({}).routing.policy == "cache_aware"
-    for env, var in (({"ROUTING_POLICY": "fastest"}, "ROUTING_POLICY"), ({"ROUTING_BETA": "-1"}, "ROUTING_BETA"),
-                     ({"ROUTING_BETA": "lots"}, "ROUTING_BETA")):
+    for env, var in (({"ROUTING_POLICY": "fastest"}, "ROUTING_POLICY"),
+                     ({"ROUTING_LOAD_TOKENS": "-1"}, "ROUTING_LOAD_TOKENS"),
+                     ({"ROUTING_LOAD_TOKENS": "lots"}, "ROUTING_LOAD_TOKENS")):
         with pytest.raises(ConfigError, match=var):
             config_from_env(env)
