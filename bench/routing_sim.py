@@ -1010,6 +1010,8 @@ def decision_cost(engines: int, prompt_tokens: int = 2048, index_pages: int = 20
         for j in range(i % 7):
             c._requests[f"x{i}-{j}"] = None  # type: ignore[assignment]  # a load of i % 7
     prompt = RoutePrompt(tokens, prompt_tokens + 60)
+    for k in range(20):  # warm-up, not timed
+        run_now(router.choose(f"warm-{k}", prompt=prompt))
     t = time.process_time_ns()
     for k in range(trials):
         run_now(router.choose(f"chat-{k}", prompt=prompt))
