@@ -578,21 +578,22 @@ class PolicySpec:
 
     Attributes:
         policy: a ``gateway.routing.POLICIES`` name.
-        beta: ``cache_aware``'s load weight.
-        first_turn_ids: route a chat's first turn with its prompt's token ids (not what
-            ships: the gateway knows no ids before the first reply; a what-if).
+        load_tokens: ``cache_aware``'s load weight (tokens per request of load).
+        first_turn_ids: route a chat's first turn with its prompt's token ids (what the
+            gateway does when it can read the engines' tokenizer; False: the gateway
+            without it, which knows a chat's ids only from its second turn on).
     """
 
     policy: str
-    beta: float = 0.5
-    first_turn_ids: bool = False
+    load_tokens: float = 64.0
+    first_turn_ids: bool = True
 
     @property
     def label(self) -> str:
-        """The row name: ``cache_aware b=0.5``, ``+ turn-1 ids`` for the what-if."""
+        """The row name: ``cache_aware w=64``, ``, no tokenizer`` without turn-1 ids."""
         if self.policy != "cache_aware":
             return self.policy
-        return f"cache_aware b={self.beta:g}" + (" + turn-1 ids" if self.first_turn_ids else "")
+        return f"cache_aware w={self.load_tokens:g}" + ("" if self.first_turn_ids else ", no tokenizer")
 
 
 @dataclass(frozen=True)
@@ -692,7 +693,8 @@ class Sim:
         self.by_url = {e.url: e for e in self.engines}
         self.clients = stub_clients(cfg.engines, cfg.costs.kv_pages)
         self.client_of = {c.url: c for c in self.clients}
-        policy = RoutingPolicy(policy=cfg.spec.policy, beta=cfg.spec.beta, max_index_pages=cfg.max_index_pages)
+        policy = RoutingPolicy(policy=cfg.spec.policy, load_tokens=cfg.spec.load_tokens,
+                               max_index_pages=cfg.max_index_pages)
         self.placements = CountingPlacements()
         self.router = EngineRouter(self.clients, policy, self.placements)
         self.router._rng = random.Random(f"{cfg.seed}:router")  # the random baseline, seeded
@@ -840,7 +842,7 @@ class Sim:
             ids = chat.tokens
             known = chat.prev_computed // 16
         if chat.turn == 0 and self.cfg.spec.first_turn_ids:
-            # the what-if knows the whole first prompt: the new message is appended first
+            # with the tokenizer the gateway knows the whole first prompt: the new message is appended first
             chat.extend(_tokens(rng, msg), self.seed, 16)
             ids = chat.tokens
             msg_added = True
@@ -1027,24 +1029,24 @@ def decision_cost(engines: int, prompt_tokens: int = 2048, index_pages: int = 20
 # ----- report ----------------------------------------------------------------------------
 
 def parse_policies(text: str) -> list[PolicySpec]:
-    """``random,hash,cache_aware:0.5,cache_aware+ids:0.5`` -> specs (``:beta`` for
-    cache_aware; ``+ids``: the turn-1 ids what-if).
+    """``random,hash,cache_aware:256,cache_aware-noids:256`` -> specs (``:load_tokens``
+    for cache_aware; ``-noids``: a gateway that cannot read the engines' tokenizer).
 
     Raises:
         ValueError: an unknown policy name.
     """
     out = []
     for part in text.split(","):
-        name, _, beta = part.strip().partition(":")
-        ids = name.endswith("+ids")
-        name = name.removesuffix("+ids")
+        name, _, weight = part.strip().partition(":")
+        ids = not name.endswith("-noids")
+        name = name.removesuffix("-noids")
         RoutingPolicy(policy=name)  # validates the name
-        out.append(PolicySpec(name, float(beta) if beta else 0.5, ids))
+        out.append(PolicySpec(name, float(weight) if weight else 64.0, ids))
     return out
 
 
-DEFAULT_POLICIES = ("random,round_robin,hash,sticky,cache_aware:0.5,cache_aware:0.1,cache_aware:1,"
-                    "cache_aware+ids:0.5")
+DEFAULT_POLICIES = ("random,round_robin,hash,sticky,cache_aware:64,cache_aware:16,cache_aware:256,"
+                    "cache_aware-noids:64")
 
 
 def policy_table(results: list[SimResult]) -> str:

@@ -79,18 +79,21 @@ class RoutingPolicy:
             ``round_robin`` or ``random`` (baselines for the routing benchmark).
         load_tokens: in ``cache_aware``, what one request of load (running or waiting)
             weighs against prompt tokens still to compute (tokens). 0 ignores load (the
-            longest match wins, a new chat goes to its rendezvous home); with 256 a
-            request moves off an engine holding 1,000 more of its tokens only when that
-            engine carries 4 more requests.
+            longest match wins, a new chat goes to its rendezvous home); with 64 a
+            request moves off an engine holding 640 more of its tokens only when that
+            engine carries 10 more requests (the shed test usually acts first).
+            Chosen with bench/routing_sim.py (64 engines, 10,000 users, loads
+            0.6-1.2; docs/benchmarks.md).
         max_index_pages: the most KV page hashes the gateway's prefix index keeps.
         tokenizer: a folder with the engines' tokenizer and chat template, read by the
             gateway to compute prompt ids for ``cache_aware`` (``gateway/prompt_ids.py``);
             None uses the folder the engines name in their hello when it is readable
             here, else prompts are matched only by the chat's stored ids.
-        abs_threshold: requests (running + waiting) the home must carry beyond the
-            least-loaded engine before a request sheds. SGLang's router defaults are sized
-            for GPUs that batch hundreds of requests; ours suit a CPU engine that
-            batches a handful.
+        abs_threshold: requests (running + waiting) the chosen engine must carry beyond
+            the least-loaded engine before a request sheds. SGLang's router defaults are
+            sized for GPUs that batch hundreds of requests; 8 and 2.0 were chosen with
+            bench/routing_sim.py on CPU engines (4 and 1.5 shed so eagerly at 90% load
+            that moved chats re-read their histories and TTFT p99 doubled).
         rel_threshold: and the home's load must exceed ``rel_threshold`` times the
             least-loaded engine's.
         max_stats_age_s: a stats snapshot older than this (seconds) is not trusted.
@@ -98,12 +101,12 @@ class RoutingPolicy:
             it has more than one (seconds; 0 turns the refresh off).
     """
 
-    abs_threshold: int = 4
-    rel_threshold: float = 1.5
+    abs_threshold: int = 8
+    rel_threshold: float = 2.0
     max_stats_age_s: float = 10.0
     stats_interval_s: float = 1.0
     policy: str = "cache_aware"
-    load_tokens: float = 256.0
+    load_tokens: float = 64.0
     max_index_pages: int = 2_000_000
     tokenizer: str | None = None
 

@@ -73,7 +73,7 @@ async def test_a_busy_home_engine_sheds_a_chat_to_the_idle_one_which_keeps_it(ga
         busy_gate = engine_gate
         urls = [busy_gate.url, idle_gate.url]
         gw = gateway_factory(engine_urls=urls, limits={"max_generations_per_user": 16},
-                             routing={"policy": "sticky"})
+                             routing={"policy": "sticky", "abs_threshold": 4, "rel_threshold": 1.5})
         await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
         cookie = gw.new_cookie()
         async with gw.http(cookie) as c:
