@@ -72,6 +72,21 @@ UNREACHABLE_WARN_S = 5.0  # an engine down this long (seconds) is logged as a wa
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are JSON-encoded off the event loop
 
 
+def log_unreachable(what: str, url: str, error: BaseException, down_since: float | None) -> float:
+    """Log that ``what`` at ``url`` cannot be reached (no traceback): at info level for its
+    first ``UNREACHABLE_WARN_S`` seconds down, a warning after (a restart, or an engine
+    stopping with the gateway on Ctrl-C, is a second or two of refused connections).
+
+    Returns:
+        When it went down (``time.monotonic()`` seconds): ``down_since``, or now.
+    """
+    now = time.monotonic()
+    down_since = now if down_since is None else down_since
+    level = logging.WARNING if now - down_since >= UNREACHABLE_WARN_S else logging.INFO
+    log.log(level, "%s %s unreachable: %s", what, url, str(error) or type(error).__name__)
+    return down_since
+
+
 def engine_unavailable(detail: str = "") -> GatewayError:
     """The error for "no engine can take this now"."""
     msg = "the model engine is unavailable; try again shortly"
@@ -218,12 +233,7 @@ class EngineClient:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure means "reconnect"; log without a traceback
-                # a warning once it stays down: a restart (or the engine stopping with the
-                # gateway on Ctrl-C) is a second or two of refused connections
-                now = time.monotonic()
-                down_since = now if down_since is None else down_since
-                level = logging.WARNING if now - down_since >= UNREACHABLE_WARN_S else logging.INFO
-                log.log(level, "engine %s unreachable: %s", self.url, e)
+                down_since = log_unreachable("engine", self.url, e, down_since)
             if down_since is None:
                 down_since = time.monotonic()
             self._lost("connection to the engine was lost")

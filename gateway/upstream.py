@@ -48,7 +48,7 @@ import httpx
 
 from engine.protocol import DeltaFrame, DoneFrame, EngineInfo, ErrorFrame, ReplyItem, Timings, Usage
 from gateway.config import GatewayConfig
-from gateway.engines import UNREACHABLE_WARN_S, EngineClient, EngineRequest, engine_unavailable
+from gateway.engines import EngineClient, EngineRequest, engine_unavailable, log_unreachable
 from gateway.errors import GatewayError
 from gateway.retry import Backoff
 
@@ -272,10 +272,7 @@ class UpstreamClient(EngineClient):
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure means "down, probe again"; logged without a traceback
-                now = time.monotonic()
-                down_since = now if down_since is None else down_since
-                level = logging.WARNING if now - down_since >= UNREACHABLE_WARN_S else logging.INFO
-                log.log(level, "upstream %s unreachable: %s", self.url, str(e) or type(e).__name__)
+                down_since = log_unreachable("upstream", self.url, e, down_since)
                 self._ready.clear()
                 wait = backoff.next_delay()
             self._probe_now.clear()
