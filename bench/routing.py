@@ -1,7 +1,8 @@
 """Routing over several engines behind one gateway: cache hit ratio, TTFT and output
 tokens/s for each routing policy, in one run, on the same workloads.
 
-    python bench/routing.py [--quick] [--policies random,round_robin,hash,sticky,cache_aware]
+    python bench/routing.py [--quick] [--policies random,round_robin,hash,sticky,cache_aware[:W]]
+                            [--workloads chat,shared,skewed] [--repeats N]
                             [--engines 2] [--threads 1] [--json]
 
 For each policy (``gateway/routing.py``: ``random``, ``round_robin``, ``hash`` = rendezvous
@@ -20,8 +21,10 @@ after another:
   hash to the same engine under rendezvous hashing (the unlucky split that hashing
   allows and load-blind policies keep), beside 4 light users (3 short turns).
 
-A single engine (same threads) runs the chat and shared workloads first, as the hit-ratio
-reference: the issue's target is the cache_aware hit ratio within 5% of it, and, under
+``cache_aware:W`` sets its load weight (``load_tokens``, tokens per request of load).
+``--repeats N`` runs each workload N times with different seeds (fresh engines each time)
+and reports them pooled. A single engine (same threads) runs the chat and shared
+workloads first, as the hit-ratio reference: the issue's target is the cache_aware hit ratio within 5% of it, and, under
 the skewed load, a cache_aware TTFT p99 at most hashing's.
 
 Reported per policy and workload: hit ratio (cached / prompt tokens over all requests, as
@@ -78,7 +81,8 @@ class Fleet:
 
 
 def start_fleet(ports: list[int], policy: str, threads: int) -> Fleet:
-    """Start one engine per port and a gateway routing over them by ``policy``.
+    """Start one engine per port and a gateway routing over them by ``policy``
+    (``name`` or ``cache_aware:load_tokens``).
 
     Raises:
         RuntimeError: a process did not become ready.
@@ -91,8 +95,11 @@ def start_fleet(ports: list[int], policy: str, threads: int) -> Fleet:
                                "--threads", str(threads)], r"ENGINE READY (ws://\S+)", 600, env, str(ROOT))
             fleet.children.append(eng)
             fleet.engine_urls.append(eng.match.group(1))
+        name, _, weight = policy.partition(":")
         cmd = [sys.executable, "-m", "bench.serving_lib.gateway_proc", "--key-prefix", fleet.key_prefix,
-               "--max-generations-per-user", "64", "--routing-policy", policy]
+               "--max-generations-per-user", "64", "--routing-policy", name]
+        if weight:
+            cmd += ["--routing-load-tokens", weight]
         for u in fleet.engine_urls:
             cmd += ["--engine", u]
         gw = start_child(cmd, r"GATEWAY READY (http://\S+)", 120, env, str(ROOT))
@@ -155,16 +162,16 @@ def skewed_workload(seed: int, engine_urls: list[str], heavy_chats: int, light_u
     return heavy + light
 
 
-async def run_workload(base_url: str, convs: list[tuple[Conversation, float]], name: str) -> dict[str, Any]:
-    """Drive every conversation concurrently; the workload's summary."""
+async def run_workload(base_url: str, convs: list[tuple[Conversation, float]], name: str
+                       ) -> tuple[list[RequestResult], float]:
+    """Drive every conversation concurrently; every request's result and the wall time (s)."""
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         t0 = time.perf_counter()
         groups = await asyncio.gather(*(converse(client, c, {"workload": name, "light": c.user < 1000}, d)
                                         for c, d in convs))
         wall = time.perf_counter() - t0
-    results = [r for g in groups for r in g]
-    return summarize(results, wall)
+    return [r for g in groups for r in g], wall
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
@@ -191,26 +198,36 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"engines": a.engines, "threads": a.threads, "load_before": os.getloadavg(),
                            "rows": []}
 
-    def workloads(urls: list[str]) -> list[tuple[str, list[tuple[Conversation, float]]]]:
-        w = [("chat", chat_workload(a.seed, users, turns)),
-             ("shared", shared_workload(a.seed + 1, shared_users, a.doc_tokens, 0.4))]
-        if len(urls) > 1:
-            w.append(("skewed", skewed_workload(a.seed + 2, urls, 8, 4)))
-        return w
+    def workload(name: str, seed: int, urls: list[str]) -> list[tuple[Conversation, float]]:
+        if name == "chat":
+            return chat_workload(seed, users, turns)
+        if name == "shared":
+            return shared_workload(seed + 1, shared_users, a.doc_tokens, 0.4)
+        return skewed_workload(seed + 2, urls, 8, 4)
 
-    plans = [("single engine", ports[:1], "cache_aware")] + [(p, ports, p) for p in a.policies]
+    plans = [("single engine", ports[:1], "cache_aware")] if {"chat", "shared"} & set(a.workloads) else []
+    plans += [(p, ports, p) for p in a.policies]
     for label, use_ports, policy in plans:
-        fleet = start_fleet(use_ports, policy, a.threads)
-        try:
-            for name, convs in workloads(fleet.engine_urls):
-                row = asyncio.run(run_workload(fleet.base_url, convs, name))
-                row.update(policy=label, workload=name)
-                out["rows"].append(row)
-                print(f"{label:>14} {name:>7}: hit {row['hit_ratio']:.3f}  TTFT p50 {fmt(row['ttft_p50_ms'], 0)} "
-                      f"p99 {fmt(row['ttft_p99_ms'], 0)} ms  {row['output_tok_s']:.1f} tok/s  "
-                      f"errors {row['errors']}", flush=True)
-        finally:
-            fleet.stop()
+        for name in a.workloads:
+            if name == "skewed" and len(use_ports) < 2:
+                continue
+            results: list[RequestResult] = []
+            wall = 0.0
+            for k in range(a.repeats):  # fresh engines each time: no run inherits another's cache
+                fleet = start_fleet(use_ports, policy, a.threads)
+                try:
+                    got, took = asyncio.run(run_workload(fleet.base_url, workload(name, a.seed + 10 * k,
+                                                                                  fleet.engine_urls), name))
+                finally:
+                    fleet.stop()
+                results += got
+                wall += took
+            row = summarize(results, wall)
+            row.update(policy=label, workload=name)
+            out["rows"].append(row)
+            print(f"{label:>14} {name:>7}: hit {row['hit_ratio']:.3f}  TTFT p50 {fmt(row['ttft_p50_ms'], 0)} "
+                  f"p99 {fmt(row['ttft_p99_ms'], 0)} ms  {row['output_tok_s']:.1f} tok/s  "
+                  f"errors {row['errors']} ({row['requests']} requests)", flush=True)
     out["load_after"] = os.getloadavg()
     return out
 
@@ -232,7 +249,8 @@ def table(res: dict[str, Any]) -> str:
             lines.append(f"- {w}: cache_aware hit ratio {ours['hit_ratio']:.3f} vs one engine's "
                          f"{single['hit_ratio']:.3f}: {gap:+.1%} below (target: within 5%: "
                          f"{'met' if gap <= 0.05 else 'missed'})")
-    h, c = by.get(("skewed", "hash")), by.get(("skewed", "cache_aware"))
+    h = by.get(("skewed", "hash"))
+    c = next((r for (w, p), r in by.items() if w == "skewed" and p.startswith("cache_aware")), None)
     if h and c:
         lines.append(f"- skewed: cache_aware TTFT p99 {fmt(c['ttft_p99_ms'], 0)} ms vs hashing's "
                      f"{fmt(h['ttft_p99_ms'], 0)} ms = {c['ttft_p99_ms'] / h['ttft_p99_ms']:.2f}x "
@@ -248,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default=",".join(("random", "round_robin", "hash", "cache_aware")),
                    type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--workloads", default="chat,shared,skewed", type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--doc-tokens", type=int, default=1500)
@@ -255,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer users and turns")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    bad = [x for x in a.policies if x not in POLICIES]
+    bad = [x for x in a.policies if x.partition(":")[0] not in POLICIES]
+    bad += [x for x in a.workloads if x not in ("chat", "shared", "skewed")]
     if bad:
-        p.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
+        p.error(f"unknown policy or workload {bad[0]!r}; policies: {', '.join(POLICIES)}")
     res = run(a)
     print(json.dumps(res, indent=1) if a.json else table(res))
     return 0

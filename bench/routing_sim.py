@@ -585,12 +585,12 @@ class PolicySpec:
     """
 
     policy: str
-    load_tokens: float = 64.0
+    load_tokens: float = 16.0
     first_turn_ids: bool = True
 
     @property
     def label(self) -> str:
-        """The row name: ``cache_aware w=64``, ``, no tokenizer`` without turn-1 ids."""
+        """The row name: ``cache_aware w=16``, ``, no tokenizer`` without turn-1 ids."""
         if self.policy != "cache_aware":
             return self.policy
         return f"cache_aware w={self.load_tokens:g}" + ("" if self.first_turn_ids else ", no tokenizer")
@@ -1041,12 +1041,12 @@ def parse_policies(text: str) -> list[PolicySpec]:
         ids = not name.endswith("-noids")
         name = name.removesuffix("-noids")
         RoutingPolicy(policy=name)  # validates the name
-        out.append(PolicySpec(name, float(weight) if weight else 64.0, ids))
+        out.append(PolicySpec(name, float(weight) if weight else 16.0, ids))
     return out
 
 
-DEFAULT_POLICIES = ("random,round_robin,hash,sticky,cache_aware:64,cache_aware:16,cache_aware:256,"
-                    "cache_aware-noids:64")
+DEFAULT_POLICIES = ("random,round_robin,hash,sticky,cache_aware:16,cache_aware:64,cache_aware:256,"
+                    "cache_aware-noids:16")
 
 
 def policy_table(results: list[SimResult]) -> str:

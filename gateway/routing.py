@@ -79,11 +79,13 @@ class RoutingPolicy:
             ``round_robin`` or ``random`` (baselines for the routing benchmark).
         load_tokens: in ``cache_aware``, what one request of load (running or waiting)
             weighs against prompt tokens still to compute (tokens). 0 ignores load (the
-            longest match wins, a new chat goes to its rendezvous home); with 64 a
-            request moves off an engine holding 640 more of its tokens only when that
-            engine carries 10 more requests (the shed test usually acts first).
-            Chosen with bench/routing_sim.py (64 engines, 10,000 users, loads
-            0.6-1.2; docs/benchmarks.md).
+            longest match wins, a new chat goes to its rendezvous home); with 16 a
+            chat's turn leaves an engine holding 160 more of its tokens only when that
+            engine carries 10 more requests (the shed test usually acts first). Chosen
+            with bench/routing_sim.py (64 engines, 10,000 users, loads 0.6-1.2: 16 and 64
+            within a point of each other, both ahead of hashing) and bench/routing.py
+            (two 1-thread CPU engines: 64 moved a busy user's later turns off their
+            history, hit ratio 0.42 against 0.65 at 16; docs/benchmarks.md).
         max_index_pages: the most KV page hashes the gateway's prefix index keeps.
         tokenizer: a folder with the engines' tokenizer and chat template, read by the
             gateway to compute prompt ids for ``cache_aware`` (``gateway/prompt_ids.py``);
@@ -106,7 +108,7 @@ class RoutingPolicy:
     max_stats_age_s: float = 10.0
     stats_interval_s: float = 1.0
     policy: str = "cache_aware"
-    load_tokens: float = 64.0
+    load_tokens: float = 16.0
     max_index_pages: int = 2_000_000
     tokenizer: str | None = None
 

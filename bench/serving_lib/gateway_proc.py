@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tap", action="store_true")
     p.add_argument("--max-generations-per-user", type=int, default=4)
     p.add_argument("--routing-policy", default=None, help="gateway/routing.py POLICIES (default: the gateway's)")
+    p.add_argument("--routing-load-tokens", type=float, default=None, help="cache_aware's load weight (tokens)")
     p.add_argument("--profile", default=None, metavar="PATH", help="cProfile the gateway; stats to PATH on SIGTERM")
     a = p.parse_args(argv)
     if a.profile:
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         host="127.0.0.1", port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix,
         engine_urls=tuple(a.engine), secret_key=new_secret(),
         limits={"max_messages_per_minute": 100_000, "max_generations_per_user": a.max_generations_per_user},
-        routing={"policy": a.routing_policy} if a.routing_policy else None)
+        routing={k: v for k, v in (("policy", a.routing_policy), ("load_tokens", a.routing_load_tokens))
+                 if v is not None} or None)
     app = build_app(config, EngineTap() if a.tap else None)
     sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
     server = uvicorn.Server(uvicorn_config(app, config, "warning"))

@@ -28,7 +28,7 @@ TINY = SimConfig(engines=4, workload=Workload(users=60, doc_share=0.8, docs=2), 
                  load=0.5, duration_s=240.0, warmup_s=60.0, seed=3)
 
 
-def _run(policy: str, load_tokens: float = 64.0, first_turn_ids: bool = True, **changes: object):
+def _run(policy: str, load_tokens: float = 16.0, first_turn_ids: bool = True, **changes: object):
     return run_sim(replace(TINY, spec=PolicySpec(policy, load_tokens, first_turn_ids), **changes))
 
 
@@ -110,8 +110,8 @@ def test_a_coroutine_that_suspends_is_refused():
 
 def test_the_script_runs_and_prints_its_tables():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "routing_sim.py"), "--engines", "4", "--users", "40",
-                          "--duration", "60", "--warmup", "30", "--policies", "hash,cache_aware:64",
+                          "--duration", "60", "--warmup", "30", "--policies", "hash,cache_aware:16",
                           "--decision-engines", "8"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "| cache_aware w=64 |" in out and "| hash |" in out
+    assert "| cache_aware w=16 |" in out and "| hash |" in out
     assert "decision at 8 engines" in out
