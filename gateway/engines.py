@@ -416,8 +416,10 @@ class EngineRouter:
     def _on_kv_events(self, url: str, frame: KvEventsFrame | None) -> None:
         if frame is None:
             self.index.forget(url)
-        else:
-            self.index.apply(url, frame.stored, frame.removed, frame.reset)
+            return
+        self.index.apply(url, frame.stored, frame.removed, frame.reset)
+        if frame.reset:  # an engine just said hello: read its tokenizer now, not at the first request
+            self.prompt_tokenizer()
 
     async def start(self) -> None:
         """Start every client's connection loop (and the stats refresh, with several)."""

@@ -4,7 +4,8 @@ Routing by prefix (``gateway/routing.py``) needs the prompt's page hashes before
 engine has seen the request: a new chat that opens with a long shared document must go
 to the engine that already holds that document's KV. The gateway has no model, but it
 can read the model's tokenizer and chat template (the folder an engine names in its
-``hello``, or ``ROUTING_TOKENIZER``) and run the engine's own prompt builder
+``hello``, or ``ROUTING_TOKENIZER``; read once, off the event loop, as soon as an engine
+greets) and run the engine's own prompt builder
 (``engine.prompt.PromptBuilder``) on it, so the ids (hence the hashes) are the engine's.
 NVIDIA Dynamo's KV router also tokenizes in the frontend for the same reason.
 
