@@ -61,6 +61,7 @@ from bench.serving_lib.workloads import SYSTEM_PROMPT, Conversation, TextMaker, 
 
 POLICIES = ("random", "round_robin", "hash", "sticky", "cache_aware")
 MODEL = "default"
+SETTLE_S = 6.0  # after /readyz, before a workload starts (s)
 
 
 @dataclass
@@ -106,6 +107,9 @@ def start_fleet(ports: list[int], policy: str, threads: int) -> Fleet:
         fleet.children.append(gw)
         fleet.base_url = gw.match.group(1)
         wait_http(fleet.base_url + "/readyz", 120)
+        # ready means engines connected; cache_aware then reads their tokenizer in the
+        # background (seconds of CPU): let it finish before anything is timed
+        time.sleep(SETTLE_S)
         return fleet
     except BaseException:
         fleet.stop()
