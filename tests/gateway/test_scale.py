@@ -34,7 +34,8 @@ async def test_engine_lost_before_the_first_delta_the_next_engine_takes_the_requ
     doomed = gate_in_front_of(spare_engine)
     try:
         urls = [doomed.url, engine_gate.url]
-        gw = gateway_factory(engine_urls=urls)
+        # rendezvous alone: the chat's first turn goes to its home, whatever the engines cached
+        gw = gateway_factory(engine_urls=urls, routing={"policy": "hash"})
         await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
         cookie = gw.new_cookie()
         async with gw.http(cookie) as c:
