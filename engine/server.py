@@ -53,6 +53,7 @@ from engine.text_checks import text_error
 
 log = logging.getLogger(__name__)
 
+DRAIN_S = 2.0  # at shutdown, how long the final frames may take to go out (s)
 # Far above any prompt the context allows; the gateway enforces the user-facing limit.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 SECRET_ENV = "ENGINE_SECRET"  # when set, clients must send it in SECRET_HEADER
@@ -104,6 +105,12 @@ class _Outbox:
         self.control: list[str] = []
         self.items: list[ReplyItem] = []
         self._wake = asyncio.Event()
+        self.sending = False
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing being written."""
+        return not (self.control or self.items or self.sending)
 
     def send(self, text: str) -> None:
         """Queue a control frame (JSON text)."""
@@ -120,6 +127,7 @@ class _Outbox:
         try:
             while True:
                 await self._wake.wait()
+                self.sending = True
                 await asyncio.sleep(0)  # let the rest of this step's outputs join
                 self._wake.clear()
                 control, self.control = self.control, []
@@ -128,8 +136,9 @@ class _Outbox:
                     await self.ws.send(text)
                 if items:
                     await self.ws.send(encode(StepFrame(items)))
+                self.sending = False
         except ConnectionClosed:
-            pass
+            self.sending = False
 
 
 class EngineServer:
@@ -144,6 +153,19 @@ class EngineServer:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._conn_ids = itertools.count(1)
+        # live connections: their outbox and request tasks (what ``drain`` waits for)
+        self._live: dict[int, tuple[_Outbox, dict[str, asyncio.Task]]] = {}
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every request task has ended and every connection has written what
+        it queued (the final ``abort`` frames of a shutdown), at most ``timeout_s``
+        seconds. Returns whether it all went out in time."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(tasks or not out.idle for out, tasks in self._live.values()):
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def hello(self) -> dict[str, Any]:
         """The frame sent on connect: the protocol version and what this engine serves."""
@@ -156,6 +178,7 @@ class EngineServer:
         out = _Outbox(ws)
         writer = asyncio.create_task(out.run())
         unsubscribe: list[Callable[[], None]] = []
+        self._live[conn] = (out, tasks)
         try:
             await ws.send(json.dumps(self.hello()))
             async for raw in ws:
@@ -163,6 +186,7 @@ class EngineServer:
         except ConnectionClosed:
             pass
         finally:
+            self._live.pop(conn, None)
             for end in unsubscribe:
                 end()
             for t in tasks.values():
@@ -264,7 +288,10 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
         try:
             await (stop.wait() if stop is not None else asyncio.Future())
         finally:
-            engine.shutdown()
+            engine.shutdown()  # live requests end with an abort output
+            # their abort frames go out before the connections close
+            if not await server.drain(DRAIN_S):
+                log.warning("some final frames were not sent within %.0f s of shutting down", DRAIN_S)
 
 
 def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:

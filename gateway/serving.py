@@ -30,7 +30,11 @@ from gateway.http_limits import bounded_http_protocol
 
 
 def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket.socket:
-    """A bound (not yet listening) TCP socket; ``port`` 0 picks a free one.
+    """A bound, listening TCP socket; ``port`` 0 picks a free one. It listens at once:
+    a socket only bound (SO_REUSEADDR) while the gateway starts its engine and Redis
+    could see one of them bind and listen on the same port first (both reuse-enabled,
+    neither listening yet), and then fail with "address in use". Connections that
+    arrive before the app serves wait in the backlog.
 
     Raises:
         OSError: the address is in use or not available.
@@ -41,6 +45,7 @@ def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket
     if sndbuf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
     sock.bind((host, port))
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
