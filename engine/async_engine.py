@@ -52,6 +52,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._closed = False  # the step loop has ended for good (set under _lock)
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompt")
         self.last_error: str | None = None
         # (counters, monotonic time): replaced whole by the step thread at the end of each
@@ -156,7 +157,14 @@ class AsyncEngine:
             self._streams[rid] = (loop, q)
         finished = False
         try:
-            ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
+            try:
+                ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
+            except asyncio.CancelledError:
+                if not self._stop:
+                    raise
+                finished = True  # the engine stopped while the prompt waited to be built
+                yield _aborted_before_start(rid, [], False, arrival)
+                return
             params = request.params
             room = self.core.max_model_len - len(ids)
             if request.clamp_max_tokens and 1 <= room < params.max_tokens:
@@ -168,7 +176,14 @@ class AsyncEngine:
                 finished = True
                 yield _aborted_before_start(rid, ids, reused, arrival)
                 return
-            self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival)))
+            with self._lock:  # against _loop's last drain: added before it, or aborted here
+                closed = self._closed
+                if not closed:
+                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival)))
+            if closed:
+                finished = True
+                yield _aborted_before_start(rid, ids, reused, arrival)
+                return
             self._wake.set()
             while True:
                 item = await q.get()
@@ -344,6 +359,24 @@ class AsyncEngine:
                 out = self.core.abort(rid)
                 if out is not None:
                     self._deliver(out, rid)
+            with self._lock:
+                self._closed = True  # generate() aborts what it would add from now on
+            self._abort_inbox()
+
+    def _abort_inbox(self) -> None:
+        """After the last step: requests submitted but never added end with ``abort``."""
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, ids, _params, _salt, reused, arrival = arg
+                self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
+            elif kind == "call":
+                fut = arg[0]
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError("the engine has stopped"))
 
     def _steps(self) -> None:
         was_busy = False
