@@ -17,9 +17,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -316,12 +317,16 @@ class AsyncEngine:
             for out, rid in replies:
                 self._deliver(out, rid)
 
-    def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
+    def _take_inbox(self) -> Iterator[tuple[str, Any]]:
+        """The inbox's ``(kind, arg)`` items, oldest first, until it is empty."""
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
+        for kind, arg in self._take_inbox():
             if kind == "add":
                 rid, ids, params, salt, reused, arrival = arg
                 with self._lock:
@@ -365,11 +370,7 @@ class AsyncEngine:
 
     def _abort_inbox(self) -> None:
         """After the last step: requests submitted but never added end with ``abort``."""
-        while True:
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._take_inbox():
             if kind == "add":
                 rid, ids, _params, _salt, reused, arrival = arg
                 self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
