@@ -1,15 +1,19 @@
 """Next-token sampling for one engine step, vectorised over the batch.
 
-Per row: penalties -> temperature -> top-k -> top-p -> min-p -> sample, or argmax
-when the row is greedy. Randomness is an exponential race in its Gumbel-max form:
-argmax(probs / q) with q ~ Exp(1) equals argmax(log probs + g) with g = -log q =
--log(-log u), u ~ U(0, 1). A seeded request's uniforms for its i-th output token come
-from a generator seeded with ``noise_key(seed, i)`` (counter-based randomness, as
-Philox keys a stream by counter), so a seeded row's draw depends only on its seed and
-position: never on its batch neighbours (seeded requests are reproducible,
-docs/acceptance.md), and not on how many tokens a step samples for it at once (a
-speculative step verifies several positions, and keeps exactly the tokens that
-one-by-one sampling would have drawn).
+Per row: logit bias -> penalties -> grammar mask -> temperature -> top-k -> top-p ->
+min-p -> sample, or argmax when the row is greedy. The grammar mask (constrained
+decoding, ``engine.structured``) comes after everything that adds to a logit and before
+every way of choosing, so no bias or penalty can bring back a token the grammar forbids,
+and greedy, sampled and filtered rows all choose among allowed tokens only.
+
+Randomness is an exponential race in its Gumbel-max form: argmax(probs / q) with q ~
+Exp(1) equals argmax(log probs + g) with g = -log q = -log(-log u), u ~ U(0, 1). A
+seeded request's uniforms for its i-th output token come from a generator seeded with
+``noise_key(seed, i)`` (counter-based randomness, as Philox keys a stream by counter),
+so a seeded row's draw depends only on its seed and position: never on its batch
+neighbours (seeded requests are reproducible, docs/acceptance.md), and not on how many
+tokens a step samples for it at once (a speculative step verifies several positions,
+and keeps exactly the tokens that one-by-one sampling would have drawn).
 
 Sources: the CTRL paper (Keskar et al. 2019) for the repetition penalty, the OpenAI
 API reference for frequency/presence penalties, Holtzman et al. 2019 (nucleus
@@ -26,6 +30,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import GREEDY_EPS, SamplingParams
+from engine.structured.masks import TokenMasks, allowed_matrix
 
 _F32 = torch.finfo(torch.float32)
 # Floor for reported log-probabilities (OpenAI reports -9999.0 for "impossible").
@@ -141,6 +146,7 @@ class Sampler:
         noise_keys: Sequence[int | None] | None = None,
         token_counts: Sequence[PenaltyState | None] | None = None,
         extra_tokens: Sequence[Sequence[int]] | None = None,
+        masks: TokenMasks | None = None,
     ) -> SamplerOutput:
         """Pick the next token of every row.
 
@@ -157,13 +163,16 @@ class Sampler:
                 appends the tokens it keeps. None means no row has a state.
             extra_tokens: B entries (or None): tokens the row's penalties count as generated
                 beyond its state (the drafts before a speculative position).
+            masks: the grammar masks of the constrained rows (``TokenMasks``; every masked
+                row allows at least one token), or None.
 
         Returns:
             ``SamplerOutput`` with B token ids, and for rows with ``params.logprobs`` set, the
             sampled token's log-probability and the top ``params.logprobs`` alternatives
             (descending). Log-probabilities are ``log_softmax`` of the raw logits (the
-            model's own distribution, before penalties, temperature and filtering, as the
-            OpenAI API reports them), clamped below at ``LOGPROB_FLOOR``; always finite.
+            model's own distribution, before logit bias, penalties, grammar mask,
+            temperature and filtering, as the OpenAI API reports them), clamped below at
+            ``LOGPROB_FLOOR``; always finite.
 
         Cost: a fixed number of tensor ops over the rows that need them (all-greedy is
         one argmax); one device-to-host copy at the end, plus one small host sync per
@@ -174,7 +183,7 @@ class Sampler:
             ValueError: shapes disagree with ``params``, or a row with a penalty has no state.
         """
         x, rows = self._prepare(logits, params, noise_keys, token_counts)
-        xp = self._penalise(x, params, token_counts, rows.penal, extra_tokens)
+        xp = self._adjust(x, params, token_counts, rows, extra_tokens, masks)
         token_ids = torch.argmax(xp, dim=1) if len(rows.sample) < len(params) else None
         if rows.sample:
             idx = self._index(rows.sample, len(params))
@@ -197,6 +206,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         token_counts: Sequence[PenaltyState | None] | None = None,
+        masks: TokenMasks | None = None,
     ) -> torch.Tensor:
         """The probabilities ``sample`` would draw each row from (a debugging/test hook).
 
@@ -207,7 +217,7 @@ class Sampler:
             rows and rows with non-finite logits.
         """
         x, rows = self._prepare(logits, params, None, token_counts)
-        xp = self._penalise(x, params, token_counts, rows.penal, None)
+        xp = self._adjust(x, params, token_counts, rows, None, masks)
         probs = torch.nn.functional.one_hot(torch.argmax(xp, dim=1), self.vocab_size).float()
         if rows.sample:
             idx = self._index(rows.sample, len(params))
@@ -237,7 +247,39 @@ class Sampler:
                 rows.sample.append(b)
             if p.logprobs is not None:
                 rows.logprobs.append(b)
+            if p.logit_bias:
+                rows.bias.append(b)
         return x, rows
+
+    def _adjust(self, x, params, token_counts, rows: _Rows, extra_tokens, masks: TokenMasks | None) -> torch.Tensor:
+        """The logits every choice is made from: raw, plus logit bias, penalised, masked by
+        the grammar (a new tensor when anything applies; ``x`` stays raw for logprobs)."""
+        xb = self._bias(x, params, rows.bias)
+        xp = self._penalise(xb, params, token_counts, rows.penal, extra_tokens)
+        return self._mask(xp, masks)
+
+    def _bias(self, x, params, bias_rows: list[int]) -> torch.Tensor:
+        """Add each row's ``logit_bias`` (ids at or above the vocabulary are ignored; the
+        engine refuses them before)."""
+        if not bias_rows:
+            return x
+        idx = self._index(bias_rows, x.shape[0])
+        add = torch.zeros(len(bias_rows), self.vocab_size, device=self.device)
+        for i, b in enumerate(bias_rows):
+            items = [(t, v) for t, v in params[b].logit_bias.items() if t < self.vocab_size]
+            if items:
+                ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=self.device)
+                add[i].index_put_((ids,), torch.tensor([v for _, v in items], device=self.device))
+        return _put(x, idx, _take(x, idx) + add)
+
+    def _mask(self, x, masks: TokenMasks | None) -> torch.Tensor:
+        """Forbidden tokens of the masked rows become -inf (each masked row allows at
+        least one token, so every row keeps a finite maximum)."""
+        if masks is None or not masks.rows:
+            return x
+        idx = self._index(masks.rows, x.shape[0])
+        allowed = allowed_matrix(masks.bits.to(self.device, non_blocking=True), self.vocab_size)
+        return _put(x, idx, _take(x, idx).masked_fill(~allowed, -float("inf")))
 
     def _penalise(self, x, params, token_counts, penal: list[int], extra_tokens) -> torch.Tensor:
         """Apply repetition (CTRL), frequency and presence (OpenAI) penalties to rows ``penal``,
@@ -408,3 +450,4 @@ class _Rows:
     penal: list[int] = field(default_factory=list)
     sample: list[int] = field(default_factory=list)
     logprobs: list[int] = field(default_factory=list)
+    bias: list[int] = field(default_factory=list)

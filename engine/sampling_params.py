@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutput, parse_structured
 from engine.text_checks import text_error
 
 # Below this temperature sampling is greedy (argmax): dividing logits by ~0 overflows.
@@ -39,6 +40,10 @@ STOP_ERROR = (f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at 
               "characters")
 _HINTS = {"top_p": " (use temperature 0 for greedy)", "top_k": " (0 or -1 disables)",
           "seed": " (-1 for random)"}
+# logit_bias: at most this many entries, each bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's range).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_MAX = 100.0
+MAX_CHOICES = 8  # n: choices per request at most
 
 
 def range_text(name: str) -> str:
@@ -102,6 +107,12 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: None, or the number (0-20) of top alternatives to return per token
             besides the sampled token's own log-probability.
+        logit_bias: token id -> a bias in [-100, 100] added to that token's logit before
+            penalties and sampling (OpenAI semantics; -100 effectively bans a token). JSON
+            object keys are the ids as strings; they become ints here. Ids are checked
+            against the model's vocabulary by the engine.
+        structured: what the output must be (``engine.structured.spec``): a JSON object,
+            a value valid under a JSON schema, a regex or a grammar; None for free text.
 
     Raises:
         InvalidRequestError: on any out-of-range value (from ``__post_init__``).
@@ -120,15 +131,42 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
         if self.seed == -1:
             self.seed = None  # OpenAI clients send -1 for "random"
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        """``structured`` checked and parsed (None for free text).
+
+        Raises:
+            InvalidRequestError: a malformed ``structured`` (checked on construction too).
+        """
+        return parse_structured(self.structured)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """These parameters for choice ``index`` of an ``n``-choice request: choice 0 is
+        unchanged (so n=1 equals a plain request) and choice i > 0 of a seeded request
+        draws from its own seed stream, ``choice_seed(seed, i)``; unseeded choices draw
+        from the engine's shared generator, so they differ anyway.
+
+        Raises:
+            InvalidRequestError: ``index`` outside ``[0, MAX_CHOICES)``.
+        """
+        if not isinstance(index, int) or not 0 <= index < MAX_CHOICES:
+            raise InvalidRequestError(f"choice index must be in [0, {MAX_CHOICES}), got {index!r}")
+        if index == 0 or self.seed is None:
+            return replace(self)
+        return replace(self, seed=choice_seed(self.seed, index))
 
     def _validate(self) -> None:
         for name in RANGES:
@@ -144,6 +182,7 @@ class SamplingParams:
                 raise InvalidRequestError(message)
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
+        parse_structured(self.structured)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
@@ -161,3 +200,41 @@ class SamplingParams:
             return cls(**data)
         except TypeError as e:  # e.g. a list where a number belongs
             raise InvalidRequestError(f"bad sampling parameters: {e}") from None
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` (> 0) of a request seeded with ``seed``: splitmix64
+    (Steele et al. 2014) of the pair, a 64-bit value, so the choices' noise streams are
+    unrelated to each other and to other seeds' streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """``logit_bias`` as ``{int id: float bias}``, from ints or decimal strings as keys.
+
+    Raises:
+        InvalidRequestError: not an object, too many entries, a key that is not a
+            non-negative integer, or a bias that is not a number in [-100, 100].
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError("logit_bias must be an object mapping token ids to biases")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tid = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            tid = int(key)
+        if tid is None or tid < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got "
+                                      f"{ascii(key)[:40]}")
+        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not ok or abs(bias) > LOGIT_BIAS_MAX:
+            raise InvalidRequestError(f"logit_bias[{tid}] must be a number in [-100, 100], got {ascii(bias)[:40]}")
+        out[tid] = float(bias)
+    return out
