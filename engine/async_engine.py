@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.engine_core import Decoding, EngineCore
 from engine.errors import EngineError, InvalidRequestError, InvariantError
 from engine.outputs import GenerateRequest, RequestOutput, Timings, Usage
 from engine.prompt import PromptBuilder
@@ -102,7 +102,8 @@ class AsyncEngine:
                           num_blocks=plan.num_blocks, dtype=config.dtype, device=str(device),
                           weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids),
                           quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-                          format=fmt.describe(), tokenizer_dir=str(Path(loaded.path).resolve()))
+                          format=fmt.describe(), tokenizer_dir=str(Path(loaded.path).resolve()),
+                          tool_format=core.tool_format.name)
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
         if verbose:
             for warning in prompts.lint_template():
@@ -159,7 +160,7 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
+                ids, reused, decoding = await loop.run_in_executor(self._prep, self._prepare, request)
             except asyncio.CancelledError:
                 if not self._stop:
                     raise
@@ -180,7 +181,7 @@ class AsyncEngine:
             with self._lock:  # against _loop's last drain: added before it, or aborted here
                 closed = self._closed
                 if not closed:
-                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival)))
+                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival, decoding)))
             if closed:
                 finished = True
                 yield _aborted_before_start(rid, ids, reused, arrival)
@@ -200,6 +201,14 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(rid, None)
                 self._cancelled.discard(rid)
+
+    def _prepare(self, request: GenerateRequest) -> tuple[list[int], bool, Decoding]:
+        """On a prompt thread: the prompt ids, whether the prefix ids were reused, and the
+        request's compiled constraint and tool stream (grammars compile here, never on
+        the step loop)."""
+        self.core.check_params(request.params)
+        ids, reused = self.prompts.build(request)
+        return ids, reused, self.core.prepare_decoding(request.params, request.tools)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished). A request still being
@@ -328,7 +337,7 @@ class AsyncEngine:
     def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, params, salt, reused, arrival = arg
+                rid, ids, params, salt, reused, arrival, decoding = arg
                 with self._lock:
                     alive = rid in self._streams
                     cancelled = rid in self._cancelled
@@ -338,7 +347,7 @@ class AsyncEngine:
                     replies.append((_aborted_before_start(rid, ids, reused, arrival), rid))
                     continue
                 try:
-                    self.core.add_request(rid, ids, params, salt, reused, arrival)
+                    self.core.add_request(rid, ids, params, salt, reused, arrival, decoding=decoding)
                 except EngineError as e:
                     replies.append((e, rid))
                 except Exception as e:  # a bug must reach the caller as an error, not a hang
@@ -372,7 +381,7 @@ class AsyncEngine:
         """After the last step: requests submitted but never added end with ``abort``."""
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, _params, _salt, reused, arrival = arg
+                rid, ids, _params, _salt, reused, arrival, _decoding = arg
                 self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
             elif kind == "call":
                 fut = arg[0]

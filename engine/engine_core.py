@@ -28,6 +28,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.spec.ngram import TokenHistory, propose
 from engine.spec.policy import SpecConfig
+from engine.structured.compiler import Constraint, GrammarCompiler
+from engine.structured.vocab import Vocabulary
+from engine.tools.formats import ToolFormat, tool_format_for
+from engine.tools.grammar import tool_grammar
+from engine.tools.spec import ToolRequest
+from engine.tools.stream import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,16 @@ def _step_timings(req: Request, n_out: int) -> dict[str, Any]:
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "tokens_per_step": round((n_out - 1) / req.decode_steps, 3) if req.decode_steps else 0.0,
     }
+
+
+@dataclass
+class Decoding:
+    """How a request's tokens are chosen and read beyond sampling: its grammar state
+    (None: free text) and its tool-call stream (None: no tools). Built off the step
+    loop by ``EngineCore.prepare_decoding``."""
+
+    constraint: Constraint | None = None
+    tool_stream: ToolCallStream | None = None
 
 
 @dataclass
@@ -123,6 +139,37 @@ class EngineCore:
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None:
             self.eos_ids.add(int(tok_eos))
+        # constrained decoding: the vocabulary as the grammar library sees it (built on
+        # first use) and the compiler with its cache
+        self.vocab = Vocabulary(tokenizer, model_config.vocab_size, self.eos_ids)
+        self.grammars = GrammarCompiler(self.vocab)
+        self.tool_format: ToolFormat = tool_format_for(getattr(tokenizer, "chat_template", None))
+
+    # ----- decoding set-up (any thread) -----------------------------------------------
+    def prepare_decoding(self, params: SamplingParams, tools: ToolRequest | None = None) -> Decoding:
+        """Compile the request's constraint: its tool calls' grammar when it may call
+        tools (with its response format as the text alternative), else its response
+        format; and its tool-call stream. Thread-safe (the compiler caches by grammar).
+
+        Raises:
+            InvalidRequestError: a schema or grammar the library cannot compile (the
+                message says why), or a regex/grammar response format with tools.
+        """
+        spec = params.structured_output
+        if tools is not None and tools.active:
+            if spec is not None and not spec.is_json:
+                raise InvalidRequestError("a regex or grammar response format cannot be combined with tools")
+            try:
+                lark = tool_grammar(tools, self.tool_format, spec)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
+            from llguidance import LLMatcher
+
+            constraint = self.grammars.compile(grammar=LLMatcher.grammar_from_lark(lark), what="tools' parameters")
+            return Decoding(constraint, ToolCallStream(self.tool_format))
+        if spec is not None:
+            return Decoding(self.grammars.compile(spec))
+        return Decoding()
 
     # ----- admission ------------------------------------------------------------------
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
@@ -149,18 +196,27 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", prefix_reused: bool = False,
-                    arrival_s: float | None = None) -> Request:
+                    arrival_s: float | None = None, *, tools: ToolRequest | None = None,
+                    decoding: Decoding | None = None) -> Request:
         """Queue a request whose prompt is already built.
 
+        ``decoding``: its constraint and tool stream from ``prepare_decoding`` (called here,
+        on this thread, when None: the async engine calls it off the step loop).
+
         Raises:
-            InvalidRequestError: duplicate live request id (code ``duplicate_request_id``).
+            InvalidRequestError: duplicate live request id (code ``duplicate_request_id``),
+                a logit_bias id outside the vocabulary, an uncompilable constraint.
             ContextLengthError: see ``check_fits``.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "duplicate_request_id")
         self.check_fits(len(prompt_ids), params)
+        self.check_params(params)
+        if decoding is None:
+            decoding = self.prepare_decoding(params, tools)
         req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params,
-                      namespace=f"{self.namespace}|{cache_salt}", prefix_reused=prefix_reused)
+                      namespace=f"{self.namespace}|{cache_salt}", prefix_reused=prefix_reused,
+                      constraint=decoding.constraint, tool_stream=decoding.tool_stream)
         if arrival_s is not None:
             req.arrival_s = arrival_s
         if PenaltyState.needed(params):
@@ -170,6 +226,17 @@ class EngineCore:
         self.scheduler.add(req)
         self.counters.requests_total += 1
         return req
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: token ids against the vocabulary.
+
+        Raises:
+            InvalidRequestError: a ``logit_bias`` id outside ``[0, vocab_size)``.
+        """
+        vocab = self.model_config.vocab_size
+        bad = sorted(t for t in params.logit_bias if t >= vocab)
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now, free its blocks, and return its final output (None if unknown)."""
@@ -245,7 +312,11 @@ class EngineCore:
                        self.max_model_len - req.num_tokens)
             if room <= 0:
                 continue
-            req.spec_drafts = self.draft(req, room, config)
+            drafts = self.draft(req, room, config)
+            if req.constraint is not None and drafts:
+                # a draft the grammar forbids could never be kept: verify only the allowed prefix
+                drafts = drafts[:req.constraint.valid_prefix(drafts)]
+            req.spec_drafts = drafts
 
     def draft(self, req: Request, room: int, config: SpecConfig) -> list[int]:
         """At most ``room`` draft tokens for ``req`` by prompt lookup over its own tokens
@@ -277,45 +348,86 @@ class EngineCore:
 
     def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
         """Append a step's kept tokens one by one, checking the stop conditions after each;
-        emit one delta for them, or the final output at the first that ends the request
-        (the rest are dropped)."""
+        then, for a constrained request, the tokens its grammar forces (taken without
+        sampling: the mask would allow only them); emit one delta for them, or the final
+        output at the first that ends the request (the rest are dropped)."""
         if req.first_token_s is None:
             req.first_token_s = now
-        p = req.params
-        for tok, logprob in zip(tokens, logprobs):
-            req.output_ids.append(tok)
-            req.pending_ids.append(tok)
-            if req.history is not None:
-                req.history.extend((tok,))
-            if req.token_counts is not None:
-                req.token_counts.append(tok)
-            if logprob is not None:
-                req.pending_logprobs.append(logprob)
-            reason: tuple[str, str | int | None] | None = None
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                reason = ("stop", tok)
-            else:
-                req.pending_text += req.detok.add(tok)
-                if req.detok.stopped:
-                    reason = ("stop", req.detok.stop_reason)
-                elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                    reason = ("length", None)
+        constraint = req.constraint
+        for j, (tok, logprob) in enumerate(zip(tokens, logprobs)):
+            if constraint is not None and j in constraint.dead_rows:
+                return self._end_early(req, "error", f"grammar dead end: {constraint.dead_rows[j]}")
+            reason = self._append(req, tok, logprob)
             if reason is not None:
-                # Ending early inside a step's kept drafts: the KV of the drafts after this
-                # token is dropped (the last token, as always, has none).
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-                return self._finish(req, *reason)
+                return self._end_early(req, *reason)
+        # forced tokens come without logprobs, so a request that asks for them samples every token
+        while constraint is not None and req.params.logprobs is None:
+            forced = constraint.forced()
+            if not forced:
+                break
+            for tok in forced:
+                reason = self._append(req, tok, None)
+                if reason is not None:
+                    return self._end_early(req, *reason)
         out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
-                            logprobs=req.pending_logprobs or None)
-        req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
+                            logprobs=req.pending_logprobs or None, tool_calls=req.pending_tool_calls or None)
+        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_tool_calls = "", [], [], []
         return out
+
+    def _append(self, req: Request, tok: int, logprob) -> tuple[str, str | int | None] | None:
+        """Append one output token (advancing its grammar and text); the finish reason and
+        stop reason it causes, or None."""
+        p = req.params
+        req.output_ids.append(tok)
+        req.pending_ids.append(tok)
+        if req.history is not None:
+            req.history.extend((tok,))
+        if req.token_counts is not None:
+            req.token_counts.append(tok)
+        if logprob is not None:
+            req.pending_logprobs.append(logprob)
+        constraint = req.constraint
+        if constraint is not None and not constraint.accept(tok):
+            return ("error", f"grammar refused token {tok}: {constraint.error}")
+        # a constrained reply ends at its end token even with ignore_eos: its grammar is complete
+        if (tok in self.eos_ids and (not p.ignore_eos or constraint is not None)) or tok in p.stop_token_ids:
+            return ("stop", tok)
+        self._add_text(req, req.detok.add(tok))
+        if req.detok.stopped:
+            return ("stop", req.detok.stop_reason)
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return ("length", None)
+        return None
+
+    @staticmethod
+    def _add_text(req: Request, piece: str) -> None:
+        """Queue a piece of the reply's text: as it is, or split into content and tool calls."""
+        if req.tool_stream is None:
+            req.pending_text += piece
+            return
+        content, calls = req.tool_stream.feed(piece)
+        req.pending_text += content
+        req.pending_tool_calls.extend(calls)
+
+    def _end_early(self, req: Request, reason: str, stop_reason) -> RequestOutput:
+        """Finish inside a step's tokens: the KV of the tokens after the last one kept is
+        dropped (the last token, as always, has none)."""
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        return self._finish(req, reason, stop_reason)
 
     def _finish(self, req: Request, reason: str, stop_reason) -> RequestOutput:
         """Release the request's blocks (caching its pages) and build its final output."""
         req.finished_s = time.monotonic()
-        req.pending_text += req.detok.finish()
+        self._add_text(req, req.detok.finish())
         if reason == "length" and req.detok.stopped:  # a stop string completed in the flushed tail
             reason, stop_reason = "stop", req.detok.stop_reason
+        output_text, calls = req.detok.text, None
+        if req.tool_stream is not None:
+            content, _ = req.tool_stream.finish()
+            req.pending_text += content
+            output_text, calls = req.tool_stream.content, list(req.tool_stream.calls)
+            if calls and reason == "stop":
+                reason = "tool_calls"
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.scheduler.remove(req)  # also marks it FINISHED
         self.requests.pop(req.request_id, None)
@@ -332,15 +444,15 @@ class EngineCore:
         out = RequestOutput(
             request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
             logprobs=req.pending_logprobs or None, finished=True, finish_reason=reason,
-            stop_reason=stop_reason,
+            stop_reason=stop_reason, tool_calls=req.pending_tool_calls or None, output_tool_calls=calls,
             usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out),
             timings=Timings(ttft_ms=round(ttft, 3), tpot_ms=round(tpot, 3),
                             e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),
                             **_step_timings(req, n_out)),
-            output_text=req.detok.text, output_token_ids=list(req.output_ids),
+            output_text=output_text, output_token_ids=list(req.output_ids),
             prompt_token_ids=list(req.prompt_ids), prefix_reused=req.prefix_reused,
         )
-        req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
+        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_tool_calls = "", [], [], []
         return out
 
     # ----- introspection --------------------------------------------------------------

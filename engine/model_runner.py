@@ -17,6 +17,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.sampler import Sampler, SamplerOutput, noise_key
 from engine.scheduler import ScheduledBatch
+from engine.structured.masks import MaskFiller, TokenMasks
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class ModelRunner:
         self.device = device
         self.attn = make_attention_backend(engine_config.attention_backend, device, cpu_kernels)
         self.sampler = Sampler(model_config.vocab_size, device, seed=engine_config.seed)
+        self._masks: MaskFiller | None = None  # made at the first constrained step
         self.graphs = None
         if device.type == "cuda" and engine_config.cuda_graphs and self.attn.name == "triton":
             try:
@@ -127,13 +129,18 @@ class ModelRunner:
 
         A seeded request's position i (its i-th output token) is drawn with the noise key
         ``noise_key(seed, i)``, and a penalised one counts the drafts before each
-        position, so every position gets the token one-by-one sampling would give it.
+        position, so every position gets the token one-by-one sampling would give it. A
+        constrained request's position j is masked by its grammar after its first j
+        drafts (``engine.structured.masks``), computed while the forward runs on a GPU.
         """
         batch = self.build_batch(sched)
         logits = self.forward(batch)
         params, keys, counts, extra = [], [], [], []
+        constrained = []
         for item in sched.items:
             r = item.request
+            if r.constraint is not None and item.num_samples:
+                constrained.append((r.constraint, len(params), item.spec))
             for j in range(item.num_samples):
                 params.append(r.params)
                 keys.append(None if r.params.seed is None else noise_key(r.params.seed, len(r.output_ids) + j))
@@ -141,4 +148,12 @@ class ModelRunner:
                 extra.append(item.spec[:j])
         if not params:
             return None
-        return self.sampler.sample(logits, params, keys, counts, extra)
+        return self.sampler.sample(logits, params, keys, counts, extra, self._step_masks(constrained))
+
+    def _step_masks(self, constrained: list) -> TokenMasks | None:
+        """The grammar masks of the step's constrained rows (None when there are none)."""
+        if not constrained:
+            return None
+        if self._masks is None:
+            self._masks = MaskFiller(torch.get_num_threads())
+        return self._masks.fill(constrained)

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.protocol import Timings, Usage
 from engine.sampling_params import SamplingParams
+from engine.tools.spec import ToolRequest
+from engine.tools.stream import ToolCall, ToolCallDelta
 
-__all__ = ["GenerateRequest", "PromptProgress", "RequestOutput", "Timings", "TokenLogprob", "Usage"]
+__all__ = ["GenerateRequest", "PromptProgress", "RequestOutput", "Timings", "TokenLogprob", "ToolCall",
+           "ToolCallDelta", "Usage"]
 
 
 @dataclass
 class GenerateRequest:
     """One generation request.
 
-    Exactly one of ``prompt_token_ids`` or ``messages`` is given.
+    Exactly one of ``prompt_token_ids``, ``prompt`` or ``messages`` is given.
 
     Attributes:
         request_id: unique among live requests of the engine.
         prompt_token_ids: the prompt as token ids (used as is: no BOS is added).
-        messages: chat messages ``[{"role": "system"|"user"|"assistant", "content": str}]``;
+        prompt: a raw text prompt (no chat template; tokenized with the tokenizer's own
+            special-token policy, e.g. a BOS where the model's tokenizer adds one).
+        messages: chat messages ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}]``
+            (assistant messages may carry ``tool_calls``; ``engine.prompt.validate_messages``);
             the engine applies the model's chat template with the generation prompt.
         prefix_token_ids: optional exact ids the model saw and produced for a leading
             part of ``messages`` (the chat so far, ending with an assistant reply's
@@ -33,15 +40,22 @@ class GenerateRequest:
         clamp_max_tokens: when the prompt fits the context but prompt + max_tokens does
             not, lower max_tokens to what is left (the reply then ends with "length")
             instead of refusing. The prompt itself is never truncated.
+        tools: the functions the model may call and the tool choice (``engine.tools.spec``),
+            or None.
+        continue_final_message: the last message is the assistant's, and the reply
+            continues it (no end of turn, no new generation prompt) instead of answering.
     """
 
     request_id: str
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prefix_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    prompt: str | None = None
+    tools: ToolRequest | None = None
+    continue_final_message: bool = False
 
 
 @dataclass
@@ -77,6 +91,14 @@ class RequestOutput:
     A progress item (``progress`` set, no text or tokens, ``finished`` False) comes
     after each step that computed a chunk of a long prompt without finishing it
     (chunked prefill); a prompt read in one step gets none.
+
+    A request with active tools gets its calls apart from its text: ``tool_calls`` holds
+    the output's call deltas (``engine.tools.stream``: a call's first delta has its id and
+    name, later ones fragments of its arguments), ``text``/``output_text`` only the
+    content outside calls, and the final item ``output_tool_calls`` (every call whole)
+    and finish reason "tool_calls" when the reply made calls and ended normally.
+    Finish reason "error" means the engine could not continue the reply (a grammar that
+    allowed no token: ``stop_reason`` says why); its text so far is kept.
     """
 
     request_id: str
@@ -93,3 +115,5 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     prefix_reused: bool | None = None
     progress: PromptProgress | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    output_tool_calls: list[ToolCall] | None = None

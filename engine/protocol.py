@@ -23,8 +23,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# 2: per-step frames, stats from the end-of-step snapshot; 3: progress items; 4: KV events
-PROTOCOL_VERSION = 4
+# 2: per-step frames, stats from the end-of-step snapshot; 3: progress items; 4: KV events;
+# 5: raw prompts, tools and tool calls, continue_final_message, logprobs with token texts
+PROTOCOL_VERSION = 5
 
 
 class FrameError(ValueError):
@@ -87,6 +88,8 @@ class EngineInfo:
         tokenizer_dir: the folder of the model's tokenizer and chat template on the
             engine's host; a gateway that can read it there (same host or a shared
             volume) computes prompt ids as the engine does, to route by prefix.
+        tool_format: how the model writes tool calls ("hermes", "llama3_json" or
+            "generic"; ``engine.tools.formats``).
     """
 
     model: str
@@ -101,22 +104,33 @@ class EngineInfo:
     kv_cache_dtype: str | None = None
     format: str = ""
     tokenizer_dir: str = ""
+    tool_format: str = ""
 
 
 # ----- gateway -> engine ---------------------------------------------------------------
 
 @dataclass
 class GenerateFrame:
-    """Start a generation. Exactly one of ``messages`` / ``prompt_token_ids``;
-    ``params`` holds ``engine.sampling_params.SamplingParams`` keys (checked by the engine)."""
+    """Start a generation. Exactly one of ``messages`` / ``prompt_token_ids`` / ``prompt``;
+    ``params`` holds ``engine.sampling_params.SamplingParams`` keys (checked by the engine).
+
+    ``tools``, ``tool_choice``, ``parallel_tool_calls``: OpenAI's chat-completions fields
+    (``engine.tools.spec``); ``continue_final_message``: continue the final assistant
+    message instead of answering it; ``prompt``: a raw text prompt (no chat template).
+    """
 
     request_id: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     prefix_token_ids: list[int] | None = None
     params: dict[str, Any] | None = None
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    continue_final_message: bool = False
 
 
 @dataclass
@@ -179,21 +193,29 @@ class ProgressFrame:
 class DeltaFrame:
     """New text and tokens of one request since its previous item (at most one per step).
 
-    ``logprobs``: per token ``{"token_id", "logprob", "top": [[id, logprob], ...]}`` when asked for.
+    ``logprobs``: per token ``{"token_id", "token", "bytes", "logprob", "top": [{"token_id",
+    "token", "bytes", "logprob"}, ...]}`` when asked for (``token``: the token's text,
+    ``bytes``: its UTF-8 bytes). ``tool_calls``: tool-call deltas ``{"index", "id"?,
+    "name"?, "arguments"}`` (a call's first has its id and name; the others fragments of
+    its arguments' JSON text); with tools, ``text`` is the content outside calls.
     """
 
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass
 class DoneFrame:
     """The last item of a request; may carry the finishing step's text and tokens.
 
-    ``finish_reason`` is "stop", "length" or "abort"; the concatenation of every item's
-    ``text`` equals ``output_text``.
+    ``finish_reason`` is "stop", "length", "abort", "tool_calls" (the reply made tool
+    calls and ended) or "error" (the engine could not continue it: ``stop_reason`` says
+    why); the concatenation of every item's ``text`` equals ``output_text``.
+    ``output_tool_calls``: every call of the reply whole (``{"index", "id", "name",
+    "arguments"}``), or None for a request without tools.
     """
 
     request_id: str
@@ -208,6 +230,8 @@ class DoneFrame:
     prefix_reused: bool = False
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
+    tool_calls: list[dict[str, Any]] | None = None
+    output_tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -286,13 +310,19 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
         d = {"type": "delta", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
         if item.logprobs:
             d["logprobs"] = item.logprobs
+        if item.tool_calls:
+            d["tool_calls"] = item.tool_calls
         return d
     d = {"type": "done", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
     if item.logprobs:
         d["logprobs"] = item.logprobs
+    if item.tool_calls:
+        d["tool_calls"] = item.tool_calls
     d.update(finish_reason=item.finish_reason, stop_reason=item.stop_reason, output_text=item.output_text,
              output_token_ids=item.output_token_ids, prompt_token_ids=item.prompt_token_ids,
              prefix_reused=item.prefix_reused, usage=asdict(item.usage), timings=asdict(item.timings))
+    if item.output_tool_calls is not None:
+        d["output_tool_calls"] = item.output_tool_calls
     return d
 
 
@@ -308,13 +338,16 @@ def to_dict(frame: Frame) -> dict[str, Any]:
         return {"type": "stats", **frame.stats, "age_ms": frame.age_ms}
     if isinstance(frame, GenerateFrame):
         d: dict[str, Any] = {"type": "generate", "request_id": frame.request_id}
-        for key in ("messages", "prompt_token_ids", "prefix_token_ids", "params"):
+        for key in ("messages", "prompt_token_ids", "prompt", "prefix_token_ids", "params", "tools", "tool_choice",
+                    "parallel_tool_calls"):
             if getattr(frame, key) is not None:
                 d[key] = getattr(frame, key)
         if frame.cache_salt:
             d["cache_salt"] = frame.cache_salt
         if frame.clamp_max_tokens:
             d["clamp_max_tokens"] = True
+        if frame.continue_final_message:
+            d["continue_final_message"] = True
         return d
     if isinstance(frame, AbortFrame):
         return {"type": "abort", "request_id": frame.request_id}
@@ -395,8 +428,9 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     text = _get(d, "text", str, "")
     ids = _int_list(d, "token_ids", [])
     logprobs = _get(d, "logprobs", list, None)
+    tool_calls = _dict_list(d, "tool_calls")
     if kind == "delta":
-        return DeltaFrame(rid, text, ids, logprobs)
+        return DeltaFrame(rid, text, ids, logprobs, tool_calls)
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
@@ -413,7 +447,16 @@ def _item(d: dict[str, Any]) -> ReplyItem:
         raise FrameError("'stop_reason' of a done frame must be a string, an integer or null")
     return DoneFrame(rid, text, ids, logprobs, str(_get(d, "finish_reason", str, "stop")), stop_reason,
                      str(_get(d, "output_text", str, "")), _int_list(d, "output_token_ids", []),
-                     _int_list(d, "prompt_token_ids", []), bool(_get(d, "prefix_reused", bool, False)), u, t)
+                     _int_list(d, "prompt_token_ids", []), bool(_get(d, "prefix_reused", bool, False)), u, t,
+                     tool_calls, _dict_list(d, "output_tool_calls"))
+
+
+def _dict_list(d: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
+    """``d[key]`` as a list of objects, or None when absent."""
+    v = _get(d, key, list, None)
+    if v is not None and not all(isinstance(x, dict) for x in v):
+        raise FrameError(f"'{key}' of a {d.get('type')} frame must be a list of objects")
+    return v
 
 
 _INFO_KEYS = frozenset(EngineInfo.__dataclass_fields__)
@@ -460,7 +503,8 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
 
 
 GENERATE_FIELDS = frozenset({"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params",
-                             "cache_salt", "clamp_max_tokens"})
+                             "cache_salt", "clamp_max_tokens", "prompt", "tools", "tool_choice",
+                             "parallel_tool_calls", "continue_final_message"})
 
 
 def decode_client_frame(text: str | bytes) -> ClientFrame:
@@ -489,10 +533,16 @@ def decode_client_frame(text: str | bytes) -> ClientFrame:
             messages = _get(d, "messages", list, None)
             if messages is not None and not all(isinstance(m, dict) for m in messages):
                 raise FrameError("'messages' must be a list of objects")
+            tool_choice = d.get("tool_choice")
+            if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
+                raise FrameError("'tool_choice' must be a string or an object")
             return GenerateFrame(rid, messages, _int_list(d, "prompt_token_ids", None),
                                  _int_list(d, "prefix_token_ids", None), _get(d, "params", dict, None),
                                  str(_get(d, "cache_salt", str, "")),
-                                 bool(_get(d, "clamp_max_tokens", bool, False)))
+                                 bool(_get(d, "clamp_max_tokens", bool, False)),
+                                 _get(d, "prompt", str, None), _dict_list(d, "tools"), tool_choice,
+                                 _get(d, "parallel_tool_calls", bool, None),
+                                 bool(_get(d, "continue_final_message", bool, False)))
         except FrameError as e:
             raise FrameError(e.message, rid) from None
     raise FrameError(f"unknown frame type {kind!r}")

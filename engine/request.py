@@ -60,6 +60,10 @@ class Request:
         spec_drafts: draft tokens to verify in the next step (set by the engine, read by
             the scheduler).
         decode_steps: steps that sampled for it after its prefill.
+        constraint: its grammar state (``engine.structured.compiler.Constraint``) when its
+            output is constrained (a response format, or tool calls), else None.
+        tool_stream: the split of its text into content and tool calls
+            (``engine.tools.stream.ToolCallStream``) when it may call tools, else None.
     """
 
     request_id: str
@@ -87,10 +91,13 @@ class Request:
     spec: SpecState = field(default_factory=SpecState)
     spec_drafts: list[int] = field(default_factory=list)
     decode_steps: int = 0
-    # Text and tokens produced since the last output was emitted.
+    constraint: Any = None
+    tool_stream: Any = None
+    # Text, tokens and tool-call deltas produced since the last output was emitted.
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[Any] = field(default_factory=list)
+    pending_tool_calls: list[Any] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
 from http import HTTPStatus
 from typing import Any
 
@@ -26,7 +25,7 @@ from websockets.http11 import Request, Response
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError, InvalidRequestError
-from engine.outputs import GenerateRequest, RequestOutput
+from engine.outputs import GenerateRequest, RequestOutput, TokenLogprob
 from engine.protocol import (
     AbortFrame,
     DeltaFrame,
@@ -49,7 +48,9 @@ from engine.protocol import (
     to_dict,
 )
 from engine.sampling_params import SamplingParams
+from engine.structured.vocab import Vocabulary, token_text
 from engine.text_checks import text_error
+from engine.tools.spec import parse_tools
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +61,39 @@ SECRET_ENV = "ENGINE_SECRET"  # when set, clients must send it in SECRET_HEADER
 SECRET_HEADER = "X-Engine-Secret"
 
 
-def output_item(request_id: str, out: RequestOutput) -> ReplyItem:
-    """The ``progress``, ``delta`` or ``done`` item of one engine output (client-side request id)."""
+def logprob_dicts(logprobs: list[TokenLogprob], vocab: Vocabulary | None) -> list[dict[str, Any]]:
+    """The wire form of a list of ``TokenLogprob``: each token and alternative with its
+    id, text and bytes (from ``vocab``; without one, text and bytes are empty)."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        data = vocab.token_bytes(token_id) if vocab is not None else b""
+        return {"token_id": token_id, "token": token_text(data), "bytes": list(data), "logprob": logprob}
+
+    return [{**entry(lp.token_id, lp.logprob), "top": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
+
+
+def output_item(request_id: str, out: RequestOutput, vocab: Vocabulary | None = None) -> ReplyItem:
+    """The ``progress``, ``delta`` or ``done`` item of one engine output (client-side
+    request id); ``vocab`` names the tokens of logprobs."""
     if out.progress is not None:
         p = out.progress
         return ProgressFrame(request_id, p.done, p.total, p.cached)
-    logprobs = [asdict(lp) for lp in out.logprobs] if out.logprobs else None
+    logprobs = logprob_dicts(out.logprobs, vocab) if out.logprobs else None
+    calls = [c.as_dict() for c in out.tool_calls] if out.tool_calls else None
     if not out.finished:
-        return DeltaFrame(request_id, out.text, out.token_ids, logprobs)
+        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, calls)
     assert out.usage is not None and out.timings is not None  # a finished output carries both
-    return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop", out.stop_reason,
-                     out.output_text or "", out.output_token_ids or [], out.prompt_token_ids or [],
-                     bool(out.prefix_reused), out.usage, out.timings)
+    whole = [c.as_dict() for c in out.output_tool_calls] if out.output_tool_calls is not None else None
+    return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop",
+                     out.stop_reason, out.output_text or "", out.output_token_ids or [], out.prompt_token_ids or [],
+                     bool(out.prefix_reused), out.usage, out.timings, calls, whole)
 
 
 def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
     """A ``generate`` frame as the engine's GenerateRequest.
 
     Raises:
-        InvalidRequestError: bad params.
+        InvalidRequestError: bad params or tools.
     """
     if text_error(frame.cache_salt, "cache_salt"):
         raise InvalidRequestError("cache_salt must be a string of valid Unicode")
@@ -86,7 +101,9 @@ def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
         request_id=internal_id, prompt_token_ids=frame.prompt_token_ids,
         messages=frame.messages, prefix_token_ids=frame.prefix_token_ids,
         params=SamplingParams.from_dict(frame.params), cache_salt=frame.cache_salt,
-        clamp_max_tokens=frame.clamp_max_tokens,
+        clamp_max_tokens=frame.clamp_max_tokens, prompt=frame.prompt,
+        tools=parse_tools(frame.tools, frame.tool_choice, frame.parallel_tool_calls),
+        continue_final_message=frame.continue_final_message,
     )
 
 
@@ -237,7 +254,7 @@ class EngineServer:
     async def _run(self, out: _Outbox, rid: str, req: GenerateRequest) -> None:
         try:
             async for o in self.engine.generate(req):
-                out.item(output_item(rid, o))
+                out.item(output_item(rid, o, self.engine.core.vocab))
         except EngineError as e:
             out.item(ErrorFrame(e.code, e.message, rid))
         except asyncio.CancelledError:
