@@ -79,10 +79,11 @@ class MaskFiller:
                 consecutive rows from that one).
 
         Returns:
-            The masks, or None when ``entries`` is empty. A row that allows no token (the
-            grammar is in an error state or at a dead end) allows the first end-of-reply
-            token instead, so the sampler never sees an empty row, and the constraint's
-            ``dead_rows`` names that position and why (the engine ends the reply there).
+            The masks, or None when ``entries`` is empty. A row that allows no token (a
+            dead end), or the first row of a matcher in its error state, allows the first
+            end-of-reply token instead, so the sampler never sees an empty row, and the
+            constraint's ``dead_rows`` names that position and why (the engine ends the
+            reply there).
         """
         if not entries:
             return None
@@ -105,16 +106,21 @@ class MaskFiller:
             self.executor.unsafe_compute_mask_ptr(plain, bits.data_ptr(), words * 4, total)
         if drafted:
             self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bits.data_ptr(), words * 4, total)
-        empty = (~bits.any(dim=1)).nonzero().flatten().tolist()
+        empty = set((~bits.any(dim=1)).nonzero().flatten().tolist())
+        k = 0
+        for constraint, _first, drafts in entries:
+            if constraint.matcher.is_error():  # its mask offers only an end token: not a real end
+                empty.add(k)
+            k += 1 + len(drafts)
         if empty:
             self._mark_dead(entries, empty, bits)
         return TokenMasks(rows=rows, bits=bits.clone())
 
     @staticmethod
-    def _mark_dead(entries: list[tuple[Constraint, int, list[int]]], empty: list[int], bits: torch.Tensor) -> None:
-        """Record the positions whose mask is empty and let them sample an end token."""
+    def _mark_dead(entries: list[tuple[Constraint, int, list[int]]], dead: set[int], bits: torch.Tensor) -> None:
+        """Record the positions whose mask is empty (or whose matcher is in its error state)
+        and let them sample an end token."""
         k = 0
-        dead = set(empty)
         for constraint, _first, drafts in entries:
             for j in range(1 + len(drafts)):
                 if k + j in dead:

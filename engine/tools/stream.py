@@ -114,7 +114,8 @@ class ToolCallStream:
         self._keep_marker = not fmt.call_start.strip()  # the marker is the JSON's own "{"
         self._head_re = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(fmt.args_key)
                                 + r'"\s*:\s*')
-        self._tail_re = re.compile(r"\s*\}" + (r"\s*" + re.escape(fmt.call_end.strip()) if fmt.call_end.strip() else ""))
+        end = fmt.call_end.strip()
+        self._tail_re = re.compile(r"\s*\}" + (r"\s*" + re.escape(end) if end else ""))
         self._sep = fmt.separator.strip()
         self.state = "text"
         self.buf = ""
