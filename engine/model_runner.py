@@ -15,8 +15,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.sampler import Sampler, SamplerOutput, noise_key
+from engine.sampler import PenaltyState, Sampler, SamplerOutput, noise_key
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
+from engine.structured.compiler import Constraint
 from engine.structured.masks import MaskFiller, TokenMasks
 
 log = logging.getLogger(__name__)
@@ -135,8 +137,11 @@ class ModelRunner:
         """
         batch = self.build_batch(sched)
         logits = self.forward(batch)
-        params, keys, counts, extra = [], [], [], []
-        constrained = []
+        params: list[SamplingParams] = []
+        keys: list[int | None] = []
+        counts: list[PenaltyState | None] = []
+        extra: list[list[int]] = []
+        constrained: list[tuple[Constraint, int, list[int]]] = []
         for item in sched.items:
             r = item.request
             if r.constraint is not None and item.num_samples:
@@ -150,7 +155,7 @@ class ModelRunner:
             return None
         return self.sampler.sample(logits, params, keys, counts, extra, self._step_masks(constrained))
 
-    def _step_masks(self, constrained: list) -> TokenMasks | None:
+    def _step_masks(self, constrained: list[tuple[Constraint, int, list[int]]]) -> TokenMasks | None:
         """The grammar masks of the step's constrained rows (None when there are none)."""
         if not constrained:
             return None

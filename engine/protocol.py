@@ -454,9 +454,11 @@ def _item(d: dict[str, Any]) -> ReplyItem:
 def _dict_list(d: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
     """``d[key]`` as a list of objects, or None when absent."""
     v = _get(d, key, list, None)
-    if v is not None and not all(isinstance(x, dict) for x in v):
+    if v is None:
+        return None
+    if not all(isinstance(x, dict) for x in v):
         raise FrameError(f"'{key}' of a {d.get('type')} frame must be a list of objects")
-    return v
+    return list(v)
 
 
 _INFO_KEYS = frozenset(EngineInfo.__dataclass_fields__)

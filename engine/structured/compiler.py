@@ -60,7 +60,7 @@ def grammar_text(spec: StructuredOutput) -> str:
 
     if spec.is_json:
         assert spec.schema is not None
-        options = json_grammar_options(spec.strict)
+        options: Any = json_grammar_options(spec.strict)  # llguidance's JsonCompileOptions (a TypedDict)
         return str(LLMatcher.grammar_from_json_schema(json.dumps(spec.schema), overrides=options))
     if spec.kind == "regex":
         assert spec.pattern is not None

@@ -15,6 +15,7 @@ set when token t is allowed (the layout of llguidance and xgrammar).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -93,7 +94,10 @@ class MaskFiller:
             self._buf = torch.zeros(max(total, 2 * self._buf.shape[0]), words, dtype=torch.int32)
         bits = self._buf[:total]
         bits.zero_()
-        plain, drafted, rows, k = [], [], [], 0
+        plain: list[tuple[Any, int]] = []
+        drafted: list[tuple[Any, int, list[int]]] = []
+        rows: list[int] = []
+        k = 0
         for constraint, first, drafts in entries:
             constraint.dead_rows = {}
             if drafts:

@@ -138,7 +138,7 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The reply ended: held-back text that did not become a call is content; a call
         cut short keeps what it had (``complete`` False)."""
-        content, deltas = "", []
+        content, deltas = "", list[ToolCallDelta]()
         if self.state in ("text", "plain", "between") and self.buf:
             content = self.buf
         elif self.state == "head" and self.buf:

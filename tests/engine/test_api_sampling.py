@@ -71,7 +71,7 @@ def test_logprob_entries_name_tokens_with_their_text_and_bytes(engine, tok):
     assert b"".join(bytes(w["bytes"]) for w in wire) == tok.decode(ids).encode()
     for w in wire:
         assert w["token"] == bytes(w["bytes"]).decode("utf-8", "backslashreplace")
-        assert [t["token_id"] for t in w["top"]][0] == w["token_id"]  # greedy: the sampled token is the top one
+        assert w["top"][0]["token_id"] == w["token_id"]  # greedy: the sampled token is the top one
 
 
 def test_logit_bias_bans_and_forces_tokens(engine):
@@ -117,8 +117,9 @@ def test_n_choices_that_arrive_together_compute_the_prompt_once(engine):
     prompt = engine.prompts.render_ids(_chat(text))
     for i in range(6):
         engine.core.add_request(f"n{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0).for_choice(i))
-    finals = run_core(engine.core)
-    computed = sum(o.usage.prompt_tokens - o.usage.cached_tokens for o in finals.values())
+    computed = 0
+    for o in run_core(engine.core).values():
+        computed += o.usage.prompt_tokens - o.usage.cached_tokens
     assert len(prompt) > 256 and computed <= len(prompt) + 5 * 16, (computed, len(prompt))
 
 

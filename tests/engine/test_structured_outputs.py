@@ -131,7 +131,7 @@ def test_constrained_output_is_the_same_with_and_without_speculation(engines, to
     logit_bias so that the reply repeats itself)."""
     the, cat = tok.encode(" the", add_special_tokens=False)[0], tok.encode(" cat", add_special_tokens=False)[0]
     words = {"type": "regex", "pattern": "[a-z ]{1,200}"}
-    results = {}
+    results: dict = {}
     for mode, eng in engines.items():
         core = eng.core
         before = core.counters.spec_drafted_total, core.counters.spec_accepted_total

@@ -200,7 +200,7 @@ async def test_the_wire_carries_calls_and_named_logprobs(server):
         await ws.send(json.dumps({"type": "generate", "request_id": "w", "messages": CHAT, "tools": [UNIT, ADD],
                                   "tool_choice": "required", "parallel_tool_calls": False,
                                   "params": {"max_tokens": 120, "temperature": 0.0, "logprobs": 2}}))
-        items = []
+        items: list[dict] = []
         while not items or items[-1]["type"] != "done":
             frame = json.loads(await asyncio.wait_for(ws.recv(), 60))
             assert frame["type"] == "step", frame
