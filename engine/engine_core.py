@@ -20,7 +20,7 @@ from engine.cpu.ops import CpuKernels
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, InvalidRequestError, InvariantError
 from engine.model_runner import ModelRunner
-from engine.outputs import PromptProgress, RequestOutput, Timings, Usage
+from engine.outputs import PromptProgress, RequestOutput, Timings, TokenLogprob, Usage
 from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.sampler import PenaltyState, SamplerOutput
@@ -370,7 +370,8 @@ class EngineCore:
                 if reason is not None:
                     return self._end_early(req, *reason)
         out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
-                            logprobs=req.pending_logprobs or None, tool_calls=req.pending_tool_calls or None)
+                            logprobs=req.pending_logprobs or None, tool_calls=req.pending_tool_calls or None,
+                            prompt_logprobs=self._prompt_logprobs_once(req))
         req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_tool_calls = "", [], [], []
         return out
 
@@ -398,6 +399,15 @@ class EngineCore:
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return ("length", None)
         return None
+
+    @staticmethod
+    def _prompt_logprobs_once(req: Request):
+        """The request's prompt logprobs, the first time they are all there (else None):
+        one per prompt token, token 0 (nothing before it scores it) with 0.0."""
+        if req.params.prompt_logprobs is None or req.prompt_logprobs_sent or req.wants_prompt_logprobs:
+            return None
+        req.prompt_logprobs_sent = True
+        return [TokenLogprob(req.prompt_ids[0], 0.0)] + req.prompt_logprobs
 
     @staticmethod
     def _add_text(req: Request, piece: str) -> None:
@@ -445,6 +455,7 @@ class EngineCore:
             request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
             logprobs=req.pending_logprobs or None, finished=True, finish_reason=reason,
             stop_reason=stop_reason, tool_calls=req.pending_tool_calls or None, output_tool_calls=calls,
+            prompt_logprobs=self._prompt_logprobs_once(req),
             usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out),
             timings=Timings(ttft_ms=round(ttft, 3), tpot_ms=round(tpot, 3),
                             e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),

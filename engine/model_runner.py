@@ -15,9 +15,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.sampler import PenaltyState, Sampler, SamplerOutput, noise_key
+from engine.outputs import TokenLogprob
+from engine.sampler import LOGPROB_FLOOR, PenaltyState, Sampler, SamplerOutput, noise_key
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
+from engine.scheduler import ScheduledBatch, ScheduledItem
 from engine.structured.compiler import Constraint
 from engine.structured.masks import MaskFiller, TokenMasks
 
@@ -98,9 +99,20 @@ class ModelRunner:
                 log.warning("CUDA graphs disabled: %s", e)
                 self.graphs = None
 
+    @staticmethod
+    def prompt_rows(item: ScheduledItem) -> int:
+        """Leading rows of ``item``'s chunk whose logits score prompt tokens (its request
+        wants its prompt's logprobs): positions up to the one before the last prompt
+        token, each predicting the prompt token after it; 0 for other items."""
+        r = item.request
+        if not r.wants_prompt_logprobs:
+            return 0
+        return max(0, min(item.num_new, len(r.prompt_ids) - 1 - r.num_computed_tokens))
+
     def build_batch(self, sched: ScheduledBatch) -> ForwardBatch:
         """The step's ForwardBatch: each request's next ``num_new`` tokens after its
-        ``num_computed_tokens``; logits only for requests that sample this step."""
+        ``num_computed_tokens``; logits for requests that sample this step, and for the
+        prompt rows of requests that want their prompt's logprobs (``prompt_rows``)."""
         chunks, prefix, tables, sample, num_logits = [], [], [], [], []
         for item in sched.items:
             r = item.request
@@ -109,7 +121,7 @@ class ModelRunner:
             prefix.append(r.num_computed_tokens)
             tables.append(r.block_table)
             sample.append(item.sample)
-            num_logits.append(item.num_samples)
+            num_logits.append(self.prompt_rows(item) + item.num_samples)
         return ForwardBatch.build(
             token_chunks=chunks, prefix_lens=prefix, block_tables=tables,
             sample_mask=sample, block_size=self.block_size, device=self.device, num_logits=num_logits,
@@ -136,7 +148,7 @@ class ModelRunner:
         drafts (``engine.structured.masks``), computed while the forward runs on a GPU.
         """
         batch = self.build_batch(sched)
-        logits = self.forward(batch)
+        logits = self._take_prompt_logprobs(sched, self.forward(batch))
         params: list[SamplingParams] = []
         keys: list[int | None] = []
         counts: list[PenaltyState | None] = []
@@ -154,6 +166,32 @@ class ModelRunner:
         if not params:
             return None
         return self.sampler.sample(logits, params, keys, counts, extra, self._step_masks(constrained))
+
+    def _take_prompt_logprobs(self, sched: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Give the requests that want their prompt's logprobs those of this step's prompt
+        rows (``Request.prompt_logprobs``); returns the logits of the sampled rows only."""
+        rows = [self.prompt_rows(item) for item in sched.items]
+        if not any(rows):
+            return logits
+        keep: list[int] = []
+        at = 0
+        for item, n in zip(sched.items, rows):
+            if n:
+                r = item.request
+                k = min(r.params.prompt_logprobs or 0, self.model_config.vocab_size)
+                lp = torch.log_softmax(logits[at:at + n, : self.model_config.vocab_size].float(), dim=-1)
+                lp = lp.clamp(min=LOGPROB_FLOOR)
+                start = r.num_computed_tokens + 1  # row j scores prompt token start + j
+                targets = torch.tensor(r.prompt_ids[start:start + n], device=lp.device)
+                chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                top = torch.topk(lp, k, dim=1) if k else None
+                values = top.values.tolist() if top is not None else [[]] * n
+                ids = top.indices.tolist() if top is not None else [[]] * n
+                for j in range(n):
+                    r.prompt_logprobs.append(TokenLogprob(int(targets[j]), chosen[j], list(zip(ids[j], values[j]))))
+            keep.extend(range(at + n, at + n + item.num_samples))
+            at += n + item.num_samples
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
     def _step_masks(self, constrained: list[tuple[Constraint, int, list[int]]]) -> TokenMasks | None:
         """The grammar masks of the step's constrained rows (None when there are none)."""

@@ -97,6 +97,9 @@ class RequestOutput:
     name, later ones fragments of its arguments), ``text``/``output_text`` only the
     content outside calls, and the final item ``output_tool_calls`` (every call whole)
     and finish reason "tool_calls" when the reply made calls and ended normally.
+    A request with ``params.prompt_logprobs`` gets, with its first output that has
+    tokens (or its final one), ``prompt_logprobs``: each prompt token scored by the model
+    given the tokens before it (token 0, which nothing scores, with 0.0 and no alternatives).
     Finish reason "error" means the engine could not continue the reply (a grammar that
     allowed no token: ``stop_reason`` says why); its text so far is kept.
     """
@@ -117,3 +120,4 @@ class RequestOutput:
     progress: PromptProgress | None = None
     tool_calls: list[ToolCallDelta] | None = None
     output_tool_calls: list[ToolCall] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None

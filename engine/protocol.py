@@ -198,6 +198,8 @@ class DeltaFrame:
     ``bytes``: its UTF-8 bytes). ``tool_calls``: tool-call deltas ``{"index", "id"?,
     "name"?, "arguments"}`` (a call's first has its id and name; the others fragments of
     its arguments' JSON text); with tools, ``text`` is the content outside calls.
+    ``prompt_logprobs`` (once, with the first item that has tokens, when asked for): an
+    entry per prompt token, the first with ``logprob`` null.
     """
 
     request_id: str
@@ -205,6 +207,7 @@ class DeltaFrame:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -232,6 +235,7 @@ class DoneFrame:
     timings: Timings = field(default_factory=Timings)
     tool_calls: list[dict[str, Any]] | None = None
     output_tool_calls: list[dict[str, Any]] | None = None
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -312,6 +316,8 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
             d["logprobs"] = item.logprobs
         if item.tool_calls:
             d["tool_calls"] = item.tool_calls
+        if item.prompt_logprobs:
+            d["prompt_logprobs"] = item.prompt_logprobs
         return d
     d = {"type": "done", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
     if item.logprobs:
@@ -323,6 +329,8 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
              prefix_reused=item.prefix_reused, usage=asdict(item.usage), timings=asdict(item.timings))
     if item.output_tool_calls is not None:
         d["output_tool_calls"] = item.output_tool_calls
+    if item.prompt_logprobs:
+        d["prompt_logprobs"] = item.prompt_logprobs
     return d
 
 
@@ -429,8 +437,9 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     ids = _int_list(d, "token_ids", [])
     logprobs = _get(d, "logprobs", list, None)
     tool_calls = _dict_list(d, "tool_calls")
+    prompt_logprobs = _dict_list(d, "prompt_logprobs")
     if kind == "delta":
-        return DeltaFrame(rid, text, ids, logprobs, tool_calls)
+        return DeltaFrame(rid, text, ids, logprobs, tool_calls, prompt_logprobs)
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
@@ -448,7 +457,7 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     return DoneFrame(rid, text, ids, logprobs, str(_get(d, "finish_reason", str, "stop")), stop_reason,
                      str(_get(d, "output_text", str, "")), _int_list(d, "output_token_ids", []),
                      _int_list(d, "prompt_token_ids", []), bool(_get(d, "prefix_reused", bool, False)), u, t,
-                     tool_calls, _dict_list(d, "output_tool_calls"))
+                     tool_calls, _dict_list(d, "output_tool_calls"), prompt_logprobs)
 
 
 def _dict_list(d: dict[str, Any], key: str) -> list[dict[str, Any]] | None:

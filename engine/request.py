@@ -64,6 +64,9 @@ class Request:
             output is constrained (a response format, or tool calls), else None.
         tool_stream: the split of its text into content and tool calls
             (``engine.tools.stream.ToolCallStream``) when it may call tools, else None.
+        prompt_logprobs: with ``params.prompt_logprobs``, the log-probabilities of prompt
+            tokens 1.. as its prefill computes them (``engine.outputs.TokenLogprob``);
+            sent once, with its first output.
     """
 
     request_id: str
@@ -93,6 +96,8 @@ class Request:
     decode_steps: int = 0
     constraint: Any = None
     tool_stream: Any = None
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     # Text, tokens and tool-call deltas produced since the last output was emitted.
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
@@ -116,6 +121,11 @@ class Request:
     def all_ids(self) -> list[int]:
         """Prompt plus output tokens as one list."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt tokens' logprobs are asked for and not all computed yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def num_uncomputed(self) -> int:

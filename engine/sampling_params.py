@@ -27,13 +27,14 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "presence_penalty": (-2.0, 2.0),
     "seed": (-(2**63), 2**64 - 1),  # -1 means "random" (no seed), as OpenAI clients send it
     "logprobs": (0, 20),
+    "prompt_logprobs": (0, 20),
 }
 # Parameters whose lower bound itself is refused: (lo, hi].
 OPEN_LOW = frozenset({"top_p", "repetition_penalty"})
 # Parameters that take integers only (the others take any finite number).
-INTEGER_PARAMS = frozenset({"max_tokens", "top_k", "seed", "logprobs"})
+INTEGER_PARAMS = frozenset({"max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"})
 # Parameters that may be None (meaning "unset").
-NULLABLE_PARAMS = frozenset({"seed", "logprobs"})
+NULLABLE_PARAMS = frozenset({"seed", "logprobs", "prompt_logprobs"})
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 STOP_ERROR = (f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
@@ -107,6 +108,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: None, or the number (0-20) of top alternatives to return per token
             besides the sampled token's own log-probability.
+        prompt_logprobs: None, or the number (0-20) of top alternatives to return for
+            each prompt token with its own log-probability given the tokens before it (the
+            completions API's ``echo`` with ``logprobs``). Such a request computes its whole
+            prompt: the prefix cache holds no logits.
         logit_bias: token id -> a bias in [-100, 100] added to that token's logit before
             penalties and sampling (OpenAI semantics; -100 effectively bans a token). JSON
             object keys are the ids as strings; they become ints here. Ids are checked
@@ -131,6 +136,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: dict[str, Any] | None = None
 

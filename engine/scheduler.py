@@ -251,7 +251,7 @@ class Scheduler:
         """Whether a running prompt still being prefilled shares with ``req`` at least one
         whole page beyond what the tree holds for ``req`` now (those pages will be in the
         tree once that prefill ends)."""
-        if not self.cache.enabled:
+        if not self.cache.enabled or req.wants_prompt_logprobs:
             return False
         bs = self.config.block_size
         tokens = req.all_ids()
@@ -268,8 +268,10 @@ class Scheduler:
         """Match the prefix, lock it, and reserve blocks for the first chunk."""
         bs = self.config.block_size
         tokens = req.all_ids()
-        # At least one token must be computed to get logits for the next sample.
-        match = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1)
+        # At least one token must be computed to get logits for the next sample; a request
+        # that wants its prompt's logprobs computes the whole prompt (the tree has no logits).
+        match = self.cache.match_prefix(tokens, req.namespace,
+                                        max_tokens=0 if req.wants_prompt_logprobs else len(tokens) - 1)
         num_new = min(len(tokens) - match.num_tokens, budget)
         need = blocks_needed(match.num_tokens + num_new, bs) - len(match.blocks)
         self.cache.lock(match.node)  # protect the match from the eviction below

@@ -72,6 +72,15 @@ def logprob_dicts(logprobs: list[TokenLogprob], vocab: Vocabulary | None) -> lis
     return [{**entry(lp.token_id, lp.logprob), "top": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
 
 
+def prompt_logprob_dicts(logprobs: list[TokenLogprob], vocab: Vocabulary | None) -> list[dict[str, Any]]:
+    """The wire form of a prompt's logprobs: one entry per prompt token, the first (which
+    nothing before it scores) with ``logprob`` None and no alternatives."""
+    out = logprob_dicts(logprobs, vocab)
+    if out:
+        out[0]["logprob"], out[0]["top"] = None, []
+    return out
+
+
 def output_item(request_id: str, out: RequestOutput, vocab: Vocabulary | None = None) -> ReplyItem:
     """The ``progress``, ``delta`` or ``done`` item of one engine output (client-side
     request id); ``vocab`` names the tokens of logprobs."""
@@ -80,13 +89,14 @@ def output_item(request_id: str, out: RequestOutput, vocab: Vocabulary | None = 
         return ProgressFrame(request_id, p.done, p.total, p.cached)
     logprobs = logprob_dicts(out.logprobs, vocab) if out.logprobs else None
     calls = [c.as_dict() for c in out.tool_calls] if out.tool_calls else None
+    prompt_lps = prompt_logprob_dicts(out.prompt_logprobs, vocab) if out.prompt_logprobs else None
     if not out.finished:
-        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, calls)
+        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, calls, prompt_lps)
     assert out.usage is not None and out.timings is not None  # a finished output carries both
     whole = [c.as_dict() for c in out.output_tool_calls] if out.output_tool_calls is not None else None
     return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop",
                      out.stop_reason, out.output_text or "", out.output_token_ids or [], out.prompt_token_ids or [],
-                     bool(out.prefix_reused), out.usage, out.timings, calls, whole)
+                     bool(out.prefix_reused), out.usage, out.timings, calls, whole, prompt_lps)
 
 
 def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:

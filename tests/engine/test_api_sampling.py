@@ -1,8 +1,8 @@
 """What the OpenAI-style APIs need of the engine beyond text, on the tiny random Llama
 (float32, exact): logprobs that are the model's own distribution (checked against
 transformers) and name their tokens, logit_bias, n choices that share one prefill and
-keep their own seed streams, raw text prompts, and continuing a final assistant
-message."""
+keep their own seed streams, prompt logprobs (echo), raw text prompts, and continuing a
+final assistant message."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
-from engine.server import logprob_dicts
+from engine.server import logprob_dicts, prompt_logprob_dicts
 from tests.engine_helpers import collect, make_engine, run_all, run_core
 
 
@@ -157,3 +157,33 @@ async def test_continuing_a_greedy_reply_gives_the_rest_of_it(tiny_model_dir, st
         params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))).final
     assert rest.prefix_reused
     assert first.output_token_ids + rest.output_token_ids == whole.output_token_ids
+
+
+@torch.inference_mode()
+def test_prompt_logprobs_score_every_prompt_token_even_when_the_prompt_is_cached(engine, tiny_model_dir):
+    """The completions API's echo with logprobs: a prompt longer than a step's budget (two
+    chunks), already in the prefix cache, is computed again for its logits; each prompt
+    token gets the model's own log-probability given the tokens before it."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = engine.prompts.encode_text(" ".join(f"line {i} says {i % 7}" for i in range(70)))
+    assert len(prompt) > 256
+    engine.core.add_request("warm", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    run_core(engine.core)
+    engine.core.add_request("echo", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=5))
+    outs = []
+    while engine.core.has_work():
+        outs += [o for o in engine.core.step() if o.request_id == "echo"]
+    got = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(got) == 1 and outs[-1].usage.cached_tokens == 0  # once; and no cache hit
+    lps = got[0]
+    assert [lp.token_id for lp in lps] == prompt and lps[0].top == []
+    ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert [lp.logprob for lp in lps[1:]] == pytest.approx(want.tolist(), abs=2e-3)
+    for i, lp in enumerate(lps[1:]):
+        assert [t for t, _ in lp.top] == torch.topk(ref[i], 5).indices.tolist() or \
+            [v for _, v in lp.top] == pytest.approx(torch.topk(ref[i], 5).values.tolist(), abs=2e-3)
+    wire = prompt_logprob_dicts(lps, engine.core.vocab)
+    assert wire[0]["logprob"] is None and wire[1]["logprob"] == lps[1].logprob
+    engine.core.add_request("after", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    assert run_core(engine.core)["after"].usage.cached_tokens >= 256  # the cache still serves it
