@@ -7,6 +7,7 @@ built once here and shared by every layer through ``ForwardBatch``.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -84,6 +85,7 @@ class ModelRunner:
         self.attn = make_attention_backend(engine_config.attention_backend, device, cpu_kernels)
         self.sampler = Sampler(model_config.vocab_size, device, seed=engine_config.seed)
         self._masks: MaskFiller | None = None  # made at the first constrained step
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self.graphs = None
         if device.type == "cuda" and engine_config.cuda_graphs and self.attn.name == "triton":
             try:
@@ -145,10 +147,10 @@ class ModelRunner:
         ``noise_key(seed, i)``, and a penalised one counts the drafts before each
         position, so every position gets the token one-by-one sampling would give it. A
         constrained request's position j is masked by its grammar after its first j
-        drafts (``engine.structured.masks``), computed while the forward runs on a GPU.
+        drafts (``engine.structured.masks``), computed on a worker thread while the
+        forward runs.
         """
         batch = self.build_batch(sched)
-        logits = self._take_prompt_logprobs(sched, self.forward(batch))
         params: list[SamplingParams] = []
         keys: list[int | None] = []
         counts: list[PenaltyState | None] = []
@@ -163,9 +165,15 @@ class ModelRunner:
                 keys.append(None if r.params.seed is None else noise_key(r.params.seed, len(r.output_ids) + j))
                 counts.append(r.token_counts)
                 extra.append(item.spec[:j])
+        # the masks are computed on another thread while the forward runs: the matchers are
+        # not touched by the forward, and llguidance releases the GIL (on 2 CPU cores this
+        # hid most of the masks' time: docs/benchmarks.md, "Constrained decoding")
+        pending = self._mask_pool.submit(self._step_masks, constrained) if constrained else None
+        logits = self._take_prompt_logprobs(sched, self.forward(batch))
+        masks = pending.result() if pending is not None else None
         if not params:
             return None
-        return self.sampler.sample(logits, params, keys, counts, extra, self._step_masks(constrained))
+        return self.sampler.sample(logits, params, keys, counts, extra, masks)
 
     def _take_prompt_logprobs(self, sched: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         """Give the requests that want their prompt's logprobs those of this step's prompt

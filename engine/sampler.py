@@ -279,7 +279,7 @@ class Sampler:
             return x
         idx = self._index(masks.rows, x.shape[0])
         allowed = allowed_matrix(masks.bits.to(self.device, non_blocking=True), self.vocab_size)
-        return _put(x, idx, _take(x, idx).masked_fill(~allowed, -float("inf")))
+        return _put(x, idx, torch.where(allowed, _take(x, idx), -float("inf")))
 
     def _penalise(self, x, params, token_counts, penal: list[int], extra_tokens) -> torch.Tensor:
         """Apply repetition (CTRL), frequency and presence (OpenAI) penalties to rows ``penal``,

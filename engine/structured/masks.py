@@ -6,7 +6,7 @@ grammar's mask after the request's output and its first j drafts. llguidance's e
 computes them on its threads with the GIL released, advancing each matcher through the
 drafts and rolling it back afterwards, so the matcher is where it was before the step
 (the drafts were checked against the grammar when they were proposed, so every one of
-them is allowed). On a GPU the step's forward runs while the masks are computed.
+them is allowed). The step's forward runs meanwhile (``ModelRunner.execute``).
 
 Masks are ``int32 [rows, ceil(V / 32)]`` bitmasks, bit ``t % 32`` of word ``t // 32``
 set when token t is allowed (the layout of llguidance and xgrammar).
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.structured.compiler import Constraint
@@ -45,6 +46,9 @@ def allowed_matrix(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     Returns:
         bool ``[R, V]``, True where the token is allowed.
     """
+    if bits.device.type == "cpu":  # numpy's unpackbits is one C pass, several times faster than shifts here
+        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(np.ascontiguousarray(unpacked)).view(torch.bool)
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     expanded = (bits.unsqueeze(-1) >> shifts) & 1
     return expanded.reshape(bits.shape[0], -1)[:, :vocab_size].bool()
@@ -71,6 +75,7 @@ class MaskFiller:
         self.executor = LLExecutor(max(1, threads))
         self._buf = torch.zeros(0, 0, dtype=torch.int32)
 
+    @torch.inference_mode()
     def fill(self, entries: list[tuple[Constraint, int, list[int]]]) -> TokenMasks | None:
         """Masks for the step's constrained requests.
 
