@@ -49,6 +49,11 @@ def allowed_matrix(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if bits.device.type == "cpu":  # numpy's unpackbits is one C pass, several times faster than shifts here
         unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(np.ascontiguousarray(unpacked)).view(torch.bool)
+    return allowed_by_shifts(bits, vocab_size)
+
+
+def allowed_by_shifts(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``allowed_matrix`` in tensor ops on any device (the path GPUs take)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     expanded = (bits.unsqueeze(-1) >> shifts) & 1
     return expanded.reshape(bits.shape[0], -1)[:, :vocab_size].bool()

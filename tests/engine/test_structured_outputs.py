@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.structured.compiler import GrammarCompiler
-from engine.structured.masks import MaskFiller, allowed_matrix
+from engine.structured.masks import MaskFiller, allowed_by_shifts, allowed_matrix
 from engine.structured.spec import parse_structured
 from engine.structured.vocab import Vocabulary
 from tests.engine_helpers import make_engine, run_core
@@ -102,6 +102,18 @@ def test_step_masks_with_drafts_equal_masks_one_by_one_and_leave_the_matcher_unm
     allowed = allowed_matrix(together, 49152)
     assert all(bool(allowed[j, drafts[j]]) for j in range(len(drafts)))  # each draft allowed at its row
     assert not c.dead_rows
+
+
+def test_bitmasks_unpack_the_same_on_the_cpu_and_the_tensor_path():
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, 8), dtype=torch.int32)
+    bits[0] = -1
+    bits[1] = 0
+    bits[2, 3] = -(2**31)  # only bit 31 of word 3: token 127
+    want = torch.tensor([[(int(w) >> b) & 1 for w in row for b in range(32)] for row in bits.tolist()]).bool()
+    for vocab in (256, 250):
+        assert torch.equal(allowed_matrix(bits, vocab), want[:, :vocab])
+        assert torch.equal(allowed_by_shifts(bits, vocab), want[:, :vocab])
+    assert allowed_matrix(bits, 256)[2, 96:128].nonzero().flatten().tolist() == [31]
 
 
 # ---- the mask on every path -------------------------------------------------------------------
