@@ -688,7 +688,7 @@ class Sim:
         self.t1 = cfg.warmup_s + cfg.duration_s
         self.heap: list[tuple[float, int, Any, Any]] = []
         self.seq = 0
-        self.seed = namespace_seed(namespace_of(WEIGHTS_ID, ""))
+        self.seed = namespace_seed(namespace_of(WEIGHTS_ID))
         self.engines = [SimEngine(i, f"ws://engine-{i}:9000", cfg.costs, self) for i in range(cfg.engines)]
         self.by_url = {e.url: e for e in self.engines}
         self.clients = stub_clients(cfg.engines, cfg.costs.kv_pages)
@@ -997,7 +997,7 @@ def decision_cost(engines: int, prompt_tokens: int = 2048, index_pages: int = 20
     clients = stub_clients(engines, CPU_COSTS.kv_pages)
     router = EngineRouter(clients, RoutingPolicy(), CountingPlacements())
     tokens = _tokens(rng, prompt_tokens)
-    pages = chain_hashes(namespace_seed(namespace_of(WEIGHTS_ID, "")), tokens, 16)
+    pages = chain_hashes(namespace_seed(namespace_of(WEIGHTS_ID)), tokens, 16)
     per = max(1, index_pages // engines)
     t_apply = time.process_time_ns()
     n_applied = 0
@@ -1018,7 +1018,7 @@ def decision_cost(engines: int, prompt_tokens: int = 2048, index_pages: int = 20
     for k in range(trials):
         run_now(router.choose(f"chat-{k}", prompt=prompt))
     decision = (time.process_time_ns() - t) / trials / 1000.0
-    seed_h = namespace_seed(namespace_of(WEIGHTS_ID, ""))
+    seed_h = namespace_seed(namespace_of(WEIGHTS_ID))
     t = time.process_time_ns()
     for _ in range(trials):
         chain_hashes(seed_h, tokens, 16)
