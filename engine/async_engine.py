@@ -159,7 +159,7 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                ids, reused = await loop.run_in_executor(self._prep, self.prompts.build, request)
+                ids, reused, shared = await loop.run_in_executor(self._prep, self._build, request)
             except asyncio.CancelledError:
                 if not self._stop:
                     raise
@@ -180,7 +180,7 @@ class AsyncEngine:
             with self._lock:  # against _loop's last drain: added before it, or aborted here
                 closed = self._closed
                 if not closed:
-                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival)))
+                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival, shared)))
             if closed:
                 finished = True
                 yield _aborted_before_start(rid, ids, reused, arrival)
@@ -200,6 +200,13 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(rid, None)
                 self._cancelled.discard(rid)
+
+    def _build(self, request: GenerateRequest) -> tuple[list[int], bool, int]:
+        """The prompt ids, whether ``prefix_token_ids`` were reused, and how many leading
+        tokens are declared shared (0 without a cache salt: everything is shared then)."""
+        ids, reused = self.prompts.build(request)
+        shared = self.prompts.shared_length(ids, request.shared_messages) if request.cache_salt else 0
+        return ids, reused, shared
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished). A request still being
@@ -328,7 +335,7 @@ class AsyncEngine:
     def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, params, salt, reused, arrival = arg
+                rid, ids, params, salt, reused, arrival, shared = arg
                 with self._lock:
                     alive = rid in self._streams
                     cancelled = rid in self._cancelled
@@ -338,7 +345,7 @@ class AsyncEngine:
                     replies.append((_aborted_before_start(rid, ids, reused, arrival), rid))
                     continue
                 try:
-                    self.core.add_request(rid, ids, params, salt, reused, arrival)
+                    self.core.add_request(rid, ids, params, salt, reused, arrival, shared)
                 except EngineError as e:
                     replies.append((e, rid))
                 except Exception as e:  # a bug must reach the caller as an error, not a hang
@@ -372,7 +379,7 @@ class AsyncEngine:
         """After the last step: requests submitted but never added end with ``abort``."""
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, _params, _salt, reused, arrival = arg
+                rid, ids, _params, _salt, reused, arrival, _shared = arg
                 self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
             elif kind == "call":
                 fut = arg[0]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.block_hash import namespace_of
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
@@ -21,7 +22,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, InvalidRequestError, InvariantError
 from engine.model_runner import ModelRunner
 from engine.outputs import PromptProgress, RequestOutput, Timings, Usage
-from engine.radix_cache import RadixCache
+from engine.radix_cache import CacheScope, RadixCache
 from engine.request import Request
 from engine.sampler import PenaltyState, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -149,8 +150,10 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", prefix_reused: bool = False,
-                    arrival_s: float | None = None) -> Request:
-        """Queue a request whose prompt is already built.
+                    arrival_s: float | None = None, shared_tokens: int = 0) -> Request:
+        """Queue a request whose prompt is already built. With a ``cache_salt`` its pages
+        live in its own part of the prefix cache (``CacheScope``) except its first
+        ``shared_tokens`` (rounded down to whole pages), which every salt may share.
 
         Raises:
             InvalidRequestError: duplicate live request id (code ``duplicate_request_id``).
@@ -159,8 +162,9 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "duplicate_request_id")
         self.check_fits(len(prompt_ids), params)
-        req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params,
-                      namespace=f"{self.namespace}|{cache_salt}", prefix_reused=prefix_reused)
+        scope = CacheScope(namespace_of(self.namespace), cache_salt, shared_tokens if cache_salt else 0)
+        req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params, namespace=scope,
+                      prefix_reused=prefix_reused)
         if arrival_s is not None:
             req.arrival_s = arrival_s
         if PenaltyState.needed(params):

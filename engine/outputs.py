@@ -29,7 +29,12 @@ class GenerateRequest:
             back to a full render and reports ``prefix_reused=False``.
         params: sampling and stopping parameters.
         cache_salt: namespace for the prefix cache; requests with different salts never
-            share KV (cache namespaces (docs/acceptance.md)). The engine also salts with its weights id.
+            share KV beyond ``shared_messages`` (docs/reliability.md, cache isolation). The
+            engine also separates weights by their id.
+        shared_messages: with a ``cache_salt``, the leading messages the caller declares
+            shared by everyone (a default system prompt): the prompt's tokens that render
+            them (``PromptBuilder.shared_length``, whole pages) stay in the unsalted cache,
+            where every salt finds them. Works with ``prompt_token_ids`` too.
         clamp_max_tokens: when the prompt fits the context but prompt + max_tokens does
             not, lower max_tokens to what is left (the reply then ends with "length")
             instead of refusing. The prompt itself is never truncated.
@@ -42,6 +47,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    shared_messages: list[dict[str, str]] | None = None
 
 
 @dataclass

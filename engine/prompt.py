@@ -11,6 +11,7 @@ and turn N+1 shares turn N's KV exactly. Otherwise the full render is used.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -106,6 +107,41 @@ class PromptBuilder:
                 tail = self.tokenizer.encode(rest, add_special_tokens=False) if rest else []
                 return prefix + [int(t) for t in tail], True
         return self.render_ids(messages), False
+
+    def shared_length(self, prompt_ids: list[int], shared_messages: list[dict[str, str]] | None) -> int:
+        """How many leading tokens of ``prompt_ids`` hold only the declared-shared leading
+        messages and the chat template's own text (tokens; the caller rounds down to pages).
+
+        The template is rendered with ``shared_messages`` followed by an empty message of
+        the next role (so a template that adds its default system prompt to a chat without
+        one does so here too), and the answer is the common prefix of those ids with
+        ``prompt_ids``. Whatever the caller declares, the count never covers a token that
+        is not in that render: text that is neither declared nor the template's is never
+        shared. 0 when the model has no chat template or it rejects the messages.
+
+        Raises:
+            InvalidRequestError: ``shared_messages`` is not a list of valid messages.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            return 0
+        msgs = validate_messages(shared_messages) if shared_messages else []
+        next_role = "assistant" if msgs and msgs[-1]["role"] == "user" else "user"
+        ref = self._shared_render(tuple((m["role"], m["content"]) for m in msgs), next_role)
+        n = 0
+        for a, b in zip(ref, prompt_ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one builder per engine, kept for its life
+    def _shared_render(self, messages: tuple[tuple[str, str], ...], next_role: str) -> tuple[int, ...]:
+        chat = [{"role": r, "content": c} for r, c in messages] + [{"role": next_role, "content": ""}]
+        try:
+            return tuple(_as_id_list(self.tokenizer.apply_chat_template(chat, tokenize=True,
+                                                                        add_generation_prompt=False)))
+        except Exception:  # a template that rejects this shape: nothing is shared
+            return ()
 
     def _render_text(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

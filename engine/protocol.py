@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # 2: per-step frames, stats from the end-of-step snapshot; 3: progress items; 4: KV events
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class FrameError(ValueError):
@@ -117,6 +117,7 @@ class GenerateFrame:
     params: dict[str, Any] | None = None
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    shared_messages: list[dict[str, str]] | None = None
 
 
 @dataclass
@@ -315,6 +316,8 @@ def to_dict(frame: Frame) -> dict[str, Any]:
             d["cache_salt"] = frame.cache_salt
         if frame.clamp_max_tokens:
             d["clamp_max_tokens"] = True
+        if frame.shared_messages is not None:
+            d["shared_messages"] = frame.shared_messages
         return d
     if isinstance(frame, AbortFrame):
         return {"type": "abort", "request_id": frame.request_id}
@@ -460,7 +463,7 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
 
 
 GENERATE_FIELDS = frozenset({"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params",
-                             "cache_salt", "clamp_max_tokens"})
+                             "cache_salt", "clamp_max_tokens", "shared_messages"})
 
 
 def decode_client_frame(text: str | bytes) -> ClientFrame:
@@ -489,10 +492,13 @@ def decode_client_frame(text: str | bytes) -> ClientFrame:
             messages = _get(d, "messages", list, None)
             if messages is not None and not all(isinstance(m, dict) for m in messages):
                 raise FrameError("'messages' must be a list of objects")
+            shared = _get(d, "shared_messages", list, None)
+            if shared is not None and not all(isinstance(m, dict) for m in shared):
+                raise FrameError("'shared_messages' must be a list of objects")
             return GenerateFrame(rid, messages, _int_list(d, "prompt_token_ids", None),
                                  _int_list(d, "prefix_token_ids", None), _get(d, "params", dict, None),
                                  str(_get(d, "cache_salt", str, "")),
-                                 bool(_get(d, "clamp_max_tokens", bool, False)))
+                                 bool(_get(d, "clamp_max_tokens", bool, False)), shared)
         except FrameError as e:
             raise FrameError(e.message, rid) from None
     raise FrameError(f"unknown frame type {kind!r}")

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.radix_cache import CacheScope
 from engine.sampling_params import SamplingParams
 from engine.spec.ngram import TokenHistory
 from engine.spec.policy import SpecState
@@ -42,7 +43,9 @@ class Request:
         request_id: unique among live requests.
         prompt_ids: the prompt tokens, as run.
         params: sampling and stop parameters.
-        namespace: prefix-cache namespace (weights id + cache salt).
+        namespace: where its pages live in the prefix cache (``CacheScope``: the weights'
+            namespace, its cache salt and the tokens it shares across salts; a bare
+            namespace string shares every page in it).
         output_ids: sampled tokens so far (including a final EOS/stop token).
         block_table: physical KV blocks covering tokens 0..num_computed_tokens-1 and
             the blocks reserved for this step.
@@ -65,7 +68,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    namespace: str = ""
+    namespace: CacheScope | str = ""
     prefix_reused: bool = False
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

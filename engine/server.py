@@ -27,6 +27,7 @@ from websockets.http11 import Request, Response
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError, InvalidRequestError
 from engine.outputs import GenerateRequest, RequestOutput
+from engine.prompt import validate_messages
 from engine.protocol import (
     AbortFrame,
     DeltaFrame,
@@ -82,11 +83,16 @@ def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
     """
     if text_error(frame.cache_salt, "cache_salt"):
         raise InvalidRequestError("cache_salt must be a string of valid Unicode")
+    if frame.shared_messages:
+        try:
+            validate_messages(frame.shared_messages)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"shared_messages: {e.message}") from None
     return GenerateRequest(
         request_id=internal_id, prompt_token_ids=frame.prompt_token_ids,
         messages=frame.messages, prefix_token_ids=frame.prefix_token_ids,
         params=SamplingParams.from_dict(frame.params), cache_salt=frame.cache_salt,
-        clamp_max_tokens=frame.clamp_max_tokens,
+        clamp_max_tokens=frame.clamp_max_tokens, shared_messages=frame.shared_messages,
     )
 
 

@@ -122,7 +122,7 @@ generate_frames = st.fixed_dictionaries(
               "prompt_token_ids": st.lists(st.integers(-5, 60000), max_size=8) | json_values,
               "prefix_token_ids": st.lists(st.integers(-5, 60000), max_size=8) | json_values,
               "params": params, "cache_salt": hostile_text | scalars, "clamp_max_tokens": scalars,
-              "extra": json_values})
+              "shared_messages": st.lists(message, max_size=2) | json_values, "extra": json_values})
 
 
 def as_wire(obj: Any) -> str:
