@@ -28,6 +28,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.auth import UserCookieMiddleware, UserIds
+from gateway.cache_scope import CacheIsolation
 from gateway.chat_export import export_routes
 from gateway.config import GatewayConfig
 from gateway.engines import EngineRouter
@@ -105,7 +106,9 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     Raises:
         OSError: the cookie secret cannot be read or created under ``data_dir``.
     """
-    ids = UserIds(config.resolve_secret())
+    secret = config.resolve_secret()
+    ids = UserIds(secret)
+    isolation = CacheIsolation.of(secret, (config.defaults.system_prompt, *config.shared_prompts))
     templates = Jinja2Templates(directory=str(config.web_dir))
 
     @asynccontextmanager
@@ -131,7 +134,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         streams = ReplyStreams(redis, tail_redis, keys, config.stream_ttl_s, config.stream_maxlen)
         router = EngineRouter((engine_client(u, config) for u in config.engine_urls),
                               config.routing, Placements(redis, config.key_prefix, config.session_ttl_s))
-        gens = GenerationManager(config, store, streams, router, redis, list(events))
+        gens = GenerationManager(config, store, streams, router, redis, list(events), isolation)
         s = app.state
         s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
         s.ws_stats = WsStats()

@@ -6,6 +6,7 @@ Every option has an environment variable (named in ``ENV_VARS``); the command li
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shlex
@@ -190,6 +191,9 @@ class GatewayConfig:
         limits: documented limits.
         routing: which engine serves a request (``gateway/routing.py``; env
             ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``).
+        shared_prompts: message texts declared shared across users' cache namespaces
+            besides ``defaults.system_prompt`` (``gateway/cache_scope.py``; env
+            ``SHARED_PROMPTS_FILE``: a JSON array of strings).
     """
 
     host: str = "127.0.0.1"
@@ -221,6 +225,7 @@ class GatewayConfig:
     defaults: Defaults = field(default_factory=Defaults)
     limits: Limits = field(default_factory=Limits)
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    shared_prompts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (0 <= self.port < 65536):
@@ -249,6 +254,8 @@ class GatewayConfig:
         for o in self.allowed_origins:
             if not o.startswith(("http://", "https://")) or o.endswith("/"):
                 raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")
+        if not all(isinstance(t, str) for t in self.shared_prompts):
+            raise ConfigError("shared_prompts must be strings")
 
     def trusted_hosts(self) -> list[str]:
         """The host names allowed in ``Host`` (see ``allowed_hosts``)."""
@@ -313,9 +320,26 @@ ENV_VARS: dict[str, str] = {
     "key_prefix": "KEY_PREFIX",
     "session_ttl_s": "SESSION_TTL_S",
     "stream_ttl_s": "STREAM_TTL_S",
+    "shared_prompts": "SHARED_PROMPTS_FILE",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
 ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER"}
+
+
+def read_shared_prompts(path: Path) -> tuple[str, ...]:
+    """The prompts declared shared across users' caches: a JSON array of strings in ``path``.
+
+    Raises:
+        ValueError: the file cannot be read or is not such an array (``config_from_env``
+            reports it as a ``ConfigError`` naming the variable).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a JSON array of strings from {path}: {e}") from None
+    if not isinstance(data, list) or not all(isinstance(t, str) for t in data):
+        raise ValueError(f"{path} must hold a JSON array of strings")
+    return tuple(data)
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -348,6 +372,8 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = tuple(shlex.split(raw))  # ValueError (bad quotes) -> ConfigError below
             elif name == "data_dir":
                 changes[name] = Path(raw)
+            elif name == "shared_prompts":
+                changes[name] = read_shared_prompts(Path(raw))
             else:
                 changes[name] = raw
         limits: dict[str, Any] = {}

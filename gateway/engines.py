@@ -287,10 +287,12 @@ class EngineClient:
     async def generate(self, request_id: str, messages: list[dict[str, str]] | None = None,
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-                       clamp_max_tokens: bool = False) -> EngineRequest:
+                       clamp_max_tokens: bool = False,
+                       shared_messages: list[dict[str, str]] | None = None) -> EngineRequest:
         """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
-        (docs/protocol.md section 1) instead of refusing the request.
+        (docs/protocol.md section 1) instead of refusing the request; ``cache_salt`` and
+        ``shared_messages`` place its KV pages (``gateway/cache_scope.py``).
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected.
@@ -298,7 +300,7 @@ class EngineClient:
         if not self.healthy:
             raise engine_unavailable("not connected")
         frame = GenerateFrame(request_id, messages, prompt_token_ids, prefix_token_ids or None, params or None,
-                              cache_salt or "", clamp_max_tokens)
+                              cache_salt or "", clamp_max_tokens, shared_messages if cache_salt else None)
         size = sum(len(m.get("content", "")) for m in messages or []) + 8 * len(prefix_token_ids or [])
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
@@ -357,12 +359,15 @@ class RoutePrompt:
         token_ids: its leading token ids known exactly (the whole prompt, or the chat so
             far before the new message); empty when none are known (a new chat).
         num_tokens: the prompt's length, or an estimate of it (tokens, >= len(token_ids)).
-        cache_salt: the request's prefix-cache salt (part of its KV namespace).
+        cache_salt: the request's prefix-cache salt (``gateway/cache_scope.py``).
+        shared_tokens: with a salt, the leading tokens declared shared (unsalted); the
+            engine rounds them down to whole pages, and so does the hashing here.
     """
 
     token_ids: Sequence[int]
     num_tokens: int
     cache_salt: str = ""
+    shared_tokens: int = 0
 
 
 class EngineRouter:
@@ -504,7 +509,8 @@ class EngineRouter:
             if c.info is not None and c.info.block_size > 0:  # an upstream names no pages
                 groups.setdefault((c.info.weights_id, c.info.block_size), []).append(c.url)
         for (weights_id, block_size), urls in groups.items():
-            hashes = prompt_block_hashes(prompt.token_ids, block_size, namespace_of(weights_id, prompt.cache_salt))
+            hashes = prompt_block_hashes(prompt.token_ids, block_size, namespace_of(weights_id), prompt.cache_salt,
+                                         prompt.shared_tokens)
             for url, pages in self.index.match(hashes, urls).items():
                 out[url] = pages * block_size
                 names[url] = hashes

@@ -42,6 +42,7 @@ import redis.asyncio as aioredis
 from engine.errors import InvalidRequestError
 from engine.protocol import DoneFrame, ErrorFrame
 from engine.sampling_params import SamplingParams
+from gateway.cache_scope import CacheIsolation
 from gateway.config import GatewayConfig
 from gateway.engines import EngineRouter
 from gateway.errors import GatewayError, not_found
@@ -146,8 +147,12 @@ class GenerationManager:
     """Starts, runs, cancels and tracks this gateway's replies."""
 
     def __init__(self, config: GatewayConfig, store: SessionStore, streams: ReplyStreams, router: EngineRouter,
-                 redis: aioredis.Redis, events: list[GenerationEvents] | None = None) -> None:
+                 redis: aioredis.Redis, events: list[GenerationEvents] | None = None,
+                 isolation: CacheIsolation | None = None) -> None:
         self.config = config
+        # each user's cache salt and the messages declared shared (gateway/cache_scope.py)
+        self.isolation = isolation or CacheIsolation.of(config.resolve_secret(),
+                                                        (config.defaults.system_prompt, *config.shared_prompts))
         self.store = store
         self.streams = streams
         self.router = router
@@ -441,7 +446,8 @@ class GenerationManager:
         prompt_ids = self._continue_ids(turn, history) if turn.continued is not None else None
         run = turn.run = EngineRun(self.router, turn.begun.request_id, turn.session_id, history.messages,
                                    history.prefix_token_ids, turn.params, turn.clamp_max_tokens,
-                                   prompt_token_ids=prompt_ids)
+                                   prompt_token_ids=prompt_ids, cache_salt=self.isolation.salt(turn.owner),
+                                   shared_messages=self.isolation.shared_messages(history.messages))
         run.cancelled = turn.cancel_requested
         await run.start()  # raises engine_unavailable when no engine is left
         if turn.cancel_requested:

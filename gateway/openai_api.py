@@ -296,8 +296,11 @@ class OpenAIApi:
             return await self._start_linked(request, creq, sid)
         events: GenerationEvents = getattr(state.generations, "events", None) or EventFanout()
         params = {"max_tokens": state.config.defaults.max_tokens, **creq.params}
+        # the cache namespace of the request's first user (docs/reliability.md, cache isolation)
+        isolation = state.generations.isolation
         source = EngineReply(state.router, events, uuid.uuid4().hex, creq.messages, params,
-                             affinity_key(creq.messages), model, state.config.cancel_grace_s)
+                             affinity_key(creq.messages), model, state.config.cancel_grace_s,
+                             isolation.salt(self.owners(request)[0]), isolation.shared_messages(creq.messages))
         await source.start()
         return source
 

@@ -50,12 +50,16 @@ class EngineRun:
         messages, prefix_token_ids, params, clamp_max_tokens: the ``generate`` frame's fields.
         model: only engines serving this model name, or None for any.
         prompt_token_ids: the exact prompt ids instead of ``messages`` (a continued reply).
+        cache_salt, shared_messages: where its KV pages live in the engines' prefix cache
+            (its user's salt and the leading messages declared shared:
+            ``gateway/cache_scope.py``).
     """
 
     def __init__(self, router: EngineRouter, request_id: str, affinity_key: str, messages: list[dict[str, str]],
                  prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                  clamp_max_tokens: bool = False, model: str | None = None,
-                 prompt_token_ids: list[int] | None = None) -> None:
+                 prompt_token_ids: list[int] | None = None, cache_salt: str = "",
+                 shared_messages: list[dict[str, str]] | None = None) -> None:
         self.router = router
         self.request_id = request_id
         self.affinity_key = affinity_key
@@ -65,6 +69,8 @@ class EngineRun:
         self.params = params
         self.clamp_max_tokens = clamp_max_tokens
         self.model = model
+        self.cache_salt = cache_salt
+        self.shared_messages = shared_messages
         self.engine: EngineClient | None = None
         self.request: EngineRequest | None = None
         self.produced = False  # any text or token came (no fail-over after that)
@@ -75,21 +81,31 @@ class EngineRun:
         """What the router may know of this prompt: its exact ids (a continued reply, or
         computed by the router's tokenizer), else the chat's ids so far (a later turn),
         nothing yet (a new chat); None for a chat with history but no ids (it goes to
-        its home)."""
-        if self.prompt_token_ids is not None:
-            return RoutePrompt(self.prompt_token_ids, len(self.prompt_token_ids))
+        its home). Its page hashes are those of its cache scope; without the engines'
+        tokenizer the shared part's length is unknown, and a salted prompt is hashed as if
+        it shared nothing (so it matches an engine's pages only when its chat declares
+        less than a page shared)."""
         tokenizer = self.router.prompt_tokenizer()
+
+        def routed(ids: list[int], num_tokens: int) -> RoutePrompt:
+            shared = 0
+            if tokenizer is not None and self.cache_salt and ids:
+                shared = tokenizer.builder.shared_length(ids, self.shared_messages)
+            return RoutePrompt(ids, num_tokens, self.cache_salt, shared)
+
+        if self.prompt_token_ids is not None:
+            return routed(self.prompt_token_ids, len(self.prompt_token_ids))
         if tokenizer is not None and self.messages:
             try:
                 ids = await tokenizer.prompt_ids_async(self.messages, self.prefix_token_ids)
-                return RoutePrompt(ids, len(ids))
+                return routed(ids, len(ids))
             except Exception:  # noqa: BLE001 - a chat the template rejects: the engine says why
                 pass
         new_chars = len(self.messages[-1].get("content", "")) if self.messages else 0
         if self.prefix_token_ids:
-            return RoutePrompt(self.prefix_token_ids, len(self.prefix_token_ids) + estimate_tokens(new_chars))
+            return routed(self.prefix_token_ids, len(self.prefix_token_ids) + estimate_tokens(new_chars))
         if not any(m.get("role") == "assistant" for m in self.messages):
-            return RoutePrompt([], estimate_tokens(sum(len(m.get("content", "")) for m in self.messages)))
+            return routed([], estimate_tokens(sum(len(m.get("content", "")) for m in self.messages)))
         return None
 
     def _excluded(self) -> Iterable[EngineClient]:
@@ -113,13 +129,15 @@ class EngineRun:
             self._tried.append(engine)
             self.engine = engine
             try:
+                scope: dict[str, Any] = {"cache_salt": self.cache_salt, "shared_messages": self.shared_messages}
                 if self.prompt_token_ids is not None:
                     self.request = await engine.generate(self.request_id, params=self.params,
                                                          prompt_token_ids=self.prompt_token_ids,
-                                                         clamp_max_tokens=self.clamp_max_tokens)
+                                                         clamp_max_tokens=self.clamp_max_tokens, **scope)
                 else:
                     self.request = await engine.generate(self.request_id, self.messages, self.prefix_token_ids,
-                                                         self.params, clamp_max_tokens=self.clamp_max_tokens)
+                                                         self.params, clamp_max_tokens=self.clamp_max_tokens,
+                                                         **scope)
                 return
             except GatewayError as e:
                 if e.code != "engine_unavailable" or self.cancelled:

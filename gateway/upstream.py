@@ -328,11 +328,12 @@ class UpstreamClient(EngineClient):
     async def generate(self, request_id: str, messages: list[dict[str, str]] | None = None,
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-                       clamp_max_tokens: bool = False) -> EngineRequest:
+                       clamp_max_tokens: bool = False,
+                       shared_messages: list[dict[str, str]] | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
-        ``prefix_token_ids``, ``cache_salt`` and ``clamp_max_tokens`` are ignored (the
-        upstream tokenizes the text itself, and refuses a too-long request instead of
-        lowering ``max_tokens``).
+        ``prefix_token_ids``, ``cache_salt``, ``shared_messages`` and ``clamp_max_tokens``
+        are ignored (the upstream tokenizes the text itself and keeps its own cache, and
+        refuses a too-long request instead of lowering ``max_tokens``).
 
         Raises:
             GatewayError: ``engine_unavailable`` when the upstream is down;
