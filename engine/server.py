@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -269,6 +270,30 @@ def secret_check(secret: str | None) -> Callable[[ServerConnection, Request], Re
     return check
 
 
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (a name or an address) is this machine's loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_without_secret(host: str) -> None:
+    """Say what an engine without ``ENGINE_SECRET`` exposes: a warning on any address but
+    loopback (anyone who reaches it may run generations and read the prefix cache's page
+    names), a note on loopback (any local process may). ``python -m gateway`` gives the
+    engine it starts a secret of its own."""
+    if is_loopback(host):
+        log.info("no %s: any process on this machine can use this engine; set one (the gateway sends the "
+                 "same value) to admit only the gateway", SECRET_ENV)
+    else:
+        log.warning("listening on %s without %s: anyone who reaches this address can run generations and read "
+                    "the prefix cache's page names; set %s in the engine's and the gateways' environment",
+                    host, SECRET_ENV, SECRET_ENV)
+
+
 async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.Event | None = None,
                      stop: asyncio.Event | None = None, start_engine: bool = True) -> None:
     """Serve until ``stop`` is set (forever if None); with ``ENGINE_SECRET`` set in the
@@ -283,8 +308,11 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
     server = EngineServer(engine)
     if start_engine:
         engine.start()
+    secret = os.environ.get(SECRET_ENV) or None
+    if secret is None:
+        warn_without_secret(host)
     async with serve(server.handle, host, port, max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60,
-                     process_request=secret_check(os.environ.get(SECRET_ENV) or None)) as ws_server:
+                     process_request=secret_check(secret)) as ws_server:
         sock = next(iter(ws_server.sockets))
         bound_port = sock.getsockname()[1]
         print(f"ENGINE READY ws://{host}:{bound_port}", flush=True)

@@ -21,7 +21,7 @@ import uvicorn
 
 from gateway.config import ConfigError, GatewayConfig, config_from_env
 from gateway.extensions import create_app_with_extras
-from gateway.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis
+from gateway.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis, new_engine_secret
 from gateway.serving import make_listen_socket, serve_and_announce, uvicorn_config
 
 
@@ -132,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         local_redis = ensure_redis(cfg.redis_url, cfg.data_dir)
         if not cfg.engine_urls:
             print(f"Starting a local engine ({cfg.model or 'bundled SmolLM2-135M-Instruct'})...", flush=True)
-            # the gateway's level first: a --log-level in --engine-args comes later and wins
+            # the gateway's level first: a --log-level in --engine-args comes later and wins; the
+            # engine admits only this gateway (a secret of its own unless ENGINE_SECRET names one)
+            secret = cfg.engine_secret or new_engine_secret()
             engine = LocalEngine(model=cfg.model, extra_args=(f"--log-level={log_level}", *cfg.engine_args),
-                                 echo=lambda line: print(f"[engine] {line}", flush=True))
-            cfg = cfg.with_overrides(engine_urls=(engine.start(),))
+                                 echo=lambda line: print(f"[engine] {line}", flush=True), secret=secret)
+            cfg = cfg.with_overrides(engine_urls=(engine.start(),), engine_secret=secret)
             engine.supervise(say=lambda line: print(line, flush=True))
         port = sock.getsockname()[1]
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ import redis
 from gateway.retry import Backoff
 
 READY_PREFIX = "ENGINE READY "
+ENGINE_SECRET_ENV = "ENGINE_SECRET"  # what engine/server.py reads (never a command-line argument)
 
 REDIS_HELP = (
     "No Redis answered at {url}, and redis-server is not installed to start a private one.\n"
@@ -169,6 +171,11 @@ def ensure_redis(url: str, data_dir: Path, say: Callable[[str], None] = print,
     raise LocalStartError(f"redis-server did not answer at {url} within {wait_s:.0f} s")
 
 
+def new_engine_secret() -> str:
+    """A fresh secret for the engine link (256 random bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
 class LocalEngine:
     """A ``python -m engine serve`` subprocess on 127.0.0.1 (a free port by default),
     optionally supervised: ``supervise()`` restarts it on the same port when it exits
@@ -180,14 +187,22 @@ class LocalEngine:
         extra_args: more ``engine serve`` options (e.g. ``["--num-blocks", "512"]``).
         env: extra environment variables (``HF_HUB_OFFLINE=1`` is always set).
         echo: where to copy the engine's other output lines (None: drop them).
+        secret: the engine link's secret (``ENGINE_SECRET``): the engine then refuses any
+            connection without it. It goes in the child's environment, never on its
+            command line (``/proc/PID/cmdline`` is readable by every local user; the
+            environment only by the same user and root). None: no secret.
     """
 
     def __init__(self, model: str | None = None, extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 echo: Callable[[str], None] | None = None, cwd: str | None = None, port: int = 0) -> None:
+                 echo: Callable[[str], None] | None = None, cwd: str | None = None, port: int = 0,
+                 secret: str | None = None) -> None:
         self.model = model
         self.port = port
         self.extra_args = list(extra_args)
+        self.secret = secret
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        if secret:
+            self.env[ENGINE_SECRET_ENV] = secret
         self.echo = echo
         self.cwd = cwd
         self.process: subprocess.Popen[str] | None = None

@@ -304,3 +304,19 @@ async def test_kv_events_of_salted_requests_share_no_page_name_beyond_the_declar
         other = prompt_block_hashes(done["prompt_token_ids"], bs, ns, "B", shared)
         assert shared // bs >= 1
         assert set(other) & stored == set(mine[: shared // bs]), "another salt names a private page alike"
+
+
+def test_an_engine_without_a_secret_warns_unless_only_loopback_reaches_it(caplog):
+    import logging
+
+    from engine.server import warn_without_secret
+
+    with caplog.at_level(logging.INFO, logger="engine.server"):
+        for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+            warn_without_secret(host)
+        assert caplog.records and all(r.levelno == logging.INFO for r in caplog.records)
+        caplog.clear()
+        for host in ("0.0.0.0", "::", "10.1.2.3", "engine"):
+            warn_without_secret(host)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 4
+    assert all("ENGINE_SECRET" in r.getMessage() for r in caplog.records)
