@@ -31,6 +31,7 @@ from gateway.auth import UserCookieMiddleware, UserIds
 from gateway.cache_scope import CacheIsolation
 from gateway.chat_export import export_routes
 from gateway.config import GatewayConfig
+from gateway.disconnects import ClientDisconnects, DisconnectMiddleware
 from gateway.engines import EngineRouter
 from gateway.events import GenerationEvents
 from gateway.generation import GenerationManager
@@ -195,10 +196,15 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     # outermost first: hosts (a request for another host name, DNS rebinding, gets 400
     # before anything else), then headers; a personal token names the user before the
     # cookie is looked at
-    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
+    # a client that hangs up is counted, not logged as an error (gateway/disconnects.py)
+    disconnects = ClientDisconnects()
+    middleware = [Middleware(DisconnectMiddleware, stats=disconnects),
+                  Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
                   Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
                   Middleware(UserCookieMiddleware, ids=ids)]
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.disconnects = disconnects
+    return app
 
 
 def new_secret() -> str:

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -33,14 +33,17 @@ def error_response(e: GatewayError) -> JSONResponse:
 
 
 def api(handler: Handler) -> Handler:
-    """Wrap a route: ``GatewayError`` becomes its JSON error; anything else a logged
-    500 ``internal_error`` (never a traceback to the client)."""
+    """Wrap a route: ``GatewayError`` becomes its JSON error; a client that hung up while
+    sending its body an unlogged 499 (nobody reads it; ``gateway/disconnects.py`` counts
+    it); anything else a logged 500 ``internal_error`` (never a traceback to the client)."""
 
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
         except GatewayError as e:
             return error_response(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
             return error_response(GatewayError("internal_error", "something went wrong; try again"))

@@ -86,6 +86,7 @@ class StateCollector(Collector):
     def __init__(self) -> None:
         self.engines: list[EngineSnapshot] = []
         self.ws_stats: Any = None
+        self.disconnects: Any = None  # gateway.disconnects.ClientDisconnects
         self.in_progress: set[str] = set()
 
     async def refresh(self, state: Any, timeout_s: float) -> None:
@@ -106,6 +107,7 @@ class StateCollector(Collector):
 
         self.engines = list(await asyncio.gather(*(one(c) for c in clients)))
         self.ws_stats = getattr(state, "ws_stats", None)
+        self.disconnects = getattr(state, "disconnects", None)
 
     def collect(self) -> Iterable[Metric]:
         up = GaugeMetricFamily("engine_up", "1 while the link to the engine is open and its hello arrived.",
@@ -142,6 +144,12 @@ class StateCollector(Collector):
                 ("bad_frames_total", "gateway_websocket_bad_frames", "Malformed frames received."),
                 ("frames_too_large_total", "gateway_websocket_frames_too_large", "Frames refused as too large.")):
             yield CounterMetricFamily(name, doc, value=getattr(ws, attr, 0))
+        gone = CounterMetricFamily("gateway_client_disconnects", "HTTP requests whose client left before the "
+                                   "answer was complete (not errors), by route and stage (body, body_timeout, "
+                                   "response).", labels=["route", "stage"])
+        for (route, stage), n in sorted(getattr(self.disconnects, "counts", {}).items()):
+            gone.add_metric([route, stage], n)
+        yield gone
         yield GaugeMetricFamily("gateway_websocket_max_outbox_bytes",
                                 "Most bytes ever queued for one socket (bounded by the outbox).",
                                 value=getattr(ws, "max_outbox_bytes", 0))

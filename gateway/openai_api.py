@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -248,6 +248,8 @@ class OpenAIApi:
             return error_response(e)
         except GatewayError as e:
             return error_response(from_gateway_error(e))
+        except ClientDisconnect:  # hung up while sending the body: not an error (gateway/disconnects.py)
+            return Response(status_code=499)
         except Exception:
             log.exception("starting a chat completion failed")
             return error_response(openai_error_from("internal_error", "something went wrong; try again"))

@@ -5,6 +5,7 @@ anonymous users see and get is limited (docs/reliability.md, the probe table).""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 
@@ -237,3 +238,69 @@ async def test_the_engine_link_secret_is_required_when_set():
         assert not without.healthy and not wrong.healthy
         for c in (without, wrong, right):
             await c.close()
+
+
+# ---- clients that go away ---------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    """Every record at WARNING or above of the loggers it is attached to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of ``/metrics`` (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_that_hangs_up_mid_body_or_mid_stream_is_counted_not_an_error(gateway_factory):
+    """A hang-up during a request body (any route that reads one) or while an answer
+    streams: no 500, nothing at WARNING or above in the gateway's or uvicorn's log, and a
+    count by route and stage in /metrics."""
+    gw = gateway_factory()
+    seen = _Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "gateway", "uvicorn.access")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    try:
+        for path in ("/api/sessions", "/v1/chat/completions", "/api/defaults"):
+            method = "PUT" if path == "/api/defaults" else "POST"
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", _port(gw)), timeout=30) as s:
+                    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                              f"Content-Length: 1000\r\n\r\n{{\"messages\": [".encode())
+                    time.sleep(0.05)  # the handler is reading the body when the client leaves
+        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "stream": True,
+                "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        for _ in range(3):
+            with httpx.Client(base_url=gw.base_url, timeout=60) as c, \
+                    c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # the first chunk came; then the client goes away mid-stream
+        text = ""
+        deadline = time.monotonic() + 60  # a bound for a broken gateway, not a timing assert
+        while time.monotonic() < deadline:
+            text = httpx.get(gw.base_url + "/metrics", timeout=30).text
+            counts = [_metric(text, "gateway_client_disconnects_total", route=p, stage="body")
+                      for p in ("/api/sessions", "/v1/chat/completions", "/api/defaults")]
+            if counts == [5, 5, 5] and _metric(text, "gateway_client_disconnects_total",
+                                               route="/v1/chat/completions", stage="response") >= 3:
+                break
+            time.sleep(0.2)
+        assert counts == [5, 5, 5], text
+        assert _metric(text, "gateway_client_disconnects_total", route="/v1/chat/completions", stage="response") >= 3
+        assert "status=\"500\"" not in text
+    finally:
+        for lg in loggers:
+            lg.removeHandler(seen)
+    assert [r.getMessage() for r in seen.records] == []
