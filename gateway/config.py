@@ -32,16 +32,19 @@ class ConfigError(ValueError):
     """An option has an invalid value (raised on construction)."""
 
 
+# limits that may be None (no cap, or a derived default)
+OPTIONAL_LIMITS = frozenset({"ws_socket_sndbuf_bytes", "http_max_connections_per_address", "http_max_connections"})
+
+
 @dataclass(frozen=True)
 class Limits:
     """Documented limits (docs/protocol.md). Sizes in bytes, times in seconds.
 
     Attributes:
-        max_frame_bytes: largest browser frame handled; a bigger one gets a
-            ``frame_too_large`` error frame and the socket stays open.
-        hard_frame_bytes: frames above this are refused by the WebSocket layer itself
-            (close 1009 with a reason) before the application sees them; must be above
-            ``max_frame_bytes`` so that the documented limit answers with an error frame.
+        max_frame_bytes: largest browser frame (and ``/v1`` body); a bigger frame is
+            refused by the WebSocket layer as soon as its header gives its length, before
+            its payload is read: a ``frame_too_large`` error frame, then close 1009 with a
+            reason (``gateway/ws_protocol.py``).
         max_http_body_bytes: largest ``/api`` request body (HTTP 413 above).
         max_sessions_per_user: chats one user may keep (``too_many_sessions``).
         max_generations_per_user: replies one user may have in progress at once.
@@ -63,10 +66,17 @@ class Limits:
             connection opened (or after its first byte) gets HTTP 408 and is closed.
         ws_max_sockets_per_user: browser sockets one user may hold open at once.
         ws_max_sockets_per_address: browser sockets one client address may hold open.
+        http_body_timeout_s: a request body not complete this long after its head gets
+            ``408 Request Timeout`` and the connection is closed (gateway/http_limits.py).
+        http_max_connections_per_address: HTTP connections (not yet upgraded to a
+            WebSocket) one client address may hold open; the next gets ``429`` at once and
+            is closed. None: no cap (behind a proxy, which shows one address for all).
+        http_max_connections: connections of every kind the server holds at once; the next
+            gets ``503`` at once and is closed. None: three quarters of the process's open
+            file limit (``ulimit -n``), so sockets never run out before the cap answers.
     """
 
     max_frame_bytes: int = 4 * MIB
-    hard_frame_bytes: int = 16 * MIB
     max_http_body_bytes: int = 1 * MIB
     max_sessions_per_user: int = 500
     max_generations_per_user: int = 4
@@ -83,15 +93,16 @@ class Limits:
     http_header_timeout_s: float = 10.0
     ws_max_sockets_per_user: int = 32
     ws_max_sockets_per_address: int = 256
+    http_body_timeout_s: float = 30.0
+    http_max_connections_per_address: int | None = 128
+    http_max_connections: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_frame_bytes < 1024:
             raise ConfigError("max_frame_bytes must be >= 1024")
-        if self.hard_frame_bytes <= self.max_frame_bytes:
-            raise ConfigError("hard_frame_bytes must be above max_frame_bytes")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "ws_socket_sndbuf_bytes" and (v is None or v <= 0):
+            if (v is None and f.name not in OPTIONAL_LIMITS) or (v is not None and v <= 0):
                 raise ConfigError(f"{f.name} must be > 0, got {v!r}")
         if self.ws_socket_sndbuf_bytes is not None and self.ws_socket_sndbuf_bytes < 4096:
             raise ConfigError("ws_socket_sndbuf_bytes must be >= 4096 or None")
@@ -380,7 +391,9 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
         for f in fields(Limits):
             var = LIMIT_ENV_PREFIX + f.name.upper()
             raw = env.get(var)
-            if raw:
+            if raw and f.name in OPTIONAL_LIMITS and raw.strip().lower() == "none":
+                limits[f.name] = None
+            elif raw:
                 limits[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
         routing: dict[str, Any] = {}
         for name, var in ROUTING_ENV.items():

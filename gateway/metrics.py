@@ -87,6 +87,7 @@ class StateCollector(Collector):
         self.engines: list[EngineSnapshot] = []
         self.ws_stats: Any = None
         self.disconnects: Any = None  # gateway.disconnects.ClientDisconnects
+        self.connections: Any = None  # gateway.http_limits.ConnectionStats
         self.in_progress: set[str] = set()
 
     async def refresh(self, state: Any, timeout_s: float) -> None:
@@ -108,6 +109,7 @@ class StateCollector(Collector):
         self.engines = list(await asyncio.gather(*(one(c) for c in clients)))
         self.ws_stats = getattr(state, "ws_stats", None)
         self.disconnects = getattr(state, "disconnects", None)
+        self.connections = getattr(state, "connection_stats", None)
 
     def collect(self) -> Iterable[Metric]:
         up = GaugeMetricFamily("engine_up", "1 while the link to the engine is open and its hello arrived.",
@@ -143,13 +145,25 @@ class StateCollector(Collector):
                 ("stalled_closed_total", "gateway_websockets_stalled_closed", "Sockets closed as stalled readers."),
                 ("bad_frames_total", "gateway_websocket_bad_frames", "Malformed frames received."),
                 ("frames_too_large_total", "gateway_websocket_frames_too_large", "Frames refused as too large.")):
-            yield CounterMetricFamily(name, doc, value=getattr(ws, attr, 0))
+            extra = getattr(self.connections, "ws_frames_too_large_total", 0) if attr == "frames_too_large_total" else 0
+            yield CounterMetricFamily(name, doc, value=getattr(ws, attr, 0) + extra)
         gone = CounterMetricFamily("gateway_client_disconnects", "HTTP requests whose client left before the "
                                    "answer was complete (not errors), by route and stage (body, body_timeout, "
                                    "response).", labels=["route", "stage"])
         for (route, stage), n in sorted(getattr(self.disconnects, "counts", {}).items()):
             gone.add_metric([route, stage], n)
         yield gone
+        conns = self.connections
+        refused = CounterMetricFamily("gateway_connections_refused", "Connections refused at once by the caps "
+                                      "(per_address: 429, total: 503).", labels=["reason"])
+        for reason, n in sorted(getattr(conns, "refused_total", {}).items()):
+            refused.add_metric([reason], n)
+        yield refused
+        yield CounterMetricFamily("gateway_http_body_timeouts", "Requests whose body did not arrive in time (408).",
+                                  value=getattr(conns, "body_timeouts_total", 0))
+        yield CounterMetricFamily("gateway_websockets_stalled_aborted", "WebSocket connections aborted because the "
+                                  "client stopped reading (writes paused too long).",
+                                  value=getattr(conns, "ws_stalled_aborted_total", 0))
         yield GaugeMetricFamily("gateway_websocket_max_outbox_bytes",
                                 "Most bytes ever queued for one socket (bounded by the outbox).",
                                 value=getattr(ws, "max_outbox_bytes", 0))

@@ -1,11 +1,11 @@
 """Running the app under uvicorn with the gateway's socket limits.
 
-* ``ws_max_size`` is the hard frame cap (``limits.hard_frame_bytes``), set above the
-  documented ``max_frame_bytes``: a frame between the two reaches the app and gets a
-  ``frame_too_large`` error frame; only a bigger one is refused by the WebSocket layer
-  (close 1009 with a reason) before it is buffered whole.
-* Request heads are bounded in size, field count and time (``gateway/http_limits.py``):
-  431 or 408, then the connection is closed.
+* ``ws_max_size`` is the documented ``max_frame_bytes``: a bigger frame is refused by
+  the WebSocket layer from its header, before its payload is read, and a socket that
+  does not read its pongs stops being read (``gateway/ws_protocol.py``).
+* Request heads are bounded in size, field count and time, bodies in time, connections
+  per address and in total (``gateway/http_limits.py``): 431, 408, 429 or 503, then the
+  connection is closed. The counters of both are ``app.state.connection_stats``.
 * The listening socket is ours, with ``SO_SNDBUF`` set (``limits.ws_socket_sndbuf_bytes``):
   Linux copies it to every accepted connection, bounding the kernel's share of a slow
   reader's outbound bytes (autotuning would allow several MiB per connection).
@@ -26,7 +26,8 @@ from typing import Any
 import uvicorn
 
 from gateway.config import GatewayConfig
-from gateway.http_limits import bounded_http_protocol
+from gateway.http_limits import ConnectionStats, bounded_http_protocol
+from gateway.ws_protocol import bounded_ws_protocol
 
 
 def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket.socket:
@@ -62,14 +63,21 @@ _DENIED_FILTER = DeniedHandshakeFilter()
 
 
 def uvicorn_config(app: Any, config: GatewayConfig, log_level: str = "info") -> uvicorn.Config:
-    """The uvicorn settings for ``app`` under ``config`` (see module doc)."""
+    """The uvicorn settings for ``app`` under ``config`` (see module doc); the connection
+    counters go to ``app.state.connection_stats`` (for ``/metrics``)."""
     logging.getLogger("uvicorn.error").addFilter(_DENIED_FILTER)  # the same object: added once
+    lim = config.limits
+    stats = ConnectionStats()
+    if hasattr(app, "state"):
+        app.state.connection_stats = stats
     return uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="on", log_level=log_level,
-        ws="websockets-sansio", ws_max_size=config.limits.hard_frame_bytes,
+        # a socket whose writes stay paused is aborted after twice the app's stall timeout
+        # (the app closes a stalled socket first, and counts it; the abort frees the rest)
+        ws=bounded_ws_protocol(lim.max_frame_bytes, 2 * lim.ws_send_timeout_s, stats), ws_max_size=lim.max_frame_bytes,
         ws_per_message_deflate=config.ws_per_message_deflate,
         ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=10,
-        http=bounded_http_protocol(config.limits),
+        http=bounded_http_protocol(lim, stats),
     )
 
 
