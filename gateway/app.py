@@ -38,6 +38,7 @@ from gateway.generation import GenerationManager
 from gateway.http_api import api_routes, config_body
 from gateway.live import LiveHub
 from gateway.redis_client import resilience_options
+from gateway.revocation import Revocations
 from gateway.routing import Placements
 from gateway.sessions import Keys, SessionStore
 from gateway.streams import ReplyStreams
@@ -142,12 +143,15 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         s.tokens = TokenStore(redis, config.key_prefix)
         s.user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
         s.live = LiveHub(redis, keys)
+        s.revocations = Revocations(redis, s.tokens, config.key_prefix)
         await router.start()
         await gens.start()
         await s.live.start()
+        await s.revocations.start()
         try:
             yield
         finally:
+            await s.revocations.close()
             await s.live.close()
             await gens.close()
             await router.close()

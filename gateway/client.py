@@ -185,8 +185,9 @@ async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: a
             elif kind == "error":
                 print(f"error ({msg.get('code')}): {msg.get('message')}", file=err, flush=True)
                 return EXIT_INTERRUPTED if interrupted.is_set() else 1
-    except websockets.ConnectionClosed:
-        print("error: the connection closed before the reply ended", file=err)
+    except websockets.ConnectionClosed as e:
+        why = f" ({e.rcvd.code}: {e.rcvd.reason})" if e.rcvd is not None and e.rcvd.reason else ""
+        print(f"error: the connection closed before the reply ended{why}", file=err)
         return EXIT_INTERRUPTED if interrupted.is_set() else 1
     finally:
         stop_wait.cancel()

@@ -57,6 +57,7 @@ from gateway.openai_replies import (
     Finished,
     ReplyEvent,
     ReplySource,
+    Revoked,
     SessionReply,
 )
 from gateway.openai_request import (
@@ -69,6 +70,7 @@ from gateway.openai_request import (
     parse_chat_request,
 )
 from gateway.protocol import is_valid_id
+from gateway.revocation import Revocations
 from gateway.validation import BadJson, loads_json
 
 log = logging.getLogger("gateway.openai")
@@ -254,10 +256,13 @@ class OpenAIApi:
             log.exception("starting a chat completion failed")
             return error_response(openai_error_from("internal_error", "something went wrong; try again"))
         watcher = DisconnectWatcher(request.receive)
+        watcher.on_close = self._hold(request, watcher)
         try:
             first = await watcher.race(source.next())
         except BaseException as e:
             await self._abandon(source, watcher)
+            if isinstance(e, Revoked):
+                return error_response(revoked_error(e.reason))
             if isinstance(e, ClientGone):
                 return Response(status_code=499)  # nobody reads it
             raise
@@ -273,6 +278,16 @@ class OpenAIApi:
         if creq.stream:
             return SSEResponse(lambda emit: self._stream(source, watcher, first, creq, emit), headers)
         return await self._collect(source, watcher, first, headers)
+
+    @staticmethod
+    def _hold(request: Request, watcher: DisconnectWatcher) -> Callable[[], None]:
+        """Register the request with the revocations (its token's, or its user's): a
+        revocation ends it through ``watcher``. Returns the function that unregisters it."""
+        state = request.scope.get("state", {})
+        token = state.get("token") if state.get("auth") == "token" else None
+        uid = request_user(request.scope) or ""
+        revocations: Revocations = request.app.state.revocations
+        return revocations.hold(uid, watcher.revoke, token.id if token else None, token.digest if token else None)
 
     async def _read_json(self, request: Request) -> Any:
         limit = request.app.state.config.limits.max_frame_bytes
@@ -360,6 +375,8 @@ class OpenAIApi:
                 events = await watcher.race(source.next())
         except BaseException as e:
             await self._abandon(source, watcher)
+            if isinstance(e, Revoked):
+                return error_response(revoked_error(e.reason))
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
@@ -397,6 +414,11 @@ class OpenAIApi:
                         await emit(b"[DONE]")
                         return
                 events = await watcher.race(source.next())
+        except Revoked as e:  # the client is still there: tell it why the stream ends
+            try:
+                await emit(json_bytes(revoked_error(e.reason).body()))
+            finally:
+                await self._abandon(source, watcher)
         except ClientGone:
             await self._abandon(source, watcher)
         except BaseException:
@@ -433,6 +455,11 @@ def session_link(request: Request, creq: ChatRequest) -> str | None:
     if not is_valid_id(sid):
         raise not_found()
     return sid
+
+
+def revoked_error(reason: str) -> OpenAIError:
+    """The answer to a request whose token was revoked (or user deleted) while it ran."""
+    return OpenAIError(401, f"{reason}: this request was stopped", "invalid_request_error", None, "invalid_token")
 
 
 def _completion_id(source: ReplySource) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -86,45 +86,72 @@ class ClientGone(Exception):
     """The HTTP client disconnected."""
 
 
+class Revoked(ClientGone):
+    """The request's access token was revoked, or its user's data deleted, while it ran
+    (``gateway/revocation.py``): end it as if the client had left, telling the client why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class DisconnectWatcher:
     """Waits for the request's ``http.disconnect`` in a task (start it after the body
     was read, so it only ever sees the disconnect); ``race`` waits for something else
-    unless the client leaves first."""
+    unless the client leaves first, or ``revoke`` is called. ``on_close`` (if set) is
+    called once by ``close``."""
 
     def __init__(self, receive: Receive) -> None:
+        # None: the client left; a reason: revoked
+        self._gone: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._listen(receive), name="http-disconnect")
+        self.on_close: Callable[[], None] | None = None
 
-    @staticmethod
-    async def _listen(receive: Receive) -> None:
+    async def _listen(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        if not self._gone.done():
+            self._gone.set_result(None)
+
+    def revoke(self, reason: str) -> None:
+        """End the request now: ``race`` raises ``Revoked(reason)``."""
+        if not self._gone.done():
+            self._gone.set_result(reason)
 
     @property
     def gone(self) -> bool:
-        """True once the client disconnected."""
-        return self._task.done() and not self._task.cancelled()
+        """True once the client disconnected (or the request was revoked)."""
+        return self._gone.done()
+
+    def _why(self) -> ClientGone:
+        reason = self._gone.result()
+        return Revoked(reason) if reason else ClientGone()
 
     async def race(self, aw: Awaitable[T]) -> T:
-        """The result of ``aw``, unless the client disconnects first.
+        """The result of ``aw``, unless the client disconnects (or it is revoked) first.
 
         Raises:
-            ClientGone: the client left (``aw`` is cancelled).
+            ClientGone: the client left (``aw`` is cancelled); ``Revoked`` when revoked.
         """
         if self.gone:
             if asyncio.iscoroutine(aw):
                 aw.close()
-            raise ClientGone()
+            raise self._why()
         task = asyncio.ensure_future(aw)
-        await asyncio.wait({task, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        waits: set[asyncio.Future[Any]] = {task, self._gone}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone()
+        raise self._why()
 
     def close(self) -> None:
-        """Stop listening."""
+        """Stop listening (and call ``on_close``, once)."""
         self._task.cancel()
+        callback, self.on_close = self.on_close, None
+        if callback is not None:
+            callback()
 
 
 class EngineReply:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,12 +85,14 @@ class TokenInfo:
         name: the owner's label (at most ``MAX_NAME_CHARS`` characters).
         created_at: Unix seconds.
         hint: the token's first 10 characters (``cspat_ab12``), to recognise it.
+        digest: its stored SHA-256 (hex), known when it was resolved from a request.
     """
 
     id: str
     name: str
     created_at: float
     hint: str
+    digest: str = ""
 
     def public(self) -> dict[str, Any]:
         """The JSON shape of ``GET /api/tokens`` items."""
@@ -169,7 +172,26 @@ class TokenStore:
         if not d or "uid" not in d:
             raise InvalidToken("unknown or revoked token")
         return d["uid"], TokenInfo(d["id"], d.get("name", ""), float(d.get("created_at", 0)),
-                                   token[:len(TOKEN_PREFIX) + 4])
+                                   token[:len(TOKEN_PREFIX) + 4], token_hash(token))
+
+    async def alive(self, digests: Sequence[str]) -> tuple[bool, ...]:
+        """Whether each stored token hash still names a live token (one round trip)."""
+        async with redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for digest in digests:
+                pipe.exists(self._token_key(digest))
+            return tuple(bool(n) for n in await pipe.execute())
+
+    async def revoke_all(self, uid: str) -> tuple[str, ...]:
+        """Revoke every token of user ``uid``; returns their ids."""
+        async with redis_errors():
+            rows: dict[str, str] = await self.redis.hgetall(self._user_key(uid))  # type: ignore[assignment]  # decode_responses
+            pipe = self.redis.pipeline(transaction=True)
+            for raw in rows.values():
+                pipe.delete(self._token_key(json.loads(raw)["hash"]))
+            pipe.delete(self._user_key(uid))
+            await pipe.execute()
+        return tuple(rows)
 
 
 INVALID_TOKEN_BODY = json.dumps({"error": {

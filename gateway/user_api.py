@@ -5,7 +5,10 @@ access tokens, and defaults for new chats.
 * ``GET /api/tokens`` -> ``{"tokens": [{"id", "name", "created_at", "hint"}]}``
 * ``POST /api/tokens`` ``{"name"}`` -> 201 ``{"id", "name", "created_at", "hint", "token"}``
   (the only time the token itself is shown)
-* ``DELETE /api/tokens/{id}`` -> 204 (revoked at once), 404 when the user has no such token
+* ``DELETE /api/tokens/{id}`` -> 204 (revoked at once: sockets and streams opened with it
+  close too), 404 when the user has no such token
+* ``DELETE /api/user`` -> 204: every chat, token and default of the user deleted, and every
+  socket and stream of the user closed
 * ``GET /api/defaults`` -> ``{"system_prompt", "params"}`` (the user's, over the gateway's)
 * ``PUT /api/defaults`` ``{"system_prompt"?, "params"?}`` -> the same shape; params are
   validated as a chat's are
@@ -59,12 +62,45 @@ async def create_token(request: Request) -> Response:
 
 @api
 async def revoke_token(request: Request) -> Response:
-    """DELETE /api/tokens/{id} -> 204; requests with that token get 401 from now on."""
+    """DELETE /api/tokens/{id} -> 204; requests with that token get 401 from now on, and
+    the sockets and streams opened with it close (``gateway/revocation.py``)."""
     tid = request.path_params["tid"]
     if not isinstance(tid, str) or not _TOKEN_ID_RE.match(tid):
         raise not_found("token")
-    if not await request.app.state.tokens.revoke(_uid(request), tid):
+    uid = _uid(request)
+    if not await request.app.state.tokens.revoke(uid, tid):
         raise not_found("token")
+    await request.app.state.revocations.revoke_token(uid, tid)
+    return Response(status_code=204)
+
+
+@api
+async def delete_user(request: Request) -> Response:
+    """DELETE /api/user -> 204: delete all of this user's data (every chat, stopping its
+    reply in progress, every access token, the defaults for new chats) and close every
+    socket and stream of the user, on every gateway replica."""
+    state, uid = request.app.state, _uid(request)
+    await state.tokens.revoke_all(uid)
+    await state.user_defaults.delete(uid)
+    seen: set[str] = set()
+    while True:  # a page of chats at a time, until none is left (or only ones already tried)
+        chats = [c for c in await state.store.list_sessions(uid) if c.id not in seen]
+        if not chats:
+            break
+        for info in chats:
+            seen.add(info.id)
+            try:
+                active = await state.store.delete_session(uid, info.id)
+            except GatewayError as e:
+                if e.code != "not_found":  # deleted meanwhile by another request
+                    raise
+                continue
+            if active:
+                try:
+                    await state.generations.cancel(uid, active["request_id"])
+                except GatewayError:
+                    pass  # it ended meanwhile
+    await state.revocations.revoke_user(uid)
     return Response(status_code=204)
 
 
@@ -98,6 +134,7 @@ def user_routes() -> list[Route]:
         Route("/api/tokens", list_tokens, methods=["GET"]),
         Route("/api/tokens", create_token, methods=["POST"]),
         Route("/api/tokens/{tid:str}", revoke_token, methods=["DELETE"]),
+        Route("/api/user", delete_user, methods=["DELETE"]),
         Route("/api/defaults", get_defaults, methods=["GET"]),
         Route("/api/defaults", put_defaults, methods=["PUT"]),
     ]

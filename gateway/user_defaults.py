@@ -48,6 +48,15 @@ class UserDefaultsStore:
         async with redis_errors():
             await self.redis.set(self._key(uid), dumps(defaults))
 
+    async def delete(self, uid: str) -> None:
+        """Forget the user's defaults.
+
+        Raises:
+            GatewayError: ``store_unavailable`` when Redis cannot be reached.
+        """
+        async with redis_errors():
+            await self.redis.delete(self._key(uid))
+
     async def for_new_chat(self, uid: str, system_prompt: str) -> tuple[str, dict[str, Any]]:
         """The system prompt and params a new chat of ``uid`` starts with: the user's
         own, else ``system_prompt`` (the gateway's default) and no params."""

@@ -56,6 +56,7 @@ from gateway.validation import printable
 log = logging.getLogger("gateway.ws")
 
 BIG_FRAME_CHARS = 256 * 1024  # frames above this are decoded in a worker thread
+REVOKED_CLOSE_CODE = 1008  # policy violation: the socket's token was revoked (or its user deleted)
 
 
 @dataclass
@@ -112,6 +113,8 @@ class Connection:
         self.handlers: set[asyncio.Task[None]] = set()
         self.stalled = False
         self.live: LiveHub | None = None  # set by the endpoint; ``events`` frames (un)register here
+        self.revoked: str | None = None  # why the socket must close now (gateway/revocation.py)
+        self._revoked = asyncio.Event()
 
     # ---- out ---------------------------------------------------------------------------
 
@@ -307,19 +310,31 @@ class Connection:
 
     # ---- lifetime ----------------------------------------------------------------------
 
+    def revoke(self, reason: str) -> None:
+        """Close the socket now with code 1008 and ``reason`` (its token was revoked or its
+        user's data deleted); its replies go on and are stored."""
+        self.revoked = reason
+        self._revoked.set()
+
     async def run(self) -> None:
-        """Serve the socket until the client leaves or stalls; replies go on."""
+        """Serve the socket until the client leaves or stalls, or it is revoked; replies go on."""
         self.stats.sockets_open += 1
         writer = asyncio.create_task(self._writer())
         reader = asyncio.create_task(self._reader())
+        revoked = asyncio.create_task(self._revoked.wait())
         try:
-            await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({writer, reader, revoked}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.stats.sockets_open -= 1
-            tasks = [writer, reader, *self.tails.values(), *self.handlers]
+            tasks = [writer, reader, revoked, *self.tails.values(), *self.handlers]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self.revoked is not None:
+            try:  # a client that does not read cannot hold this up
+                await asyncio.wait_for(self.ws.close(code=REVOKED_CLOSE_CODE, reason=self.revoked), 1.0)
+            except Exception:  # noqa: BLE001 - gone already, or not reading: the server drops it
+                pass
 
 
 def _refusal(code: str, message: str, status: int = 403) -> JSONResponse:
@@ -378,9 +393,12 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     stats.by_address[addr] = stats.by_address.get(addr, 0) + 1
     conn = Connection(websocket, uid, config, state.generations, state.streams, stats)
     conn.live = getattr(state, "live", None)
+    token = websocket.scope.get("state", {}).get("token") if by_token else None
+    release = state.revocations.hold(uid, conn.revoke, token.id if token else None, token.digest if token else None)
     try:
         await conn.run()
     finally:
+        release()
         if conn.live is not None:
             conn.live.remove(uid, conn.offer)
         for counts, key in ((stats.by_user, uid), (stats.by_address, addr)):
