@@ -70,7 +70,9 @@ class Limits:
             ``408 Request Timeout`` and the connection is closed (gateway/http_limits.py).
         http_max_connections_per_address: HTTP connections (not yet upgraded to a
             WebSocket) one client address may hold open; the next gets ``429`` at once and
-            is closed. None: no cap (behind a proxy, which shows one address for all).
+            is closed (256, as ``ws_max_sockets_per_address``: a burst of socket handshakes
+            from one address is HTTP until it upgrades). None: no cap (behind a proxy, which
+            shows one address for all).
         http_max_connections: connections of every kind the server holds at once; the next
             gets ``503`` at once and is closed. None: three quarters of the process's open
             file limit (``ulimit -n``), so sockets never run out before the cap answers.
@@ -94,7 +96,7 @@ class Limits:
     ws_max_sockets_per_user: int = 32
     ws_max_sockets_per_address: int = 256
     http_body_timeout_s: float = 30.0
-    http_max_connections_per_address: int | None = 128
+    http_max_connections_per_address: int | None = 256
     http_max_connections: int | None = None
 
     def __post_init__(self) -> None:

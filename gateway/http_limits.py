@@ -92,7 +92,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     max_headers = 100
     header_timeout_s = 10.0
     body_timeout_s = 30.0
-    max_per_address: int | None = 128
+    max_per_address: int | None = 256
     max_connections = 1024
     stats = ConnectionStats()
 
