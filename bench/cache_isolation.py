@@ -4,14 +4,17 @@
 
 Starts ``python -m gateway`` with its own local engine (the bundled SmolLM2-135M-Instruct
 unless ``--model``) on the Redis at ``REDIS_URL`` (a fresh key prefix), and three users
-(cookies). Each repetition makes a private prompt P (a system prompt of about 290 tokens
-holding a "salary" figure, one nobody declared shared, then a question) and, through
-``POST /v1/chat/completions`` with streaming (one token, greedy):
+(cookies). Each repetition makes a private prompt P (a system prompt of about 250 tokens
+that opens with a "salary" figure, one nobody declared shared, then a question) and,
+through ``POST /v1/chat/completions`` with streaming (one token, greedy):
 
 1. user A sends P (it is now in A's part of the prefix cache);
-2. user B sends the very same P: the probe of the attack (with isolation: no hit);
-3. user B sends a fresh prompt F of the same shape and length (nothing to hit);
+2. a new user B sends the very same P: the probe of the attack (with isolation: no hit);
+3. a new user C sends a fresh prompt F of the same shape and length (nothing to hit);
 4. user A sends P again: its own repeat (the cache hit isolation keeps).
+
+(New users each time, and prompts that differ from their first page on, so that no
+step finds pages its own user cached in an earlier repetition.)
 
 It reports each step's median time to the first token (client side: request sent to the
 first content chunk) and cached tokens over the repetitions, and B's ratio to the fresh
@@ -45,7 +48,7 @@ FILLER = ("The payroll office keeps the records of every keeper of the Example P
 
 def private_prompt(secret: int, topic: str) -> list[dict[str, str]]:
     """A private chat: a long system prompt holding ``secret``, then a question."""
-    system = f"You are the personal assistant of Ada. Her salary is {secret}. " + FILLER * 6
+    system = f"Salary {secret}: that is what Ada earns, and you are her personal assistant. " + FILLER * 6
     return [{"role": "system", "content": system},
             {"role": "user", "content": f"Is that salary fair for a {topic}? Answer in one word."}]
 
@@ -86,20 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.model:
         cmd += ["--model", a.model]
     gw = start_child(cmd, r"Chat is ready at (http://\S+)", timeout_s=600, env=env, cwd=str(ROOT))
-    steps = ("A sends P", "B sends A's P", "B sends a fresh F", "A sends P again")
+    steps = ("A sends P", "B sends A's P", "C sends a fresh F", "A sends P again")
     rows: dict[str, list[tuple[float, int, int]]] = {s: [] for s in steps}
     try:
         base = gw.match.group(1)
         with httpx.Client(base_url=base, timeout=300) as client:
-            a_user, b_user = (httpx.get(f"{base}/api/config", timeout=60).cookies["chat_uid"] for _ in range(2))
+            def new_user() -> str:
+                return str(httpx.get(f"{base}/api/config", timeout=60).cookies["chat_uid"])
+
+            a_user = new_user()
             timed(client, a_user, private_prompt(1, "warm-up"))  # first request: kernels, allocations
             for i in range(a.reps):
-                secret = 734215 + 1000 * i
+                secret = [734215, 512907, 98314, 260775, 843126][i % 5] + 1_000_000 * (i // 5)
                 topic = ["lighthouse keeper", "harbour pilot", "ferry captain", "lock keeper", "coast guard"][i % 5]
-                mine, fresh = private_prompt(secret, topic), private_prompt(secret + 111111, topic)
+                mine, fresh = private_prompt(secret, topic), private_prompt(secret + 100_003, topic)
                 rows[steps[0]].append(timed(client, a_user, mine))
-                rows[steps[1]].append(timed(client, b_user, mine))
-                rows[steps[2]].append(timed(client, b_user, fresh))
+                rows[steps[1]].append(timed(client, new_user(), mine))
+                rows[steps[2]].append(timed(client, new_user(), fresh))
                 rows[steps[3]].append(timed(client, a_user, mine))
     finally:
         gw.stop()
@@ -111,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             "cached_tokens": sorted({r[1] for r in v}), "prompt_tokens": sorted({r[2] for r in v})}
         for s, v in rows.items()}}
     b, f = out["steps"][steps[1]]["ttft_ms_median"], out["steps"][steps[2]]["ttft_ms_median"]
-    out["b_over_fresh"] = round(b / f, 3) if f else None
+    out["b_over_fresh"] = round(b / f, 3) if f else None  # B's copy over C's fresh prompt
     if a.json:
         print(json.dumps(out, indent=2))
     else:
         print("| step | TTFT median (ms) | all (ms) | cached tokens | prompt tokens |\n|---|---|---|---|---|")
         for s, v in out["steps"].items():
             print(f"| {s} | {v['ttft_ms_median']} | {v['ttft_ms_all']} | {v['cached_tokens']} | {v['prompt_tokens']} |")
-        print(f"\nB on A's prompt / B on a fresh prompt: {out['b_over_fresh']}x; load average {out['load_avg']}")
+        print(f"\nB on A's prompt / C on a fresh prompt: {out['b_over_fresh']}x; load average {out['load_avg']}")
     return 0
 
 
