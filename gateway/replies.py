@@ -90,7 +90,10 @@ class EngineRun:
         def routed(ids: list[int], num_tokens: int) -> RoutePrompt:
             shared = 0
             if tokenizer is not None and self.cache_salt and ids:
-                shared = tokenizer.builder.shared_length(ids, self.shared_messages)
+                try:
+                    shared = tokenizer.builder.shared_length(ids, self.shared_messages)
+                except Exception:  # noqa: BLE001 - routing only: the engine says what is wrong
+                    shared = 0
             return RoutePrompt(ids, num_tokens, self.cache_salt, shared)
 
         if self.prompt_token_ids is not None:
