@@ -287,18 +287,21 @@ class EngineClient:
     async def generate(self, request_id: str, messages: list[dict[str, str]] | None = None,
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-                       clamp_max_tokens: bool = False) -> EngineRequest:
+                       clamp_max_tokens: bool = False, continued_tokens: int = 0) -> EngineRequest:
         """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
-        (docs/protocol.md section 1) instead of refusing the request.
+        (docs/protocol.md section 1) instead of refusing the request; ``continued_tokens``:
+        the last that many ``prompt_token_ids`` are a cut reply to continue (sent to
+        engines of protocol 5 and later; an older one continues without the seam's text).
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected.
         """
         if not self.healthy:
             raise engine_unavailable("not connected")
+        continued = continued_tokens if self.protocol_version >= 5 else 0
         frame = GenerateFrame(request_id, messages, prompt_token_ids, prefix_token_ids or None, params or None,
-                              cache_salt or "", clamp_max_tokens)
+                              cache_salt or "", clamp_max_tokens, continued)
         size = sum(len(m.get("content", "")) for m in messages or []) + 8 * len(prefix_token_ids or [])
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req

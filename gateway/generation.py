@@ -346,7 +346,9 @@ class GenerationManager:
                      continued=continued, continued_ids=list(continued_ids or []))
         if continued is not None:
             # the stream starts with the text the reply had, so any tab rebuilds it whole
-            turn.parts.append(str(continued.get("content", "")))
+            # (a length-cut reply stored before engines dropped an unfinished character
+            # ends in U+FFFD: the continuation writes that character whole)
+            turn.parts.append(str(continued.get("content", "")).rstrip("\ufffd"))
             turn.unsent.append(turn.parts[0])
         try:
             await self.streams.open(begun.request_id, owner, sid, begun.message_id, begun.user_message_id)
@@ -441,7 +443,7 @@ class GenerationManager:
         prompt_ids = self._continue_ids(turn, history) if turn.continued is not None else None
         run = turn.run = EngineRun(self.router, turn.begun.request_id, turn.session_id, history.messages,
                                    history.prefix_token_ids, turn.params, turn.clamp_max_tokens,
-                                   prompt_token_ids=prompt_ids)
+                                   prompt_token_ids=prompt_ids, continued_tokens=len(turn.continued_ids))
         run.cancelled = turn.cancel_requested
         await run.start()  # raises engine_unavailable when no engine is left
         if turn.cancel_requested:
@@ -488,6 +490,8 @@ class GenerationManager:
                 p = batch.progress
                 turn.log.set_progress(p.prompt_tokens_done, p.prompt_tokens, p.cached_tokens)
             turn.output_ids.extend(batch.token_ids)
+            if batch.trim_prior:
+                self._trim_continued(turn, batch.trim_prior)
             if batch.text:
                 turn.parts.append(batch.text)
                 turn.unsent.append(batch.text)
@@ -496,6 +500,20 @@ class GenerationManager:
                                      time.perf_counter())
             if batch.end is not None:
                 return batch.end
+
+    @staticmethod
+    def _trim_continued(turn: _Turn, n: int) -> None:
+        """Take ``n`` characters off the end of a continued reply's earlier text: a stop
+        string begun before the cut completed after it, so the reply written at once
+        would never have shown them (docs/protocol.md, continuing a cut reply). The engine
+        sends this before the continuation's first text, so that earlier text is still
+        unsent (the reply stream's first delta holds it with the first new text)."""
+        if turn.continued is None or turn.seq or len(turn.unsent) != 1 or len(turn.parts) != 1:
+            log.error("reply %s: the engine took back %d characters of text already streamed; kept",
+                      turn.begun.request_id, n)
+            return
+        kept = turn.parts[0][: max(0, len(turn.parts[0]) - n)]
+        turn.parts[0] = turn.unsent[0] = kept
 
     async def _write_unsent(self, turn: _Turn) -> None:
         """Append the text not yet in the reply stream as the next delta; while Redis

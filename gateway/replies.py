@@ -32,12 +32,14 @@ class Batch:
     """What arrived for one reply since the last read: ``text`` and ``token_ids`` of its
     deltas (and of the final item), ``end``, the final item, once it came, and
     ``progress``, the newest prompt-progress item among them (transient: only the browser
-    socket shows it)."""
+    socket shows it). ``trim_prior`` (a continued reply): characters to take off the end
+    of the reply's earlier text before ``text`` (docs/protocol.md, continuing a cut reply)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     end: DoneFrame | ErrorFrame | None = None
     progress: ProgressFrame | None = None
+    trim_prior: int = 0
 
 
 class EngineRun:
@@ -50,18 +52,20 @@ class EngineRun:
         messages, prefix_token_ids, params, clamp_max_tokens: the ``generate`` frame's fields.
         model: only engines serving this model name, or None for any.
         prompt_token_ids: the exact prompt ids instead of ``messages`` (a continued reply).
+        continued_tokens: of those, the last that many are the reply being continued.
     """
 
     def __init__(self, router: EngineRouter, request_id: str, affinity_key: str, messages: list[dict[str, str]],
                  prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                  clamp_max_tokens: bool = False, model: str | None = None,
-                 prompt_token_ids: list[int] | None = None) -> None:
+                 prompt_token_ids: list[int] | None = None, continued_tokens: int = 0) -> None:
         self.router = router
         self.request_id = request_id
         self.affinity_key = affinity_key
         self.messages = messages
         self.prefix_token_ids = prefix_token_ids
         self.prompt_token_ids = prompt_token_ids
+        self.continued_tokens = continued_tokens
         self.params = params
         self.clamp_max_tokens = clamp_max_tokens
         self.model = model
@@ -116,7 +120,8 @@ class EngineRun:
                 if self.prompt_token_ids is not None:
                     self.request = await engine.generate(self.request_id, params=self.params,
                                                          prompt_token_ids=self.prompt_token_ids,
-                                                         clamp_max_tokens=self.clamp_max_tokens)
+                                                         clamp_max_tokens=self.clamp_max_tokens,
+                                                         continued_tokens=self.continued_tokens)
                 else:
                     self.request = await engine.generate(self.request_id, self.messages, self.prefix_token_ids,
                                                          self.params, clamp_max_tokens=self.clamp_max_tokens)
@@ -143,6 +148,7 @@ class EngineRun:
             return None
         text: list[str] = []
         ids: list[int] = []
+        trim = 0
         end: DoneFrame | ErrorFrame | None = None
         progress: ProgressFrame | None = None
         for it in items:
@@ -150,6 +156,8 @@ class EngineRun:
                 progress = it
                 continue
             if isinstance(it, (DeltaFrame, DoneFrame)):
+                if it.trim_prior:  # only ever before the reply's first text: it trims the earlier text
+                    trim += it.trim_prior
                 text.append(it.text)
                 ids.extend(it.token_ids)
             if isinstance(it, (DoneFrame, ErrorFrame)):
@@ -165,7 +173,7 @@ class EngineRun:
                 pass  # nothing left: report the loss
         if text or ids:
             self.produced = True
-        return Batch("".join(text), ids, end, progress)
+        return Batch("".join(text), ids, end, progress, trim)
 
     def wake(self) -> None:
         """Make a waiting ``next`` return None now."""

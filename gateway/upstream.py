@@ -328,7 +328,7 @@ class UpstreamClient(EngineClient):
     async def generate(self, request_id: str, messages: list[dict[str, str]] | None = None,
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-                       clamp_max_tokens: bool = False) -> EngineRequest:
+                       clamp_max_tokens: bool = False, continued_tokens: int = 0) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
         ``prefix_token_ids``, ``cache_salt`` and ``clamp_max_tokens`` are ignored (the
         upstream tokenizes the text itself, and refuses a too-long request instead of
