@@ -241,16 +241,25 @@ class EngineCore:
             lps = sampled.logprobs[k:end] if sampled.logprobs else [None] * (end - k)
             tokens = sampled.token_ids[k:end]
             k += item.num_samples
-            if item.spec:
-                assert self.spec is not None
-                req.spec.record(self.spec, len(item.spec), kept)
-                self.counters.spec_drafted_total += len(item.spec)
-                self.counters.spec_accepted_total += kept
-                self.counters.spec_steps_total += 1
             if req.output_ids:
                 req.decode_steps += 1
-            outputs.append(self._on_tokens(req, tokens, lps, now))
+            outputs.append(self._on_tokens(req, tokens, lps, now, len(item.spec), kept))
         return outputs
+
+    def _count_drafts(self, req: Request, drafted: int, kept: int, used: int | None) -> None:
+        """Count one verification of ``drafted`` drafts of which ``kept`` were right, in the
+        request's record and the engine's counters. ``used``: when the reply ended in this
+        step, how many of the step's tokens it kept (the rest came after a stop string,
+        EOS or ``max_tokens``): drafts at positions past its end count as neither drafted
+        nor accepted, so accepted drafts are tokens that reached the output."""
+        if not drafted or self.spec is None:
+            return
+        if used is not None:
+            drafted, kept = min(drafted, used), min(kept, used)
+        req.spec.record(self.spec, drafted, kept)
+        self.counters.spec_drafted_total += drafted
+        self.counters.spec_accepted_total += kept
+        self.counters.spec_steps_total += 1
 
     def _propose_drafts(self, config: SpecConfig) -> None:
         """Give each decoding request its draft tokens for this step (prompt lookup), while
@@ -299,14 +308,16 @@ class EngineCore:
             k += item.num_samples
         return accepted
 
-    def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+    def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float, drafted: int = 0,
+                   kept: int = 0) -> RequestOutput:
         """Append a step's kept tokens one by one, checking the stop conditions after each;
         emit one delta for them, or the final output at the first that ends the request
-        (the rest are dropped)."""
+        (the rest are dropped). ``drafted``/``kept``: the step's drafts for the request and
+        how many were right (``tokens`` is the kept drafts and one sampled token)."""
         if req.first_token_s is None:
             req.first_token_s = now
         p = req.params
-        for tok, logprob in zip(tokens, logprobs):
+        for used, (tok, logprob) in enumerate(zip(tokens, logprobs), 1):
             req.output_ids.append(tok)
             req.pending_ids.append(tok)
             if req.history is not None:
@@ -329,7 +340,9 @@ class EngineCore:
                 # Ending early inside a step's kept drafts: the KV of the drafts after this
                 # token is dropped (the last token, as always, has none).
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                self._count_drafts(req, drafted, kept, used)  # before the timings are taken
                 return self._finish(req, *reason)
+        self._count_drafts(req, drafted, kept, None)
         out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
                             logprobs=req.pending_logprobs or None, trim_prior=req.pending_trim)
         req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_trim = "", [], [], 0
