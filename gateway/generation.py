@@ -46,7 +46,7 @@ from gateway.config import GatewayConfig
 from gateway.engines import EngineRouter
 from gateway.errors import GatewayError, not_found
 from gateway.events import EventFanout, GenerationEvents
-from gateway.replies import PASSTHROUGH_CODES, EngineRun, user_code
+from gateway.replies import PASSTHROUGH_CODES, EngineRun, error_status, user_code
 from gateway.retry import Backoff, is_store_unavailable, retry
 from gateway.sessions import History, SessionStore, TurnBegun, dumps
 from gateway.streams import ReplyStreams, StreamEntry
@@ -61,8 +61,10 @@ ABORT_RESEND_S = 0.2  # seconds between repeated aborts until the engine confirm
 STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (seconds)
 # why a reply was cut short, stored with it as ``cut_reason`` (status "partial"): the
 # user's Stop (or a delete of the chat), the gateway shutting down, the engine going away
-# (or shutting down) mid-reply, or another failure after some text was shown
-CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "error")
+# (or shutting down) mid-reply, an OpenAI-compatible upstream's own error after some text
+# (a rate limit: its code and message are the stored ``error``), or another failure after
+# some text was shown
+CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "upstream_error", "error")
 NO_IDS_TO_CONTINUE = ("this reply cannot be continued: its token ids are not stored (a reply written by an "
                       "OpenAI-compatible upstream engine has none); regenerate it with a higher max tokens instead")
 LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
@@ -573,7 +575,7 @@ class GenerationManager:
             if code == "engine_unavailable" and turn.produced:
                 message = ("the model server stopped while writing this reply; what was written is kept. "
                            "It is being restarted: try again in a moment")
-            await self._end_with_error(turn, code, message)
+            await self._end_with_error(turn, code, message, error_status(end))
             return
         reason = end.finish_reason
         usage = {"prompt_tokens": end.usage.prompt_tokens, "cached_tokens": end.usage.cached_tokens,
@@ -633,10 +635,13 @@ class GenerationManager:
             if e.code != "not_found":  # already deleted by its user
                 raise
 
-    async def _end_with_error(self, turn: _Turn, code: str, message: str) -> None:
+    async def _end_with_error(self, turn: _Turn, code: str, message: str, status: int = 0) -> None:
         """End a reply that failed: undo it when nothing was shown, else store what was
-        shown as partial. Best effort when Redis itself is the failure."""
+        shown as partial. ``status``: the HTTP status an OpenAI-compatible upstream's own
+        error asks for (kept with the error for the OpenAI API; 0 for our codes). Best
+        effort when Redis itself is the failure."""
         rid, begun = turn.begun.request_id, turn.begun
+        error: dict[str, Any] = {"code": code, "message": message, **({"status": status} if status else {})}
         self.events.on_error(rid, code, time.perf_counter())
         try:
             if not turn.produced and turn.created_chat:
@@ -647,13 +652,14 @@ class GenerationManager:
                     turn.owner, turn.session_id, begun, turn.client_msg_id))
             if not turn.produced:
                 await self._store_retrying(rid, "ending the reply stream",
-                                           lambda: self.streams.error(rid, turn.seq, code, message))
-                turn.log.finish(StreamEntry("error", turn.seq, {"t": "error", "code": code, "message": message}))
+                                           lambda: self.streams.error(rid, turn.seq, code, message, status))
+                fields = {"t": "error", "code": code, "message": message, **({"status": str(status)} if status else {})}
+                turn.log.finish(StreamEntry("error", turn.seq, fields))
                 return
             await self._flush_unsent(turn)
+            cut = "engine_lost" if code == "engine_unavailable" else "upstream_error" if status else "error"
             assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
-                         "error": {"code": code, "message": message},
-                         "cut_reason": "engine_lost" if code == "engine_unavailable" else "error",
+                         "error": error, "cut_reason": cut,
                          "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
                          "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
                          "request_id": rid}
@@ -661,7 +667,7 @@ class GenerationManager:
                 turn.owner, turn.session_id, begun, assistant, None, None))
             done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,
                     "finish_reason": "error", "usage": assistant["usage"], "timings": assistant["timings"],
-                    "error": {"code": code, "message": message}}
+                    "error": error}
             await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
             turn.log.finish(StreamEntry("done", turn.seq, {"t": "done", "d": dumps(done)}))
         except GatewayError as e:

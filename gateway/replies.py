@@ -17,14 +17,23 @@ from typing import Any
 from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, ProgressFrame
 from gateway.engines import EngineClient, EngineRequest, EngineRouter, RoutePrompt
 from gateway.errors import GatewayError
+from gateway.upstream import UpstreamError
 
 # engine error codes shown to the user as they are; any other becomes internal_error
 PASSTHROUGH_CODES = frozenset({"context_length_exceeded", "invalid_request", "engine_unavailable"})
 
 
 def user_code(end: ErrorFrame) -> str:
-    """The error code a user sees for an engine ``error`` item."""
-    return end.code if end.code in PASSTHROUGH_CODES else "internal_error"
+    """The error code a user sees for an engine ``error`` item: ours when it is one the
+    user can act on, an OpenAI-compatible upstream's own (``UpstreamError``), else
+    ``internal_error``."""
+    return end.code if end.code in PASSTHROUGH_CODES or isinstance(end, UpstreamError) else "internal_error"
+
+
+def error_status(end: ErrorFrame) -> int:
+    """The HTTP status an upstream's own error asks for (``UpstreamError.status``); 0 for
+    our codes, whose status is ``gateway.errors.HTTP_STATUS``'s."""
+    return end.status if isinstance(end, UpstreamError) else 0
 
 
 @dataclass
@@ -163,14 +172,15 @@ class EngineRun:
             if isinstance(it, (DoneFrame, ErrorFrame)):
                 end = it
                 break
-        if isinstance(end, ErrorFrame) and end.code == "engine_unavailable" and not self.produced \
-                and not text and not ids and not self.cancelled:
+        retry = isinstance(end, ErrorFrame) and (end.code == "engine_unavailable" or (
+            isinstance(end, UpstreamError) and end.retry_elsewhere))
+        if retry and not self.produced and not text and not ids and not self.cancelled:
             req.close()
             try:
                 await self.start()
                 return Batch()
             except GatewayError:
-                pass  # nothing left: report the loss
+                pass  # nothing left: report this engine's error
         if text or ids:
             self.produced = True
         return Batch("".join(text), ids, end, progress, trim)
