@@ -119,10 +119,10 @@ async def test_a_stop_string_across_the_cut_ends_the_continuation_as_the_uncut_r
     prompt = tok.encode("Hello")
     whole = await collect(eng, GenerateRequest("whole", prompt_token_ids=prompt, params=greedy(N)))
     text, rng = whole.text, random.Random(1)
-    stops = []
+    stops: list[str] = []
     while len(stops) < 4:  # a few stop strings of 2-4 characters from the middle of the reply
-        a = rng.randrange(len(text) // 4, len(text) - 5)
-        s = text[a:a + rng.randint(2, 4)]
+        at = rng.randrange(len(text) // 4, len(text) - 5)
+        s = text[at:at + rng.randint(2, 4)]
         if "\ufffd" not in s and s not in stops:
             stops.append(s)
     took_back = 0

@@ -417,7 +417,8 @@ def cut_then_continue(tok, ids: list[int], cuts: list[int], stop=()) -> tuple[st
     ``cuts`` and continue with the ids so far as ``prior_ids``; returns the text the parts
     add up to (each continuation taking back its ``trim`` first), the stop string that
     ended it, and the text shown at each cut."""
-    shown, at_cuts, start = "", [], 0
+    shown, start = "", 0
+    at_cuts: list[str] = []
     for end in [*cuts, len(ids)]:
         detok = IncrementalDetokenizer(tok, list(stop), prior_ids=ids[:start])
         pieces = [detok.add(i) for i in ids[start:end]]
