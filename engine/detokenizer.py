@@ -99,9 +99,9 @@ class IncrementalDetokenizer:
             stop: stop strings (non-empty); may be empty.
             skip_special_tokens: drop special tokens from the text, as the one-shot decode does.
             prior_ids: the tokens of a cut reply this request continues (see the module
-                doc): replayed here (O(1) decode work each, about 4 us a token for
-                SmolLM2's tokenizer), their text counted as shown, not as this
-                detokenizer's ``text``. Empty for a new reply.
+                doc): replayed here (O(1) decode work each: 9 ms for 2,048 tokens of
+                SmolLM2's tokenizer on this project's 2-core CPU), their text counted as
+                shown, not as this detokenizer's ``text``. Empty for a new reply.
         """
         self._tok = tokenizer
         self._stop = [s for s in stop if s]
