@@ -6,7 +6,8 @@
 import { api } from "./js/api.js";
 import { ChatSocket } from "./js/socket.js";
 import { createMarkdownRenderer, copyText } from "./js/markdown.js";
-import { MessageView, icon, ICONS } from "./js/messages.js";
+import { MessageView } from "./js/messages.js";
+import { icon, ICONS } from "./js/icons.js";
 import { SidebarView } from "./js/sidebar.js";
 import { SettingsDialog } from "./js/settings.js";
 import { ChatController, replaceDefaults } from "./js/controller.js";

@@ -3,37 +3,13 @@
 
 import { replyStats, formatStats, describeStats } from "./format.js";
 import { userMeta, continueButton, timeElement, setTime, updateContinue } from "./branches.js";
+import { icon, ICONS } from "./icons.js";
 
 // Why a partial reply stopped, when it was not the user's Stop (the gateway stores
 // `cut_reason` with it: docs/protocol.md).
 const CUT_TEXT = {
   gateway_shutdown: "the server restarted while writing this reply; what was written is kept",
   engine_lost: "the model server stopped while writing this reply; what was written is kept",
-};
-
-const SVG_NS = "http://www.w3.org/2000/svg";
-
-/**
- * A small stroked icon, built with DOM calls.
- * @param {Document} doc
- * @param {string} pathData  SVG path "d" attribute (24x24 box)
- * @returns {SVGSVGElement}
- */
-export function icon(doc, pathData) {
-  const svg = doc.createElementNS(SVG_NS, "svg");
-  svg.setAttribute("viewBox", "0 0 24 24");
-  svg.setAttribute("aria-hidden", "true");
-  svg.setAttribute("class", "icon");
-  const path = doc.createElementNS(SVG_NS, "path");
-  path.setAttribute("d", pathData);
-  svg.append(path);
-  return svg;
-}
-
-export const ICONS = {
-  copy: "M9 9h10v10H9zM5 15V5h10",
-  regenerate: "M20 11a8 8 0 1 0-2.3 5.7M20 5v6h-6",
-  check: "M5 12l5 5 9-10",
 };
 
 /**

@@ -2,10 +2,7 @@
 
 import { dateGroup } from "./format.js";
 import { hashForChat } from "./router.js";
-import { icon } from "./messages.js";
-
-const PENCIL = "M4 20h4L19 9l-4-4L4 16zM14 6l4 4";
-const TRASH = "M4 7h16M10 11v6M14 11v6M6 7l1 13h10l1-13M9 7V4h6v3";
+import { icon, ICONS } from "./icons.js";
 
 /** A chat as the list shows it (GET /api/sessions items). */
 /** @typedef {{id:string, title:string, created_at:number, updated_at:number}} ChatSummary */
@@ -171,13 +168,13 @@ export class SidebarView {
     rename.className = "icon-btn small rename";
     rename.setAttribute("aria-label", `Rename chat: ${title}`);
     rename.title = "Rename";
-    rename.append(icon(d, PENCIL));
+    rename.append(icon(d, ICONS.edit));
     const del = d.createElement("button");
     del.type = "button";
     del.className = "icon-btn small delete";
     del.setAttribute("aria-label", `Delete chat: ${title}`);
     del.title = "Delete";
-    del.append(icon(d, TRASH));
+    del.append(icon(d, ICONS.trash));
     actions.append(rename, del);
     li.append(a, actions);
     return li;
