@@ -10,7 +10,7 @@ import { MessageView } from "./js/messages.js";
 import { icon, ICONS } from "./js/icons.js";
 import { SidebarView } from "./js/sidebar.js";
 import { SettingsDialog } from "./js/settings.js";
-import { ChatController, replaceDefaults } from "./js/controller.js";
+import { ChatController, replaceDefaults, isBusyNotice } from "./js/controller.js";
 import { TokensDialog } from "./js/tokens.js";
 import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
@@ -19,6 +19,8 @@ import { ContextMeter } from "./js/progress.js";
 import { wireBranches } from "./js/branches.js";
 
 const READY_POLL_MS = 3000;
+// Said when Enter cannot send; it goes when the reply ends or another chat is shown.
+const BUSY_TEXT = "A reply is still being written. Wait for it to finish, or stop it (Esc) and send again.";
 const OFFLINE_TEXT = "Not connected to the server, so nothing was sent; your message stays in the box. Send it again once the connection is back.";
 
 /**
@@ -92,7 +94,9 @@ async function main(win) {
       }
     }, READY_POLL_MS);
   };
-  const notify = (message) => {
+  // notify("", {onlyBusy: true}) hides the notice only when it is about the open chat being busy
+  const notify = (message, opts = {}) => {
+    if (opts.onlyBusy && !isBusyNotice($("notice-text").textContent)) return;
     $("notice-text").textContent = message;
     notice.hidden = !message;
     if (message === engineDown) watchEngine();
@@ -202,8 +206,21 @@ async function main(win) {
     const title = sidebar.get(id)?.title || "this chat";
     $("confirm-text").textContent = `“${title}” and all its messages will be deleted.`;
     confirmDialog.returnValue = "";
-    confirmDialog.onclose = () => {
-      if (confirmDialog.returnValue === "confirm") controller.remove(id);
+    confirmDialog.onclose = async () => {
+      if (confirmDialog.returnValue !== "confirm") return; // the dialog gave focus back to the bin
+      const wasOpen = id === controller.currentId;
+      const items = [...$("chat-list").querySelectorAll(".chat-item")];
+      const at = items.findIndex((li) => li.dataset.id === id);
+      const neighbour = (items[at + 1] || items[at - 1])?.dataset.id;
+      if (!(await controller.remove(id))) return;
+      // The bin that had focus is gone: put focus where work goes on, never on the page's body.
+      const link = neighbour && [...$("chat-list").querySelectorAll(".chat-item")].find((li) => li.dataset.id === neighbour);
+      if (wasOpen || !link) {
+        closeSidebarIfNarrow();
+        input.focus();
+      } else {
+        link.querySelector(".chat-link").focus();
+      }
     };
     confirmDialog.showModal();
   };
@@ -213,7 +230,7 @@ async function main(win) {
     if (!text.trim()) return;
     // Enter that cannot send says why (the text stays in the box).
     if (controller.isBusy()) {
-      notify("A reply is still being written. Wait for it to finish, or stop it (Esc) and send again.");
+      notify(BUSY_TEXT);
       return;
     }
     if (!socket.isOpen) {

@@ -160,14 +160,17 @@ export function openEditor(doc, li, text, onSend) {
   send.textContent = "Send";
   row.append(cancel, send);
   form.append(ta, row);
+  const more = li.querySelector(".show-more");
   body.hidden = true;
   if (meta) meta.hidden = true;
+  if (more) more.hidden = true;
   li.classList.add("editing");
   li.append(form);
   const close = () => {
     form.remove();
     body.hidden = false;
     if (meta) meta.hidden = false;
+    if (more) more.hidden = false;
     li.classList.remove("editing");
   };
   const submit = async () => {

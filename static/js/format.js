@@ -60,6 +60,22 @@ export function describeStats(usage, timings) {
   return lines.join("\n");
 }
 
+/** Characters of a title the gateway derives from a chat's first message. */
+export const AUTO_TITLE_CHARS = 60;
+
+/**
+ * The title the gateway gives a chat from its first message (its `title_from`):
+ * whitespace collapsed, cut at `maxChars` characters with an ellipsis.
+ * @param {string} content  the first user message
+ * @param {number} [maxChars]
+ * @returns {string}
+ */
+export function titleFrom(content, maxChars = AUTO_TITLE_CHARS) {
+  const text = String(content).split(/\s+/).filter(Boolean).join(" ");
+  const chars = Array.from(text); // code points, as the gateway counts them
+  return chars.length <= maxChars ? text : chars.slice(0, maxChars - 1).join("").trimEnd() + "…";
+}
+
 /**
  * @param {number} n  a size in bytes
  * @returns {string} e.g. "4 MiB", "1.5 MiB", "512 KiB", "900 bytes"

@@ -12,6 +12,11 @@ const CUT_TEXT = {
   engine_lost: "the model server stopped while writing this reply; what was written is kept",
 };
 
+/** A user message taller than this many lines is shown collapsed ... */
+export const COLLAPSE_OVER_LINES = 18;
+/** ... to this many lines, with "Show more". */
+export const COLLAPSED_LINES = 12;
+
 /**
  * The message list. It owns the DOM under `listEl` and nothing else; the
  * controller tells it what happened.
@@ -29,6 +34,11 @@ export class MessageView {
     this.renderer = opts.renderer;
     /** @type {WeakMap<HTMLLIElement, {text:string, raf:number}>} per assistant message */
     this.replyState = new WeakMap();
+    this.bodyIds = 0;
+    this.listEl.addEventListener("click", (ev) => {
+      const btn = ev.target.closest("button.show-more");
+      if (btn && this.listEl.contains(btn)) this.toggleCollapsed(btn);
+    });
   }
 
   /** @private */
@@ -61,11 +71,13 @@ export class MessageView {
    */
   showHistory(messages) {
     this.listEl.replaceChildren();
+    const users = [];
     for (const m of messages) {
-      if (m.role === "user") this.addUser(m.content, m.id, m);
+      if (m.role === "user") users.push(this.addUser(m.content, m.id, { ...m, deferFit: true }));
       else if (m.role === "assistant") this.finish(this.addAssistant(m.id), m);
       // system messages are shown in the settings panel, not in the flow
     }
+    this.collapseLong(users);
     this.updateEmpty();
     this.scrollToBottom();
   }
@@ -73,7 +85,8 @@ export class MessageView {
   /**
    * @param {string} content  shown as plain text
    * @param {string|null} [id]  the stored message id, once known
-   * @param {{created_at?:number, versions?:{index:number, count:number}}} [info]  time and versions
+   * @param {{created_at?:number, versions?:{index:number, count:number}, deferFit?:boolean}} [info]  time
+   *   and versions; `deferFit`: the caller collapses a long message itself (`collapseLong`, once for many)
    * @returns {HTMLLIElement}
    */
   addUser(content, id, info = {}) {
@@ -84,12 +97,64 @@ export class MessageView {
     const sr = this.srLabel("You said:");
     const body = this.doc.createElement("div");
     body.className = "msg-body";
+    body.id = `msg-body-${++this.bodyIds}`;
     body.textContent = content;
     li.append(sr, body, userMeta(this.doc, info));
     this.listEl.append(li);
+    if (!info.deferFit) this.collapseLong([li]);
     this.updateEmpty();
     this.scrollToBottom();
     return li;
+  }
+
+  /**
+   * Collapse the user messages taller than `COLLAPSE_OVER_LINES` lines to
+   * `COLLAPSED_LINES`, each with a "Show more" / "Show less" button (a long paste
+   * would otherwise fill screens of the transcript). Reads every height first, then
+   * writes: one layout for many messages.
+   * @param {HTMLLIElement[]} items  user messages in the list
+   */
+  collapseLong(items) {
+    const bodies = items.map((li) => li.querySelector(".msg-body")).filter((b) => b && !b.parentElement.querySelector(".show-more"));
+    if (!bodies.length) return;
+    const line = parseFloat(getComputedStyle(bodies[0]).lineHeight) || 24;
+    const tall = bodies.filter((b) => b.scrollHeight > COLLAPSE_OVER_LINES * line);
+    for (const body of tall) {
+      body.classList.add("collapsible", "collapsed");
+      const btn = this.doc.createElement("button");
+      btn.type = "button";
+      btn.className = "show-more";
+      btn.setAttribute("aria-controls", body.id);
+      btn.setAttribute("aria-expanded", "false");
+      btn.textContent = "Show more";
+      body.after(btn);
+    }
+  }
+
+  /** @private "Show more" / "Show less" on a long user message */
+  toggleCollapsed(btn) {
+    const body = btn.parentElement.querySelector(".msg-body");
+    const collapse = !body.classList.contains("collapsed");
+    body.classList.toggle("collapsed", collapse);
+    btn.setAttribute("aria-expanded", String(!collapse));
+    btn.textContent = collapse ? "Show more" : "Show less";
+    // folding a long message back must not leave the reader far below it
+    if (collapse && body.getBoundingClientRect().top < this.scrollEl.getBoundingClientRect().top) {
+      body.scrollIntoView({ block: "start" });
+    }
+  }
+
+  /** @returns {string|null} the first user message's stored id */
+  firstUserId() {
+    return this.listEl.querySelector(".msg.user")?.dataset.messageId || null;
+  }
+
+  /**
+   * @param {HTMLLIElement} li  a user message
+   * @returns {string} its text, whole (also when shown collapsed)
+   */
+  userText(li) {
+    return li.querySelector(".msg-body")?.textContent || "";
   }
 
   /**

@@ -121,6 +121,11 @@ export class SidebarView {
   /** @private */
   render() {
     const d = this.doc;
+    // A redraw (another tab's change, a finished reply) must not drop the keyboard
+    // user's focus to the page's body: it goes back to the same control of the same chat.
+    const focused = this.container.contains(d.activeElement) ? d.activeElement : null;
+    const focusId = focused?.closest(".chat-item")?.dataset.id;
+    const focusCls = focused && ["chat-link", "rename", "delete"].find((c) => focused.classList.contains(c));
     this.sessions.sort((a, b) => (b.updated_at || 0) - (a.updated_at || 0));
     const now = new Date();
     const frag = d.createDocumentFragment();
@@ -146,6 +151,7 @@ export class SidebarView {
       frag.append(p);
     }
     this.container.replaceChildren(frag);
+    if (focusId && focusCls) this.itemFor(focusId)?.querySelector(`.${focusCls}`)?.focus();
   }
 
   /** @private */
