@@ -1,7 +1,7 @@
 // The conversation pane: user and assistant messages, the streaming reply
 // (re-rendered at most once per animation frame), and per-reply stats.
 
-import { replyStats, formatStats, describeStats } from "./format.js";
+import { replyStats, formatStats, formatStatDetails, formatRate, liveRate } from "./format.js";
 import { userMeta, continueButton, timeElement, setTime, updateContinue } from "./branches.js";
 import { icon, ICONS } from "./icons.js";
 
@@ -11,6 +11,9 @@ const CUT_TEXT = {
   gateway_shutdown: "the server restarted while writing this reply; what was written is kept",
   engine_lost: "the model server stopped while writing this reply; what was written is kept",
 };
+
+/** The live rate under a streaming reply is redrawn at most this often (ms). */
+const LIVE_RATE_EVERY_MS = 500;
 
 /** A user message taller than this many lines is shown collapsed ... */
 export const COLLAPSE_OVER_LINES = 18;
@@ -32,9 +35,13 @@ export class MessageView {
     this.scrollEl = opts.scrollEl;
     this.emptyEl = opts.emptyEl;
     this.renderer = opts.renderer;
-    /** @type {WeakMap<HTMLLIElement, {text:string, raf:number}>} per assistant message */
+    /** @type {WeakMap<HTMLLIElement, {text:string, raf:number, firstAt?:number, firstLen?:number,
+     *   rateAt?:number}>} per assistant message; `firstAt`/`firstLen`: when its first text came, and
+     *   how long it was (the live rate counts what came after) */
     this.replyState = new WeakMap();
     this.bodyIds = 0;
+    /** Characters per token of the replies shown so far (for the live rate), 4 until one is known. */
+    this.charsPerToken = 4;
     this.listEl.addEventListener("click", (ev) => {
       const btn = ev.target.closest("button.show-more");
       if (btn && this.listEl.contains(btn)) this.toggleCollapsed(btn);
@@ -184,8 +191,19 @@ export class MessageView {
     const badge = d.createElement("span");
     badge.className = "badge";
     badge.hidden = true;
-    const stats = d.createElement("span");
+    // "32 tokens · 41 tok/s · 512 from cache"; opened, it shows TTFT and the rest
+    const stats = d.createElement("details");
     stats.className = "stats";
+    const statsLine = d.createElement("summary");
+    statsLine.className = "stats-line";
+    const statsDetails = d.createElement("div");
+    statsDetails.className = "stats-details";
+    stats.append(statsLine, statsDetails);
+    // "≈ 41 tok/s" while the reply streams (not read out: the status region says when it ends)
+    const live = d.createElement("div");
+    live.className = "live-rate";
+    live.setAttribute("aria-hidden", "true");
+    live.hidden = true;
     const actions = d.createElement("span");
     actions.className = "msg-actions";
     actions.append(
@@ -194,7 +212,7 @@ export class MessageView {
       continueButton(d),
     );
     meta.append(badge, stats, actions, timeElement(d, undefined));
-    main.append(this.srLabel("Assistant said:"), body, typing, meta);
+    main.append(this.srLabel("Assistant said:"), body, typing, live, meta);
     li.append(avatar, main);
     this.listEl.append(li);
     this.updateEmpty();
@@ -224,6 +242,10 @@ export class MessageView {
   setStreamingText(li, text) {
     const st = this.st(li);
     st.text = text;
+    if (st.firstAt === undefined && text) {
+      st.firstAt = performance.now();
+      st.firstLen = text.length;
+    }
     if (st.raf) return;
     st.raf = requestAnimationFrame(() => {
       st.raf = 0;
@@ -240,7 +262,21 @@ export class MessageView {
     const text = this.st(li).text;
     this.renderer.render(li.querySelector(".msg-body"), text);
     li.querySelector(".typing").hidden = !(li.classList.contains("streaming") && !text);
+    if (li.classList.contains("streaming")) this.showLiveRate(li);
     if (stick) this.scrollToBottom();
+  }
+
+  /** @private "≈ 41 tok/s" under a streaming reply, redrawn at most every LIVE_RATE_EVERY_MS */
+  showLiveRate(li) {
+    const st = this.st(li);
+    const now = performance.now();
+    if (st.firstAt === undefined || (st.rateAt && now - st.rateAt < LIVE_RATE_EVERY_MS)) return;
+    const rate = liveRate(st.text.length - (st.firstLen || 0), now - st.firstAt, this.charsPerToken);
+    if (rate === null) return;
+    st.rateAt = now;
+    const el = li.querySelector(".live-rate");
+    el.textContent = `≈ ${formatRate(rate)}`;
+    el.hidden = false;
   }
 
   /**
@@ -259,6 +295,7 @@ export class MessageView {
     if (typeof info.content === "string") st.text = info.content;
     if (info.id) li.dataset.messageId = info.id;
     li.classList.remove("streaming");
+    li.querySelector(".live-rate").hidden = true;
     const body = li.querySelector(".msg-body");
     body.removeAttribute("aria-busy");
     body.removeAttribute("aria-live");
@@ -288,10 +325,15 @@ export class MessageView {
       : status === "error" ? "The reply was interrupted by an error"
       : "The reply reached its max tokens limit";
     const stats = li.querySelector(".stats");
-    // An interrupted reply has no engine timings: say why instead of "TTFT 0 ms".
+    // An interrupted reply has no engine timings: say why instead of "0 tokens".
     const timed = info.timings && Number(info.timings.e2e_ms) > 0;
-    stats.textContent = failure ? `Interrupted: ${failure}` : timed || reason !== "error" ? formatStats(replyStats(info.usage, info.timings)) : "";
-    stats.title = failure || describeStats(info.usage, info.timings);
+    const line = failure ? `Interrupted: ${failure}` : timed || reason !== "error" ? formatStats(replyStats(info.usage, info.timings)) : "";
+    const details = formatStatDetails(info.usage, info.timings) || "No timings were recorded for this reply.";
+    stats.querySelector(".stats-line").textContent = line;
+    stats.querySelector(".stats-line").title = details;
+    stats.querySelector(".stats-details").textContent = details;
+    stats.hidden = !line;
+    this.learnCharsPerToken(st.text, info.usage);
     li.querySelector(".msg-meta").hidden = false;
     if (!st.text && status === "error") {
       const p = this.doc.createElement("p");
@@ -300,6 +342,13 @@ export class MessageView {
       body.replaceChildren(p);
     }
     if (stick) this.scrollToBottom();
+  }
+
+  /** @private the live rate's estimate of characters per token, from a finished reply */
+  learnCharsPerToken(text, usage) {
+    const n = usage && Number(usage.completion_tokens);
+    if (!(n >= 8) || !text) return;
+    this.charsPerToken = 0.7 * this.charsPerToken + 0.3 * (text.length / n);
   }
 
   /**

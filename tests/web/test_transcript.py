@@ -6,6 +6,7 @@ follows an edit of that message. Screenshots go to artifacts/screenshots/transcr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -166,3 +167,55 @@ def test_a_title_taken_from_the_first_message_follows_its_edit(new_page: Callabl
     wait_finished(page, 1)
     assert page.text_content("#chat-heading") == "Summer outings"
     assert get_chat(page, sid)["title"] == "Summer outings"
+
+
+def test_stats_read_in_words_with_a_live_rate_while_the_reply_streams(
+        new_page: Callable[..., Page], engine_gate: EngineGate) -> None:
+    page = new_page()
+    open_chat(page)
+    # the welcome screen talks to people, not about number formats; those who ask find it
+    welcome = page.text_content("#empty-state") or ""
+    config = page.request.get("/api/config").json()
+    assert config["format"] and config["format"] not in welcome and "activations" not in welcome
+    assert page.get_attribute("#empty-state strong", "title") == f"Served as {config['format']}"
+    shot(page, "transcript-desktop-light-welcome")
+
+    sid = create_chat(page, LONG)
+    open_chat(page, sid)
+    engine_gate.pause_on(text_delta())
+    send(page, "Write a very long story.")
+    engine_gate.wait_paused()
+    wait_streaming_text(page, 0)
+    page.wait_for_timeout(400)  # some time passes between the first text and the next
+    engine_gate.resume(pause_on=text_delta())
+    engine_gate.wait_paused()
+    live = page.locator(".msg.assistant.streaming .live-rate")
+    live.wait_for(state="visible", timeout=WAIT_MS)
+    assert re.fullmatch(r"≈ \d+(\.\d)? tok/s", live.text_content() or ""), live.text_content()
+    shot(page, "transcript-desktop-light-live-rate")
+    stop_and_resume(page, engine_gate)
+    page.wait_for_selector(".msg.assistant .badge-partial", timeout=WAIT_MS)
+    assert page.locator(".msg.assistant .live-rate").is_hidden()
+
+    page.fill("#input", "")
+    old_id = page.locator(".msg.assistant").get_attribute("data-message-id")
+    page.locator(".msg.assistant .regenerate").click()  # the same prompt again: read from the cache
+    page.wait_for_function(
+        "(old) => { const a = document.querySelectorAll('.msg.assistant');"
+        " return a.length === 1 && a[0].dataset.status && a[0].dataset.messageId !== old; }",
+        arg=old_id, timeout=WAIT_MS)
+    line = page.text_content(".msg.assistant .stats-line") or ""
+    assert re.fullmatch(r"[\d,]+ tokens · \d+(\.\d)? tok/s · [\d,]+ from cache", line), line
+    reply = get_chat(page, sid)["messages"][-1]
+    assert line.startswith(f"{reply['usage']['completion_tokens']:,} tokens")
+    assert line.endswith(f"· {reply['usage']['cached_tokens']:,} from cache")
+    assert page.locator(".msg.assistant .stats-details").is_hidden()
+    page.click(".msg.assistant .stats-line")  # TTFT and the rest, a click (or Enter) away
+    details = page.locator(".msg.assistant .stats-details")
+    assert details.is_visible()
+    assert re.match(r"First token after [\d,]+ ms \(TTFT\) · prompt [\d,]+ tokens, [\d,]+ from cache",
+                    details.text_content() or ""), details.text_content()
+    shot(page, "transcript-desktop-light-stats")
+
+    page.click("#open-settings")
+    assert page.text_content("#model-format") == config["format"]
