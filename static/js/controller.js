@@ -46,7 +46,7 @@ export function isBusyNotice(text) {
  * @property {import("./sidebar.js").SidebarView} sidebar
  * @property {(message:string, opts?:{onlyBusy?:boolean})=>void} notify  shows an error notice ("" hides
  *   it; with `onlyBusy` only a notice that says the chat is busy, see isBusyNotice)
- * @property {(message:string)=>void} announce  polite screen-reader announcement
+ * @property {(message:string)=>void} announce  polite screen-reader announcement (the status region)
  * @property {import("./progress.js").ContextMeter} [meter]  how full the open chat's context is
  * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string,
  *   loaded:boolean})=>void} onChange
@@ -590,7 +590,10 @@ export class ChatController {
         timings: f.timings,
         error: f.error,
       });
-      this.announce(f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply was interrupted." : "Reply finished.");
+      // The transcript is not read as it streams (aria-live off): the finished reply is.
+      const said = this.view.spokenText(r.el);
+      const end = f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply was interrupted." : "Reply finished.";
+      this.announce(said ? `${end} ${said}` : end);
     }
     if (r.kind === "edit" && r.retitle && f.finish_reason !== "error") this.retitle(r.sessionId, r.retitle);
     const summary = { id: r.sessionId, updated_at: Date.now() / 1000 };

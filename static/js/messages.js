@@ -12,6 +12,9 @@ const CUT_TEXT = {
   engine_lost: "the model server stopped while writing this reply; what was written is kept",
 };
 
+/** A finished reply is read out up to this many characters (the rest is in the transcript). */
+const SPOKEN_CHARS = 1500;
+
 /** The live rate under a streaming reply is redrawn at most this often (ms). */
 const LIVE_RATE_EVERY_MS = 500;
 
@@ -151,6 +154,17 @@ export class MessageView {
     }
   }
 
+  /**
+   * An assistant message's text as a screen reader should hear it once it is finished:
+   * its rendered text (no markdown marks), cut at `SPOKEN_CHARS` with a pointer to the rest.
+   * @param {HTMLLIElement} li
+   * @returns {string}
+   */
+  spokenText(li) {
+    const text = (li.querySelector(".msg-body")?.textContent || "").replace(/\s+/g, " ").trim();
+    return text.length <= SPOKEN_CHARS ? text : `${text.slice(0, SPOKEN_CHARS)}… The rest is in the conversation.`;
+  }
+
   /** @returns {string|null} the first user message's stored id */
   firstUserId() {
     return this.listEl.querySelector(".msg.user")?.dataset.messageId || null;
@@ -220,14 +234,13 @@ export class MessageView {
   }
 
   /**
-   * Mark an assistant message as streaming: typing dots, busy live region.
+   * Mark an assistant message as streaming: typing dots, `aria-busy` (the transcript is
+   * a log that is not read as it changes; the status region says when the reply ends).
    * @param {HTMLLIElement} li
    */
   startStreaming(li) {
     li.classList.add("streaming");
-    const body = li.querySelector(".msg-body");
-    body.setAttribute("aria-live", "polite");
-    body.setAttribute("aria-busy", "true");
+    li.querySelector(".msg-body").setAttribute("aria-busy", "true");
     li.querySelector(".typing").hidden = false;
     li.querySelector(".msg-meta").hidden = true;
     this.scrollToBottom();
@@ -298,7 +311,6 @@ export class MessageView {
     li.querySelector(".live-rate").hidden = true;
     const body = li.querySelector(".msg-body");
     body.removeAttribute("aria-busy");
-    body.removeAttribute("aria-live");
     this.renderNow(li);
     li.querySelector(".typing").hidden = true;
     const reason = info.finish_reason;

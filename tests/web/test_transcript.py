@@ -144,7 +144,8 @@ def test_a_title_taken_from_the_first_message_follows_its_edit(new_page: Callabl
                            timeout=WAIT_MS)
     page.wait_for_selector(f".chat-item[data-id='{sid}'] .chat-link >> text=Plan a day at the beach")
     page.wait_for_function(
-        "async (id) => (await (await fetch('/api/sessions/' + id)).json()).title === 'Plan a day at the beach'", arg=sid)
+        "async (id) => (await (await fetch('/api/sessions/' + id)).json()).title === 'Plan a day at the beach'",
+        arg=sid)
     wait_finished(page, 1)
 
     # showing the first version again brings its title back
