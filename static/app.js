@@ -55,6 +55,7 @@ function socketUrl(loc) {
  */
 async function main(win) {
   const doc = win.document;
+  registerServiceWorker(win);
   const $ = (id) => doc.getElementById(id);
   const config = await loadConfig(doc);
   // The user's own defaults for new chats replace the gateway's (same object, filled in place).
@@ -399,6 +400,20 @@ async function main(win) {
   controller.refreshList();
   await controller.openFromLocation();
   if (!narrow.matches) input.focus();
+}
+
+/**
+ * Register the service worker (static/sw.js, served at /sw.js) that keeps the app shell
+ * for starting offline. Browsers allow one only in a secure context: HTTPS, or
+ * http://localhost / 127.0.0.1; elsewhere the page works as before, without it.
+ * @param {Window} win
+ */
+function registerServiceWorker(win) {
+  if (!("serviceWorker" in win.navigator) || !win.isSecureContext) return;
+  const register = () => win.navigator.serviceWorker.register("/sw.js").catch(() => {});
+  // after the page's own loads, so the shell's caching does not compete with them
+  if (win.document.readyState === "complete") register();
+  else win.addEventListener("load", register, { once: true });
 }
 
 /**
