@@ -23,6 +23,9 @@ export class SidebarView {
     /** @type {ChatSummary[]} */
     this.sessions = [];
     this.activeId = null;
+    /** While a title is typed the list is not redrawn (that would drop the edit); `stale`: redraw after. */
+    this.renaming = false;
+    this.stale = false;
     this.container.addEventListener("click", (ev) => this.handleClick(ev));
   }
 
@@ -83,9 +86,11 @@ export class SidebarView {
       if (finished) return;
       finished = true;
       const title = input.value.trim();
+      this.renaming = false;
       input.replaceWith(link);
-      if (save && title && title !== s.title) this.onRename(id, title);
       link.focus();
+      if (this.stale) this.render(); // what changed meanwhile (the focus stays on this chat's link)
+      if (save && title && title !== s.title) this.onRename(id, title);
     };
     input.addEventListener("keydown", (ev) => {
       if (ev.key === "Enter") {
@@ -99,6 +104,7 @@ export class SidebarView {
     });
     input.addEventListener("blur", () => finish(true));
     link.replaceWith(input);
+    this.renaming = true;
     input.focus();
     input.select();
   }
@@ -121,6 +127,11 @@ export class SidebarView {
   /** @private */
   render() {
     const d = this.doc;
+    if (this.renaming) {
+      this.stale = true;
+      return;
+    }
+    this.stale = false;
     // A redraw (another tab's change, a finished reply) must not drop the keyboard
     // user's focus to the page's body: it goes back to the same control of the same chat.
     const focused = this.container.contains(d.activeElement) ? d.activeElement : null;
