@@ -101,7 +101,7 @@ async function main(win) {
     if (opts.onlyBusy && !isBusyNotice($("notice-text").textContent)) return;
     $("notice-text").textContent = message;
     notice.hidden = !message;
-    if (message) alert(message);
+    if (message) urgent(message);
     if (message === engineDown) watchEngine();
   };
   // A live region says a text again only when it changes: a repeat gets a no-break space.
@@ -109,13 +109,13 @@ async function main(win) {
     region.textContent = message && region.textContent === message ? `${message}\u00a0` : message;
   };
   const announce = (message) => say($("announcer"), message); // polite: replies, copies
-  const alert = (message) => say($("alerts"), message); // assertive: errors, the connection
+  const urgent = (message) => say($("alerts"), message); // assertive: errors, the connection
   let countdown = 0;
   const showConnection = (s) => {
     clearInterval(countdown);
     doc.body.dataset.connection = s.state; // "connecting" | "open" | "closed", for styles and tests
     if (s.state === "open") {
-      if (!banner.hidden) alert("Connected to the server again.");
+      if (!banner.hidden) urgent("Connected to the server again.");
       banner.hidden = true;
       return;
     }
@@ -131,7 +131,7 @@ async function main(win) {
     };
     tick();
     countdown = setInterval(tick, 1000);
-    if (banner.hidden) alert(`${$("conn-text").textContent.replace(/ in \d+ s…$/, "…")}`);
+    if (banner.hidden) urgent($("conn-text").textContent.replace(/ in \d+ s…$/, "…")); // said once, not each tick
     banner.hidden = false;
   };
 
