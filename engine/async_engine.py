@@ -171,6 +171,10 @@ class AsyncEngine:
             if request.clamp_max_tokens and 1 <= room < params.max_tokens:
                 params = dataclasses.replace(params, max_tokens=room)
             self.core.check_fits(len(ids), params)
+            detok = None
+            if request.continued_tokens:  # replay the continued reply's tokens off the step thread
+                detok = await loop.run_in_executor(self._prep, self.core.continuation_detokenizer, ids,
+                                                   request.continued_tokens, params)
             with self._lock:
                 aborted_early = rid in self._cancelled
             if aborted_early:
@@ -180,7 +184,8 @@ class AsyncEngine:
             with self._lock:  # against _loop's last drain: added before it, or aborted here
                 closed = self._closed
                 if not closed:
-                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival, shared)))
+                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival,
+                                             request.continued_tokens, detok, shared)))
             if closed:
                 finished = True
                 yield _aborted_before_start(rid, ids, reused, arrival)
@@ -335,7 +340,7 @@ class AsyncEngine:
     def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, params, salt, reused, arrival, shared = arg
+                rid, ids, params, salt, reused, arrival, continued, detok, shared = arg
                 with self._lock:
                     alive = rid in self._streams
                     cancelled = rid in self._cancelled
@@ -345,7 +350,8 @@ class AsyncEngine:
                     replies.append((_aborted_before_start(rid, ids, reused, arrival), rid))
                     continue
                 try:
-                    self.core.add_request(rid, ids, params, salt, reused, arrival, shared)
+                    self.core.add_request(rid, ids, params, salt, reused, arrival, continued, detok,
+                                          shared_tokens=shared)
                 except EngineError as e:
                     replies.append((e, rid))
                 except Exception as e:  # a bug must reach the caller as an error, not a hang
@@ -379,7 +385,7 @@ class AsyncEngine:
         """After the last step: requests submitted but never added end with ``abort``."""
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, _params, _salt, reused, arrival, _shared = arg
+                rid, ids, _params, _salt, reused, arrival, _continued, _detok, _shared = arg
                 self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
             elif kind == "call":
                 fut = arg[0]

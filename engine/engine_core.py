@@ -148,28 +148,51 @@ class EngineCore:
                 f"prompt + max_tokens needs {blocks} KV blocks but the pool has {self.pool.num_blocks}"
             )
 
+    def continuation_detokenizer(self, prompt_ids: list[int], continued_tokens: int,
+                                 params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of a request whose last ``continued_tokens`` prompt tokens are a
+        cut reply it continues: primed with them (``IncrementalDetokenizer(prior_ids=...)``,
+        O(1) decode work a token). Callable from any thread: ``AsyncEngine`` builds it with
+        the prompt, off the step thread."""
+        prior = prompt_ids[len(prompt_ids) - continued_tokens:] if continued_tokens else []
+        return IncrementalDetokenizer(self.tokenizer, params.stop, prior_ids=prior)
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", prefix_reused: bool = False,
-                    arrival_s: float | None = None, shared_tokens: int = 0) -> Request:
+                    arrival_s: float | None = None, continued_tokens: int = 0,
+                    detok: IncrementalDetokenizer | None = None, shared_tokens: int = 0) -> Request:
         """Queue a request whose prompt is already built. With a ``cache_salt`` its pages
         live in its own part of the prefix cache (``CacheScope``) except its first
         ``shared_tokens`` (rounded down to whole pages), which every salt may share.
 
+        ``continued_tokens``: the last that many prompt tokens are a cut reply this request
+        continues (``GenerateRequest.continued_tokens``): they count as its output for the
+        penalties, the seeded noise and the text (``detok``, from
+        ``continuation_detokenizer``; built here when None).
+
         Raises:
-            InvalidRequestError: duplicate live request id (code ``duplicate_request_id``).
+            InvalidRequestError: duplicate live request id (code ``duplicate_request_id``);
+                ``continued_tokens`` outside ``[0, len(prompt_ids) - 1]``.
             ContextLengthError: see ``check_fits``.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "duplicate_request_id")
+        if not 0 <= continued_tokens < len(prompt_ids):
+            raise InvalidRequestError(f"continued_tokens must be in [0, {len(prompt_ids) - 1}], "
+                                      f"got {continued_tokens}")
         self.check_fits(len(prompt_ids), params)
         scope = CacheScope(namespace_of(self.namespace), cache_salt, shared_tokens if cache_salt else 0)
         req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params, namespace=scope,
-                      prefix_reused=prefix_reused)
+                      prefix_reused=prefix_reused, prior_output=continued_tokens)
         if arrival_s is not None:
             req.arrival_s = arrival_s
         if PenaltyState.needed(params):
-            req.token_counts = PenaltyState(self.model_config.vocab_size, self.device, prompt_ids)
-        req.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            # a continued reply's tokens are output the penalties count, as they would be
+            # had the reply been written at once (prompt ∪ output is the same set)
+            prior = prompt_ids[len(prompt_ids) - continued_tokens:] if continued_tokens else ()
+            req.token_counts = PenaltyState(self.model_config.vocab_size, self.device, prompt_ids, prior)
+        req.detok = detok if detok is not None else self.continuation_detokenizer(prompt_ids, continued_tokens,
+                                                                                  params)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.counters.requests_total += 1
@@ -221,16 +244,25 @@ class EngineCore:
             lps = sampled.logprobs[k:end] if sampled.logprobs else [None] * (end - k)
             tokens = sampled.token_ids[k:end]
             k += item.num_samples
-            if item.spec:
-                assert self.spec is not None
-                req.spec.record(self.spec, len(item.spec), kept)
-                self.counters.spec_drafted_total += len(item.spec)
-                self.counters.spec_accepted_total += kept
-                self.counters.spec_steps_total += 1
             if req.output_ids:
                 req.decode_steps += 1
-            outputs.append(self._on_tokens(req, tokens, lps, now))
+            outputs.append(self._on_tokens(req, tokens, lps, now, len(item.spec), kept))
         return outputs
+
+    def _count_drafts(self, req: Request, drafted: int, kept: int, used: int | None) -> None:
+        """Count one verification of ``drafted`` drafts of which ``kept`` were right, in the
+        request's record and the engine's counters. ``used``: when the reply ended in this
+        step, how many of the step's tokens it kept (the rest came after a stop string,
+        EOS or ``max_tokens``): drafts at positions past its end count as neither drafted
+        nor accepted, so accepted drafts are tokens that reached the output."""
+        if not drafted or self.spec is None:
+            return
+        if used is not None:
+            drafted, kept = min(drafted, used), min(kept, used)
+        req.spec.record(self.spec, drafted, kept)
+        self.counters.spec_drafted_total += drafted
+        self.counters.spec_accepted_total += kept
+        self.counters.spec_steps_total += 1
 
     def _propose_drafts(self, config: SpecConfig) -> None:
         """Give each decoding request its draft tokens for this step (prompt lookup), while
@@ -279,14 +311,16 @@ class EngineCore:
             k += item.num_samples
         return accepted
 
-    def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+    def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float, drafted: int = 0,
+                   kept: int = 0) -> RequestOutput:
         """Append a step's kept tokens one by one, checking the stop conditions after each;
         emit one delta for them, or the final output at the first that ends the request
-        (the rest are dropped)."""
+        (the rest are dropped). ``drafted``/``kept``: the step's drafts for the request and
+        how many were right (``tokens`` is the kept drafts and one sampled token)."""
         if req.first_token_s is None:
             req.first_token_s = now
         p = req.params
-        for tok, logprob in zip(tokens, logprobs):
+        for used, (tok, logprob) in enumerate(zip(tokens, logprobs), 1):
             req.output_ids.append(tok)
             req.pending_ids.append(tok)
             if req.history is not None:
@@ -300,6 +334,7 @@ class EngineCore:
                 reason = ("stop", tok)
             else:
                 req.pending_text += req.detok.add(tok)
+                req.pending_trim += req.detok.take_trim()
                 if req.detok.stopped:
                     reason = ("stop", req.detok.stop_reason)
                 elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -308,16 +343,23 @@ class EngineCore:
                 # Ending early inside a step's kept drafts: the KV of the drafts after this
                 # token is dropped (the last token, as always, has none).
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                self._count_drafts(req, drafted, kept, used)  # before the timings are taken
                 return self._finish(req, *reason)
+        self._count_drafts(req, drafted, kept, None)
         out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
-                            logprobs=req.pending_logprobs or None)
-        req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
+                            logprobs=req.pending_logprobs or None, trim_prior=req.pending_trim)
+        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_trim = "", [], [], 0
         return out
 
     def _finish(self, req: Request, reason: str, stop_reason) -> RequestOutput:
-        """Release the request's blocks (caching its pages) and build its final output."""
+        """Release the request's blocks (caching its pages) and build its final output.
+
+        A reply that truly ends ("stop") shows an unfinished character at its end as
+        U+FFFD; one cut by ``max_tokens``, the context or an abort drops it (its token ids
+        stay, so a continuation completes the character)."""
         req.finished_s = time.monotonic()
-        req.pending_text += req.detok.finish()
+        req.pending_text += req.detok.finish(complete=reason == "stop")
+        req.pending_trim += req.detok.take_trim()
         if reason == "length" and req.detok.stopped:  # a stop string completed in the flushed tail
             reason, stop_reason = "stop", req.detok.stop_reason
         req.finish_reason, req.stop_reason = reason, stop_reason
@@ -342,9 +384,9 @@ class EngineCore:
                             e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),
                             **_step_timings(req, n_out)),
             output_text=req.detok.text, output_token_ids=list(req.output_ids),
-            prompt_token_ids=list(req.prompt_ids), prefix_reused=req.prefix_reused,
+            prompt_token_ids=list(req.prompt_ids), prefix_reused=req.prefix_reused, trim_prior=req.pending_trim,
         )
-        req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
+        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_trim = "", [], [], 0
         return out
 
     # ----- introspection --------------------------------------------------------------

@@ -38,6 +38,13 @@ class GenerateRequest:
         clamp_max_tokens: when the prompt fits the context but prompt + max_tokens does
             not, lower max_tokens to what is left (the reply then ends with "length")
             instead of refusing. The prompt itself is never truncated.
+        continued_tokens: the last ``continued_tokens`` ids of ``prompt_token_ids`` are a
+            reply cut at its max tokens that this request continues (tokens; 0: none).
+            They count as that reply's output already shown: its text is not sent again,
+            a stop string begun in it still matches, penalties count them as output and a
+            seeded request's noise goes on from their number, so a greedy or seeded reply
+            continued this way equals the reply written at once (``max_tokens`` counts the
+            new tokens only; docs/protocol.md, continuing a cut reply).
     """
 
     request_id: str
@@ -47,6 +54,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    continued_tokens: int = 0
     shared_messages: list[dict[str, str]] | None = None
 
 
@@ -99,3 +107,6 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     prefix_reused: bool | None = None
     progress: PromptProgress | None = None
+    # (a continuation) characters to take off the end of the continued reply's shown
+    # text before this item's text; on the first item with text, or the final one
+    trim_prior: int = 0

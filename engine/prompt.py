@@ -90,14 +90,20 @@ class PromptBuilder:
 
         Raises:
             InvalidRequestError: neither or both of messages / prompt_token_ids, bad ids,
-                bad messages, or an empty prompt.
+                bad messages, an empty prompt, or ``continued_tokens`` that are not a
+                part of ``prompt_token_ids`` after its first token.
         """
         if (req.messages is None) == (req.prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of messages or prompt_token_ids")
+        if req.continued_tokens and req.prompt_token_ids is None:
+            raise InvalidRequestError("continued_tokens needs prompt_token_ids (the prompt ending with the reply)")
         if req.prompt_token_ids is not None:
             ids = self._check_ids(req.prompt_token_ids, "prompt_token_ids")
             if not ids:
                 raise InvalidRequestError("prompt_token_ids is empty")
+            if not 0 <= req.continued_tokens < len(ids):
+                raise InvalidRequestError(f"continued_tokens must be in [0, {len(ids) - 1}] for a prompt of "
+                                          f"{len(ids)} tokens, got {req.continued_tokens}")
             return ids, False
         messages = validate_messages(req.messages)
         prefix = self._check_ids(req.prefix_token_ids or [], "prefix_token_ids")

@@ -23,8 +23,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# 2: per-step frames, stats from the end-of-step snapshot; 3: progress items; 4: KV events
-PROTOCOL_VERSION = 5
+# 2: per-step frames, stats from the end-of-step snapshot; 3: progress items; 4: KV events;
+# 5: continuing a cut reply (generate's continued_tokens, the items' trim_prior);
+# 6: per-user cache salts with declared-shared messages (generate's shared_messages)
+PROTOCOL_VERSION = 6
 
 
 class FrameError(ValueError):
@@ -108,7 +110,10 @@ class EngineInfo:
 @dataclass
 class GenerateFrame:
     """Start a generation. Exactly one of ``messages`` / ``prompt_token_ids``;
-    ``params`` holds ``engine.sampling_params.SamplingParams`` keys (checked by the engine)."""
+    ``params`` holds ``engine.sampling_params.SamplingParams`` keys (checked by the engine).
+    ``continued_tokens`` (protocol 5): the last that many ``prompt_token_ids`` are a cut
+    reply this request continues (``engine.outputs.GenerateRequest``); ``shared_messages``
+    (protocol 6): with a ``cache_salt``, the leading messages declared shared."""
 
     request_id: str
     messages: list[dict[str, str]] | None = None
@@ -117,6 +122,7 @@ class GenerateFrame:
     params: dict[str, Any] | None = None
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    continued_tokens: int = 0
     shared_messages: list[dict[str, str]] | None = None
 
 
@@ -181,12 +187,16 @@ class DeltaFrame:
     """New text and tokens of one request since its previous item (at most one per step).
 
     ``logprobs``: per token ``{"token_id", "logprob", "top": [[id, logprob], ...]}`` when asked for.
+    ``trim_prior`` (a continuation, protocol 5): characters (code points) to take off the
+    end of the continued reply's text before appending ``text``; only ever on the
+    request's first item with text, or on its ``done``.
     """
 
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
+    trim_prior: int = 0
 
 
 @dataclass
@@ -194,7 +204,7 @@ class DoneFrame:
     """The last item of a request; may carry the finishing step's text and tokens.
 
     ``finish_reason`` is "stop", "length" or "abort"; the concatenation of every item's
-    ``text`` equals ``output_text``.
+    ``text`` equals ``output_text``. ``trim_prior``: as in ``DeltaFrame``.
     """
 
     request_id: str
@@ -209,6 +219,7 @@ class DoneFrame:
     prefix_reused: bool = False
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
+    trim_prior: int = 0
 
 
 @dataclass
@@ -287,10 +298,14 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
         d = {"type": "delta", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
         if item.logprobs:
             d["logprobs"] = item.logprobs
+        if item.trim_prior:
+            d["trim_prior"] = item.trim_prior
         return d
     d = {"type": "done", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
     if item.logprobs:
         d["logprobs"] = item.logprobs
+    if item.trim_prior:
+        d["trim_prior"] = item.trim_prior
     d.update(finish_reason=item.finish_reason, stop_reason=item.stop_reason, output_text=item.output_text,
              output_token_ids=item.output_token_ids, prompt_token_ids=item.prompt_token_ids,
              prefix_reused=item.prefix_reused, usage=asdict(item.usage), timings=asdict(item.timings))
@@ -316,6 +331,8 @@ def to_dict(frame: Frame) -> dict[str, Any]:
             d["cache_salt"] = frame.cache_salt
         if frame.clamp_max_tokens:
             d["clamp_max_tokens"] = True
+        if frame.continued_tokens:
+            d["continued_tokens"] = frame.continued_tokens
         if frame.shared_messages is not None:
             d["shared_messages"] = frame.shared_messages
         return d
@@ -398,8 +415,11 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     text = _get(d, "text", str, "")
     ids = _int_list(d, "token_ids", [])
     logprobs = _get(d, "logprobs", list, None)
+    trim = int(_get(d, "trim_prior", int, 0))
+    if trim < 0:
+        raise FrameError(f"'trim_prior' of a {kind} frame must be >= 0")
     if kind == "delta":
-        return DeltaFrame(rid, text, ids, logprobs)
+        return DeltaFrame(rid, text, ids, logprobs, trim)
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
@@ -416,7 +436,8 @@ def _item(d: dict[str, Any]) -> ReplyItem:
         raise FrameError("'stop_reason' of a done frame must be a string, an integer or null")
     return DoneFrame(rid, text, ids, logprobs, str(_get(d, "finish_reason", str, "stop")), stop_reason,
                      str(_get(d, "output_text", str, "")), _int_list(d, "output_token_ids", []),
-                     _int_list(d, "prompt_token_ids", []), bool(_get(d, "prefix_reused", bool, False)), u, t)
+                     _int_list(d, "prompt_token_ids", []), bool(_get(d, "prefix_reused", bool, False)), u, t,
+                     trim)
 
 
 _INFO_KEYS = frozenset(EngineInfo.__dataclass_fields__)
@@ -463,7 +484,7 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
 
 
 GENERATE_FIELDS = frozenset({"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params",
-                             "cache_salt", "clamp_max_tokens", "shared_messages"})
+                             "cache_salt", "clamp_max_tokens", "continued_tokens", "shared_messages"})
 
 
 def decode_client_frame(text: str | bytes) -> ClientFrame:
@@ -498,7 +519,8 @@ def decode_client_frame(text: str | bytes) -> ClientFrame:
             return GenerateFrame(rid, messages, _int_list(d, "prompt_token_ids", None),
                                  _int_list(d, "prefix_token_ids", None), _get(d, "params", dict, None),
                                  str(_get(d, "cache_salt", str, "")),
-                                 bool(_get(d, "clamp_max_tokens", bool, False)), shared)
+                                 bool(_get(d, "clamp_max_tokens", bool, False)),
+                                 int(_get(d, "continued_tokens", int, 0)), shared)
         except FrameError as e:
             raise FrameError(e.message, rid) from None
     raise FrameError(f"unknown frame type {kind!r}")

@@ -63,6 +63,9 @@ class Request:
         spec_drafts: draft tokens to verify in the next step (set by the engine, read by
             the scheduler).
         decode_steps: steps that sampled for it after its prefill.
+        prior_output: the last ``prior_output`` prompt tokens are a cut reply this
+            request continues: output already shown (tokens; 0 for a new reply).
+        pending_trim: characters of that reply's shown text taken back and not reported yet.
     """
 
     request_id: str
@@ -90,6 +93,8 @@ class Request:
     spec: SpecState = field(default_factory=SpecState)
     spec_drafts: list[int] = field(default_factory=list)
     decode_steps: int = 0
+    prior_output: int = 0
+    pending_trim: int = 0
     # Text and tokens produced since the last output was emitted.
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)

@@ -69,11 +69,11 @@ def output_item(request_id: str, out: RequestOutput) -> ReplyItem:
         return ProgressFrame(request_id, p.done, p.total, p.cached)
     logprobs = [asdict(lp) for lp in out.logprobs] if out.logprobs else None
     if not out.finished:
-        return DeltaFrame(request_id, out.text, out.token_ids, logprobs)
+        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, out.trim_prior)
     assert out.usage is not None and out.timings is not None  # a finished output carries both
     return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop", out.stop_reason,
                      out.output_text or "", out.output_token_ids or [], out.prompt_token_ids or [],
-                     bool(out.prefix_reused), out.usage, out.timings)
+                     bool(out.prefix_reused), out.usage, out.timings, out.trim_prior)
 
 
 def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
@@ -93,7 +93,8 @@ def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
         request_id=internal_id, prompt_token_ids=frame.prompt_token_ids,
         messages=frame.messages, prefix_token_ids=frame.prefix_token_ids,
         params=SamplingParams.from_dict(frame.params), cache_salt=frame.cache_salt,
-        clamp_max_tokens=frame.clamp_max_tokens, shared_messages=frame.shared_messages,
+        clamp_max_tokens=frame.clamp_max_tokens, continued_tokens=frame.continued_tokens,
+        shared_messages=frame.shared_messages,
     )
 
 

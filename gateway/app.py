@@ -1,6 +1,7 @@
 """The Starlette application factory (no globals: everything hangs off ``app.state``).
 
-Routes: ``GET /`` (the chat page from ``web/index.html``), ``/static``, ``WS /ws``,
+Routes: ``GET /`` (the chat page from ``web/index.html``), ``/static``, ``/sw.js`` and
+``/manifest.webmanifest`` (the page's service worker and manifest, from ``static/``), ``WS /ws``,
 ``/api/...`` (http_api), ``/healthz``, ``/readyz``, plus any ``extra_routes`` (the
 OpenAI API and ``/metrics`` plug in there) and ``events`` hooks on every reply.
 """
@@ -21,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -82,6 +83,19 @@ class SecurityHeadersMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+class RevalidatedStaticFiles(StaticFiles):
+    """``/static``, which browsers revalidate at each use (``Cache-Control: no-cache``;
+    unchanged files answer 304 by their ETag). Without it a browser keeps a file it
+    guesses is fresh (heuristic caching from Last-Modified), so after an upgrade a page
+    could run new modules beside old ones."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        """The file (or 304), with ``Cache-Control: no-cache``."""
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
 
 
 def script_safe_json(obj: Any) -> Markup:
@@ -169,6 +183,15 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
             "model_name": body["model"], "model_format": body.get("format"), "config_json": script_safe_json(body),
             "static_url": "/static", "ranges": body["ranges"]})  # the settings form's min/max: the engine's RANGES
 
+    def static_file(name: str, media_type: str) -> Any:
+        """A route serving ``static/{name}`` at the root, uncached by the browser (404 when absent)."""
+        async def serve(request: Request) -> Response:
+            path = config.static_dir / name
+            if not path.is_file():
+                return JSONResponse({"error": {"code": "not_found", "message": f"no {name}"}}, status_code=404)
+            return FileResponse(path, media_type=media_type, headers={"Cache-Control": "no-cache"})
+        return serve
+
     async def healthz(request: Request) -> Response:
         """GET /healthz: 200 while the process serves."""
         return JSONResponse({"status": "ok"})
@@ -187,6 +210,11 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
 
     routes: list[BaseRoute] = [
         Route("/", index, methods=["GET"]),
+        # installable (docs/ui.md): a service worker's scope is its own path's folder, so it
+        # is served from the root; the manifest beside it
+        Route("/sw.js", static_file("sw.js", "text/javascript"), methods=["GET"]),
+        Route("/manifest.webmanifest", static_file("manifest.webmanifest", "application/manifest+json"),
+              methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         WebSocketRoute("/ws", websocket_endpoint),
@@ -195,7 +223,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         *export_routes(),
         *extra_routes,
         WebSocketRoute("/{path:path}", websocket_not_found),
-        Mount("/static", app=StaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
+        Mount("/static", app=RevalidatedStaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
     ]
     # outermost first: hosts (a request for another host name, DNS rebinding, gets 400
     # before anything else), then headers; a personal token names the user before the

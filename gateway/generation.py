@@ -47,7 +47,7 @@ from gateway.config import GatewayConfig
 from gateway.engines import EngineRouter
 from gateway.errors import GatewayError, not_found
 from gateway.events import EventFanout, GenerationEvents
-from gateway.replies import PASSTHROUGH_CODES, EngineRun, user_code
+from gateway.replies import PASSTHROUGH_CODES, EngineRun, error_status, user_code
 from gateway.retry import Backoff, is_store_unavailable, retry
 from gateway.sessions import History, SessionStore, TurnBegun, dumps
 from gateway.streams import ReplyStreams, StreamEntry
@@ -62,8 +62,10 @@ ABORT_RESEND_S = 0.2  # seconds between repeated aborts until the engine confirm
 STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (seconds)
 # why a reply was cut short, stored with it as ``cut_reason`` (status "partial"): the
 # user's Stop (or a delete of the chat), the gateway shutting down, the engine going away
-# (or shutting down) mid-reply, or another failure after some text was shown
-CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "error")
+# (or shutting down) mid-reply, an OpenAI-compatible upstream's own error after some text
+# (a rate limit: its code and message are the stored ``error``), or another failure after
+# some text was shown
+CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "upstream_error", "error")
 NO_IDS_TO_CONTINUE = ("this reply cannot be continued: its token ids are not stored (a reply written by an "
                       "OpenAI-compatible upstream engine has none); regenerate it with a higher max tokens instead")
 LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
@@ -351,7 +353,9 @@ class GenerationManager:
                      continued=continued, continued_ids=list(continued_ids or []))
         if continued is not None:
             # the stream starts with the text the reply had, so any tab rebuilds it whole
-            turn.parts.append(str(continued.get("content", "")))
+            # (a length-cut reply stored before engines dropped an unfinished character
+            # ends in U+FFFD: the continuation writes that character whole)
+            turn.parts.append(str(continued.get("content", "")).rstrip("\ufffd"))
             turn.unsent.append(turn.parts[0])
         try:
             await self.streams.open(begun.request_id, owner, sid, begun.message_id, begun.user_message_id)
@@ -446,7 +450,8 @@ class GenerationManager:
         prompt_ids = self._continue_ids(turn, history) if turn.continued is not None else None
         run = turn.run = EngineRun(self.router, turn.begun.request_id, turn.session_id, history.messages,
                                    history.prefix_token_ids, turn.params, turn.clamp_max_tokens,
-                                   prompt_token_ids=prompt_ids, cache_salt=self.isolation.salt(turn.owner),
+                                   prompt_token_ids=prompt_ids, continued_tokens=len(turn.continued_ids),
+                                   cache_salt=self.isolation.salt(turn.owner),
                                    shared_messages=self.isolation.shared_messages(history.messages))
         run.cancelled = turn.cancel_requested
         await run.start()  # raises engine_unavailable when no engine is left
@@ -494,6 +499,8 @@ class GenerationManager:
                 p = batch.progress
                 turn.log.set_progress(p.prompt_tokens_done, p.prompt_tokens, p.cached_tokens)
             turn.output_ids.extend(batch.token_ids)
+            if batch.trim_prior:
+                self._trim_continued(turn, batch.trim_prior)
             if batch.text:
                 turn.parts.append(batch.text)
                 turn.unsent.append(batch.text)
@@ -502,6 +509,20 @@ class GenerationManager:
                                      time.perf_counter())
             if batch.end is not None:
                 return batch.end
+
+    @staticmethod
+    def _trim_continued(turn: _Turn, n: int) -> None:
+        """Take ``n`` characters off the end of a continued reply's earlier text: a stop
+        string begun before the cut completed after it, so the reply written at once
+        would never have shown them (docs/protocol.md, continuing a cut reply). The engine
+        sends this before the continuation's first text, so that earlier text is still
+        unsent (the reply stream's first delta holds it with the first new text)."""
+        if turn.continued is None or turn.seq or len(turn.unsent) != 1 or len(turn.parts) != 1:
+            log.error("reply %s: the engine took back %d characters of text already streamed; kept",
+                      turn.begun.request_id, n)
+            return
+        kept = turn.parts[0][: max(0, len(turn.parts[0]) - n)]
+        turn.parts[0] = turn.unsent[0] = kept
 
     async def _write_unsent(self, turn: _Turn) -> None:
         """Append the text not yet in the reply stream as the next delta; while Redis
@@ -561,7 +582,7 @@ class GenerationManager:
             if code == "engine_unavailable" and turn.produced:
                 message = ("the model server stopped while writing this reply; what was written is kept. "
                            "It is being restarted: try again in a moment")
-            await self._end_with_error(turn, code, message)
+            await self._end_with_error(turn, code, message, error_status(end))
             return
         reason = end.finish_reason
         usage = {"prompt_tokens": end.usage.prompt_tokens, "cached_tokens": end.usage.cached_tokens,
@@ -621,10 +642,13 @@ class GenerationManager:
             if e.code != "not_found":  # already deleted by its user
                 raise
 
-    async def _end_with_error(self, turn: _Turn, code: str, message: str) -> None:
+    async def _end_with_error(self, turn: _Turn, code: str, message: str, status: int = 0) -> None:
         """End a reply that failed: undo it when nothing was shown, else store what was
-        shown as partial. Best effort when Redis itself is the failure."""
+        shown as partial. ``status``: the HTTP status an OpenAI-compatible upstream's own
+        error asks for (kept with the error for the OpenAI API; 0 for our codes). Best
+        effort when Redis itself is the failure."""
         rid, begun = turn.begun.request_id, turn.begun
+        error: dict[str, Any] = {"code": code, "message": message, **({"status": status} if status else {})}
         self.events.on_error(rid, code, time.perf_counter())
         try:
             if not turn.produced and turn.created_chat:
@@ -635,13 +659,14 @@ class GenerationManager:
                     turn.owner, turn.session_id, begun, turn.client_msg_id))
             if not turn.produced:
                 await self._store_retrying(rid, "ending the reply stream",
-                                           lambda: self.streams.error(rid, turn.seq, code, message))
-                turn.log.finish(StreamEntry("error", turn.seq, {"t": "error", "code": code, "message": message}))
+                                           lambda: self.streams.error(rid, turn.seq, code, message, status))
+                fields = {"t": "error", "code": code, "message": message, **({"status": str(status)} if status else {})}
+                turn.log.finish(StreamEntry("error", turn.seq, fields))
                 return
             await self._flush_unsent(turn)
+            cut = "engine_lost" if code == "engine_unavailable" else "upstream_error" if status else "error"
             assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
-                         "error": {"code": code, "message": message},
-                         "cut_reason": "engine_lost" if code == "engine_unavailable" else "error",
+                         "error": error, "cut_reason": cut,
                          "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
                          "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
                          "request_id": rid}
@@ -649,7 +674,7 @@ class GenerationManager:
                 turn.owner, turn.session_id, begun, assistant, None, None))
             done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,
                     "finish_reason": "error", "usage": assistant["usage"], "timings": assistant["timings"],
-                    "error": {"code": code, "message": message}}
+                    "error": error}
             await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
             turn.log.finish(StreamEntry("done", turn.seq, {"t": "done", "d": dumps(done)}))
         except GatewayError as e:

@@ -274,7 +274,7 @@ class OpenAIApi:
             source.close()
             if isinstance(source, SessionReply) and source.created_chat:
                 await _delete_quietly(request, source.owner, source.session_id)
-            return error_response(openai_error_from(first[0].code, first[0].message))
+            return error_response(openai_error_from(first[0].code, first[0].message, status=first[0].status))
         if creq.stream:
             return SSEResponse(lambda emit: self._stream(source, watcher, first, creq, emit), headers)
         return await self._collect(source, watcher, first, headers)
@@ -369,7 +369,7 @@ class OpenAIApi:
                     if isinstance(ev, Delta):
                         parts.append(ev.text)
                     elif isinstance(ev, Failed):
-                        return error_response(openai_error_from(ev.code, ev.message))
+                        return error_response(openai_error_from(ev.code, ev.message, status=ev.status))
                     elif isinstance(ev, Finished):
                         return json_response(_completion(source, "".join(parts), ev), headers=headers)
                 events = await watcher.race(source.next())
@@ -405,7 +405,7 @@ class OpenAIApi:
                     if isinstance(ev, Delta) and ev.text:
                         await emit(chunk({"content": ev.text}))
                     elif isinstance(ev, Failed):
-                        await emit(json_bytes(openai_error_from(ev.code, ev.message).body()))
+                        await emit(json_bytes(openai_error_from(ev.code, ev.message, status=ev.status).body()))
                         return
                     elif isinstance(ev, Finished):
                         await emit(chunk({}, ev.finish_reason))

@@ -34,7 +34,7 @@ from gateway.engines import EngineClient, EngineRouter
 from gateway.errors import GatewayError
 from gateway.events import GenerationEvents
 from gateway.generation import GenerationManager, StartedTurn
-from gateway.replies import EngineRun, user_code
+from gateway.replies import EngineRun, error_status, user_code
 from gateway.streams import ReplyStreams, done_payload
 from gateway.tails import ReplyTail
 
@@ -65,10 +65,13 @@ class Finished:
 
 @dataclass
 class Failed:
-    """The reply failed with a gateway/engine error ``code`` (``gateway.errors.HTTP_STATUS``)."""
+    """The reply failed with a gateway/engine error ``code`` (``gateway.errors.HTTP_STATUS``),
+    or an OpenAI-compatible upstream's own error code with the HTTP ``status`` it asks for
+    (0 for our codes)."""
 
     code: str
     message: str
+    status: int = 0
 
 
 ReplyEvent = Delta | Finished | Failed
@@ -229,7 +232,7 @@ class EngineReply:
         if isinstance(end, ErrorFrame):
             code = user_code(end)
             self.events.on_error(self.request_id, code, now)
-            return Failed(code, end.message or "the engine refused the request")
+            return Failed(code, end.message or "the engine refused the request", error_status(end))
         usage = {k: int(getattr(end.usage, k)) for k in USAGE_KEYS}
         timings = {k: float(getattr(end.timings, k)) for k in TIMING_KEYS}
         done = Finished(end.finish_reason or "stop", usage, timings)
@@ -289,12 +292,14 @@ class SessionReply:
                     d = done_payload(e)
                     err = d.get("error")
                     if err:  # the reply broke after some text; that text is stored as partial
-                        events.append(Failed(err.get("code", "internal_error"), err.get("message", "")))
+                        events.append(Failed(err.get("code", "internal_error"), err.get("message", ""),
+                                             int(err.get("status") or 0)))
                     else:
                         events.append(Finished(d.get("finish_reason", "stop"), _usage(d), _timings(d)))
                 elif e.kind == "error":
                     self._ended = True
-                    events.append(Failed(e.fields.get("code", "internal_error"), e.fields.get("message", "")))
+                    events.append(Failed(e.fields.get("code", "internal_error"), e.fields.get("message", ""),
+                                         int(e.fields.get("status") or 0)))
             return events
         except GatewayError as e:
             self._ended = True

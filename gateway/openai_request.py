@@ -75,8 +75,14 @@ _CODE_MAP: dict[str, tuple[int, str, str | None]] = {
 }
 
 
-def openai_error_from(code: str, message: str, param: str | None = None) -> OpenAIError:
-    """The OpenAI error for a gateway or engine error ``code`` (unknown codes: 500)."""
+def openai_error_from(code: str, message: str, param: str | None = None, status: int = 0) -> OpenAIError:
+    """The OpenAI error for a gateway or engine error ``code`` (unknown codes: 500), or,
+    with ``status``, for an OpenAI-compatible upstream's own error: its code, with that
+    HTTP status (429: ``rate_limit_error``, another 4xx: ``invalid_request_error``, else
+    ``server_error``)."""
+    if status and code not in _CODE_MAP:
+        kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+        return OpenAIError(status, message, kind, param, code)
     status, kind, oa_code = _CODE_MAP.get(code, (500, "server_error", "internal_error"))
     if code == "context_length_exceeded" and param is None:
         param = "messages"

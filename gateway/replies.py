@@ -17,14 +17,23 @@ from typing import Any
 from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, ProgressFrame
 from gateway.engines import EngineClient, EngineRequest, EngineRouter, RoutePrompt
 from gateway.errors import GatewayError
+from gateway.upstream import UpstreamError
 
 # engine error codes shown to the user as they are; any other becomes internal_error
 PASSTHROUGH_CODES = frozenset({"context_length_exceeded", "invalid_request", "engine_unavailable"})
 
 
 def user_code(end: ErrorFrame) -> str:
-    """The error code a user sees for an engine ``error`` item."""
-    return end.code if end.code in PASSTHROUGH_CODES else "internal_error"
+    """The error code a user sees for an engine ``error`` item: ours when it is one the
+    user can act on, an OpenAI-compatible upstream's own (``UpstreamError``), else
+    ``internal_error``."""
+    return end.code if end.code in PASSTHROUGH_CODES or isinstance(end, UpstreamError) else "internal_error"
+
+
+def error_status(end: ErrorFrame) -> int:
+    """The HTTP status an upstream's own error asks for (``UpstreamError.status``); 0 for
+    our codes, whose status is ``gateway.errors.HTTP_STATUS``'s."""
+    return end.status if isinstance(end, UpstreamError) else 0
 
 
 @dataclass
@@ -32,12 +41,14 @@ class Batch:
     """What arrived for one reply since the last read: ``text`` and ``token_ids`` of its
     deltas (and of the final item), ``end``, the final item, once it came, and
     ``progress``, the newest prompt-progress item among them (transient: only the browser
-    socket shows it)."""
+    socket shows it). ``trim_prior`` (a continued reply): characters to take off the end
+    of the reply's earlier text before ``text`` (docs/protocol.md, continuing a cut reply)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     end: DoneFrame | ErrorFrame | None = None
     progress: ProgressFrame | None = None
+    trim_prior: int = 0
 
 
 class EngineRun:
@@ -50,6 +61,7 @@ class EngineRun:
         messages, prefix_token_ids, params, clamp_max_tokens: the ``generate`` frame's fields.
         model: only engines serving this model name, or None for any.
         prompt_token_ids: the exact prompt ids instead of ``messages`` (a continued reply).
+        continued_tokens: of those, the last that many are the reply being continued.
         cache_salt, shared_messages: where its KV pages live in the engines' prefix cache
             (its user's salt and the leading messages declared shared:
             ``gateway/cache_scope.py``).
@@ -58,7 +70,7 @@ class EngineRun:
     def __init__(self, router: EngineRouter, request_id: str, affinity_key: str, messages: list[dict[str, str]],
                  prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                  clamp_max_tokens: bool = False, model: str | None = None,
-                 prompt_token_ids: list[int] | None = None, cache_salt: str = "",
+                 prompt_token_ids: list[int] | None = None, continued_tokens: int = 0, cache_salt: str = "",
                  shared_messages: list[dict[str, str]] | None = None) -> None:
         self.router = router
         self.request_id = request_id
@@ -66,6 +78,7 @@ class EngineRun:
         self.messages = messages
         self.prefix_token_ids = prefix_token_ids
         self.prompt_token_ids = prompt_token_ids
+        self.continued_tokens = continued_tokens
         self.params = params
         self.clamp_max_tokens = clamp_max_tokens
         self.model = model
@@ -136,7 +149,8 @@ class EngineRun:
                 if self.prompt_token_ids is not None:
                     self.request = await engine.generate(self.request_id, params=self.params,
                                                          prompt_token_ids=self.prompt_token_ids,
-                                                         clamp_max_tokens=self.clamp_max_tokens, **scope)
+                                                         clamp_max_tokens=self.clamp_max_tokens,
+                                                         continued_tokens=self.continued_tokens, **scope)
                 else:
                     self.request = await engine.generate(self.request_id, self.messages, self.prefix_token_ids,
                                                          self.params, clamp_max_tokens=self.clamp_max_tokens,
@@ -164,6 +178,7 @@ class EngineRun:
             return None
         text: list[str] = []
         ids: list[int] = []
+        trim = 0
         end: DoneFrame | ErrorFrame | None = None
         progress: ProgressFrame | None = None
         for it in items:
@@ -171,22 +186,25 @@ class EngineRun:
                 progress = it
                 continue
             if isinstance(it, (DeltaFrame, DoneFrame)):
+                if it.trim_prior:  # only ever before the reply's first text: it trims the earlier text
+                    trim += it.trim_prior
                 text.append(it.text)
                 ids.extend(it.token_ids)
             if isinstance(it, (DoneFrame, ErrorFrame)):
                 end = it
                 break
-        if isinstance(end, ErrorFrame) and end.code == "engine_unavailable" and not self.produced \
-                and not text and not ids and not self.cancelled:
+        retry = isinstance(end, ErrorFrame) and (end.code == "engine_unavailable" or (
+            isinstance(end, UpstreamError) and end.retry_elsewhere))
+        if retry and not self.produced and not text and not ids and not self.cancelled:
             req.close()
             try:
                 await self.start()
                 return Batch()
             except GatewayError:
-                pass  # nothing left: report the loss
+                pass  # nothing left: report this engine's error
         if text or ids:
             self.produced = True
-        return Batch("".join(text), ids, end, progress)
+        return Batch("".join(text), ids, end, progress, trim)
 
     def wake(self) -> None:
         """Make a waiting ``next`` return None now."""

@@ -147,9 +147,13 @@ class ReplyStreams:
         """End the reply with its ``done`` payload (written after the reply is stored)."""
         await self._add(rid, f"{last_seq}-2", {"t": "done", "d": dumps(done)})
 
-    async def error(self, rid: str, last_seq: int, code: str, message: str) -> None:
-        """End the reply with an error (nothing was stored for it)."""
-        await self._add(rid, f"{last_seq}-2", {"t": "error", "code": code, "message": message})
+    async def error(self, rid: str, last_seq: int, code: str, message: str, status: int = 0) -> None:
+        """End the reply with an error (nothing was stored for it); ``status``: the HTTP
+        status an upstream's own error asks for (kept as the entry's ``status``; 0: none)."""
+        fields = {"t": "error", "code": code, "message": message}
+        if status:
+            fields["status"] = str(status)
+        await self._add(rid, f"{last_seq}-2", fields)
 
     async def delta_text(self, rid: str, seq: int) -> str | None:
         """The text of delta ``seq``, or None when it was never written (used after a

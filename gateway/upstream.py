@@ -32,6 +32,13 @@ replaces the connection loop (a health probe), ``generate``, ``abort`` and ``sta
   given as token ids (Continue) is refused with ``invalid_request``.
 * The API key (``UPSTREAM_API_KEY``) goes in ``Authorization: Bearer``; it is never part
   of the url (urls show in ``/metrics`` and logs).
+* Errors (``upstream_error``, ``upstream_event_error``): an upstream that cannot serve
+  (down, 401/403/404/408, 5xx before streaming) is ``engine_unavailable``, and the reply
+  moves to another engine while nothing was produced; a refused request (another 4xx) is
+  ``invalid_request`` or ``context_length_exceeded``. Anything else the upstream reports,
+  a 429 before streaming or an ``error`` event in the stream (a rate limit after some
+  text), is an ``UpstreamError``: the upstream's own code and message, and an HTTP
+  status for the clients that need one (the upstream's 4xx, else 502).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -54,8 +62,8 @@ from gateway.retry import Backoff
 
 log = logging.getLogger("gateway.upstream")
 
-__all__ = ["UpstreamClient", "engine_client", "is_upstream_url", "shown_model_name", "upstream_body",
-           "upstream_error"]
+__all__ = ["UpstreamClient", "UpstreamError", "engine_client", "is_upstream_url", "shown_model_name",
+           "upstream_body", "upstream_error", "upstream_event_error"]
 
 UPSTREAM_SCHEMES = ("http://", "https://")
 READ_TIMEOUT_S = 600.0  # longest silence (seconds) inside one streamed reply before it is given up
@@ -72,6 +80,27 @@ OPENAI_PARAMS = ("max_tokens", "temperature", "top_p", "frequency_penalty", "pre
 NEUTRAL_EXTENSIONS: dict[str, Any] = {"top_k": (0, -1), "min_p": (0, 0.0), "repetition_penalty": (1, 1.0),
                                       "ignore_eos": (False,)}
 LLAMACPP_NAMES = {"repetition_penalty": "repeat_penalty"}  # llama-server's names for vLLM's
+# an upstream's own error code is passed on when it looks like one (OpenAI's are snake_case)
+CODE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# what an upstream's error type or code implies about the HTTP status, when it names none
+KIND_STATUS = (("rate_limit", 429), ("too_many_requests", 429), ("invalid_request", 400),
+               ("authentication", 401), ("permission", 403), ("not_found", 404))
+
+
+@dataclass
+class UpstreamError(ErrorFrame):
+    """An OpenAI-compatible upstream's own error, passed on to the client as it is.
+
+    Attributes:
+        code, message: the upstream's (``CODE_RE``), else ``upstream_error`` and ours.
+        status: the HTTP status a client that needs one gets (``/v1`` without streaming):
+            the upstream's 4xx (429 for a rate limit), else 502 (the upstream failed).
+        retry_elsewhere: another engine may serve the request (a rate limit): the reply
+            moves there while nothing was produced.
+    """
+
+    status: int = 502
+    retry_elsewhere: bool = False
 
 
 def is_upstream_url(url: str) -> bool:
@@ -124,13 +153,15 @@ def upstream_body(model: str, messages: list[dict[str, str]], params: dict[str, 
 
 
 def upstream_error(status: int, raw: bytes | str, request_id: str | None = None) -> ErrorFrame:
-    """Our error item for an upstream's HTTP error answer (or an ``error`` event).
+    """Our error item for an upstream's HTTP error answer (before any event).
 
     ``context_length_exceeded`` when the upstream says so (its ``code``, llama-server's
     ``exceed_context_size_error`` type, or a message about the context length); other
     4xx but 401/403/404/408/429: ``invalid_request``; 401, 403, 404 (the model is gone),
-    408, 429 and 5xx: ``engine_unavailable`` (the request may go to another engine);
-    anything else ``engine_error``. The upstream's message is kept in ours.
+    408 and 5xx: ``engine_unavailable`` (the request may go to another engine); 429: the
+    upstream's own rate-limit error (``UpstreamError``, status 429, tried on another engine
+    first); anything else (a redirect) an ``UpstreamError`` with status 502. The
+    upstream's message is kept in ours.
     """
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     message, code, kind = text.strip()[:500], "", ""
@@ -145,14 +176,46 @@ def upstream_error(status: int, raw: bytes | str, request_id: str | None = None)
         elif isinstance(err, dict):
             message = str(err.get("message") or message)
             code, kind = str(err.get("code") or ""), str(err.get("type") or "")
-    where = f"the upstream answered HTTP {status}" if status else "the upstream reported an error"
+    where = f"the upstream answered HTTP {status}"
     if code == "context_length_exceeded" or kind == "exceed_context_size_error" or CONTEXT_RE.search(message):
         return ErrorFrame("context_length_exceeded", message or where, request_id)
-    if status in (401, 403, 404, 408, 429) or status >= 500:
+    if status == 429:
+        return UpstreamError(_own_code(code, kind, "rate_limit_exceeded"), message or where, request_id, 429, True)
+    if status in (401, 403, 404, 408) or status >= 500:
         return ErrorFrame("engine_unavailable", f"{where}: {message}" if message else where, request_id)
     if 400 <= status < 500:
         return ErrorFrame("invalid_request", f"{where}: {message}" if message else where, request_id)
-    return ErrorFrame("engine_error", f"{where}: {message}" if message else where, request_id)
+    return UpstreamError("upstream_error", f"{where}: {message}" if message else where, request_id, 502)
+
+
+def upstream_event_error(body: dict[str, Any], request_id: str | None = None) -> ErrorFrame:
+    """Our error item for an ``error`` event inside an upstream's streamed reply (a rate
+    limit or a failure after some text): ``{"error": {"message", "type", "code"}}`` as
+    OpenAI, vLLM, SGLang and llama-server send it (vLLM's and llama-server's ``code`` is
+    the HTTP status), or the bare ``{"object": "error", ...}``.
+
+    ``context_length_exceeded`` as in ``upstream_error``; anything else an
+    ``UpstreamError`` with the upstream's code (its ``code`` when a snake_case word, else
+    its ``type``, else ``upstream_error``), its message, and its status (a numeric
+    ``code`` or ``status``; else what its type says: 429 for a rate limit; else 502).
+    """
+    err = body.get("error", body)
+    err = err if isinstance(err, dict) else {"message": str(err)}
+    message = str(err.get("message") or "the upstream reported an error")[:2000]
+    code, kind = err.get("code"), str(err.get("type") or "")
+    if code == "context_length_exceeded" or kind == "exceed_context_size_error" or CONTEXT_RE.search(message):
+        return ErrorFrame("context_length_exceeded", message, request_id)
+    status = next((int(v) for v in (code, err.get("status"), err.get("status_code"))
+                   if isinstance(v, int) and not isinstance(v, bool) and 400 <= v < 600), 0)
+    named = f"{code if isinstance(code, str) else ''} {kind}".lower()
+    status = status or next((s for word, s in KIND_STATUS if word in named), 502)
+    own = _own_code(code if isinstance(code, str) else "", kind, "upstream_error")
+    return UpstreamError(own, message, request_id, status if 400 <= status < 500 else 502, status == 429)
+
+
+def _own_code(code: str, kind: str, default: str) -> str:
+    """The upstream's error code when it is a snake_case word, else its type, else ``default``."""
+    return next((c for c in (code, kind) if c and CODE_RE.fullmatch(c)), default)
 
 
 def _int(v: Any) -> int:
@@ -328,11 +391,11 @@ class UpstreamClient(EngineClient):
     async def generate(self, request_id: str, messages: list[dict[str, str]] | None = None,
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-                       clamp_max_tokens: bool = False,
+                       clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
-        ``prefix_token_ids``, ``cache_salt``, ``shared_messages`` and ``clamp_max_tokens``
-        are ignored (the upstream tokenizes the text itself and keeps its own cache, and
+        ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens`` and
+        ``clamp_max_tokens`` are ignored (the upstream tokenizes the text itself and keeps its own cache, and
         refuses a too-long request instead of lowering ``max_tokens``).
 
         Raises:
@@ -406,8 +469,8 @@ class UpstreamClient(EngineClient):
             return None
         if not isinstance(chunk, dict):
             return None
-        if chunk.get("error") is not None:
-            return upstream_error(0, json.dumps(chunk), rid)
+        if chunk.get("error") is not None or chunk.get("object") == "error":
+            return upstream_event_error(chunk, rid)
         choices = chunk.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
             choice = choices[0]

@@ -81,7 +81,10 @@ def test_a_model_path_is_shown_by_its_last_part_and_other_ids_as_they_are():
     (401, '{"error": {"message": "bad key"}}', "engine_unavailable"),
     (404, '{"error": {"message": "model gone"}}', "engine_unavailable"),
     (503, "overloaded", "engine_unavailable"),
-    (302, "", "engine_error"),
+    (429, '{"error": {"message": "x", "type": "rate_limit_error", "code": "rate_limit_exceeded"}}',
+     "rate_limit_exceeded"),  # the upstream's own, tried on another engine first
+    (429, "slow down", "rate_limit_exceeded"),
+    (302, "", "upstream_error"),
 ])
 def test_upstream_errors_map_to_our_codes_and_keep_the_message(status, body, code):
     err = upstream_error(status, body, "r1")
