@@ -4,9 +4,9 @@
                                 [--load 0.6[,0.8,...]] [--costs cpu|gpu] [--seed 1] [--json PATH]
 
 What it runs is the routing code that ships: each request is routed by the real
-``gateway.engines.EngineRouter.choose`` (so ``gateway.routing.choose_cache_aware``,
+``gateway.engines.client.EngineRouter.choose`` (so ``gateway.engines.routing.choose_cache_aware``,
 ``choose``, ``rendezvous_rank`` and ``RoutingPolicy``, the prompt's chained block hashes
-of ``engine.block_hash`` and ``gateway.prefix_index.PrefixIndex.match``), over stub
+of ``engine.block_hash`` and ``gateway.engines.prefix_index.PrefixIndex.match``), over stub
 ``EngineClient`` objects that are "connected" and whose in-flight requests are the
 simulated engine's (one gateway: its in-flight count is the engine's exact load), and a
 ``Placements`` that keeps placements in a dict and counts the Redis commands it would
@@ -72,8 +72,8 @@ if str(ROOT) not in sys.path:
 
 from engine.block_hash import chain_hashes, namespace_of, namespace_seed  # noqa: E402
 from engine.protocol import EngineInfo, KvEventsFrame, encode  # noqa: E402
-from gateway.engines import EngineClient, EngineRouter, RoutePrompt  # noqa: E402
-from gateway.routing import Placements, RoutingPolicy  # noqa: E402
+from gateway.engines.client import EngineClient, EngineRouter, RoutePrompt  # noqa: E402
+from gateway.engines.routing import Placements, RoutingPolicy  # noqa: E402
 
 __all__ = ["COSTS", "Costs", "PolicySpec", "SimConfig", "SimResult", "Workload", "decision_cost", "main",
            "parse_policies", "run_sim"]
@@ -577,7 +577,7 @@ class PolicySpec:
     """One routing setting to simulate.
 
     Attributes:
-        policy: a ``gateway.routing.POLICIES`` name.
+        policy: a ``gateway.engines.routing.POLICIES`` name.
         load_tokens: ``cache_aware``'s load weight (tokens per request of load).
         first_turn_ids: route a chat's first turn with its prompt's token ids (what the
             gateway does when it can read the engines' tokenizer; False: the gateway

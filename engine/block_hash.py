@@ -26,7 +26,7 @@ pages never hash like another's.
 
 The engine's radix tree names each block it stores or evicts this way (``kv_events``
 frames, docs/protocol.md); the gateway names a request's prompt the same way and looks
-the names up in its prefix index (``gateway/prefix_index.py``). Torch-free.
+the names up in its prefix index (``gateway/engines/prefix_index.py``). Torch-free.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from pathlib import Path
 import uvicorn
 
 from gateway.config import ConfigError, GatewayConfig, config_from_env, read_shared_prompts
-from gateway.extensions import create_app_with_extras
-from gateway.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis, new_engine_secret
-from gateway.serving import make_listen_socket, serve_and_announce, uvicorn_config
+from gateway.server.extensions import create_app_with_extras
+from gateway.server.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis, new_engine_secret
+from gateway.server.serving import make_listen_socket, serve_and_announce, uvicorn_config
 
 
 def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConfig, str]:

@@ -34,7 +34,7 @@ from websockets.typing import Origin
 
 from engine.sampling_params import param_error, range_text
 from engine.text_checks import text_error
-from gateway.auth import COOKIE_NAME
+from gateway.api.auth import COOKIE_NAME
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "CHAT_TOKEN"

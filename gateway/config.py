@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import param_error
-from gateway.routing import RoutingPolicy
+from gateway.engines.routing import RoutingPolicy
 
 MIB = 1 << 20
 
@@ -44,7 +44,7 @@ class Limits:
         max_frame_bytes: largest browser frame (and ``/v1`` body); a bigger frame is
             refused by the WebSocket layer as soon as its header gives its length, before
             its payload is read: a ``frame_too_large`` error frame, then close 1009 with a
-            reason (``gateway/ws_protocol.py``).
+            reason (``gateway/server/ws_protocol.py``).
         max_http_body_bytes: largest ``/api`` request body (HTTP 413 above).
         max_sessions_per_user: chats one user may keep (``too_many_sessions``).
         max_generations_per_user: replies one user may have in progress at once.
@@ -60,14 +60,14 @@ class Limits:
             (``SO_SNDBUF`` on the listening socket); None keeps the kernel's autotuning
             (which can reach several MiB per connection).
         http_max_header_bytes: largest request head (request line and headers); a
-            bigger one gets HTTP 431 and the connection is closed (gateway/http_limits.py).
+            bigger one gets HTTP 431 and the connection is closed (gateway/server/http_limits.py).
         http_max_headers: most header fields in one request (431 above).
         http_header_timeout_s: a request whose head is not complete this long after the
             connection opened (or after its first byte) gets HTTP 408 and is closed.
         ws_max_sockets_per_user: browser sockets one user may hold open at once.
         ws_max_sockets_per_address: browser sockets one client address may hold open.
         http_body_timeout_s: a request body not complete this long after its head gets
-            ``408 Request Timeout`` and the connection is closed (gateway/http_limits.py).
+            ``408 Request Timeout`` and the connection is closed (gateway/server/http_limits.py).
         http_max_connections_per_address: HTTP connections (not yet upgraded to a
             WebSocket) one client address may hold open; the next gets ``429`` at once and
             is closed (256, as ``ws_max_sockets_per_address``: a burst of socket handshakes
@@ -168,7 +168,7 @@ class GatewayConfig:
             a real outage answers ``store_unavailable``.
         engine_urls: the engines: our engines' internal WebSocket URLs (``ws://host:port``)
             and OpenAI-compatible servers (``http(s)://host:port/v1``: vLLM, SGLang,
-            llama-server, another gateway; ``gateway/upstream.py``); empty means "start a
+            llama-server, another gateway; ``gateway/engines/upstream.py``); empty means "start a
             local engine" (done by ``python -m gateway``, not by the app factory).
         model: model path for that local engine (None: the bundled SmolLM2).
         engine_args: more ``python -m engine serve`` options for that local engine
@@ -202,10 +202,10 @@ class GatewayConfig:
         ws_per_message_deflate: compress browser frames (off: deltas are tiny).
         defaults: per-chat defaults.
         limits: documented limits.
-        routing: which engine serves a request (``gateway/routing.py``; env
+        routing: which engine serves a request (``gateway/engines/routing.py``; env
             ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``).
         shared_prompts: message texts declared shared across users' cache namespaces
-            besides ``defaults.system_prompt`` (``gateway/cache_scope.py``; env
+            besides ``defaults.system_prompt`` (``gateway/engines/cache_scope.py``; env
             ``SHARED_PROMPTS_FILE``: a JSON array of strings).
     """
 

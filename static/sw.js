@@ -1,4 +1,4 @@
-// The service worker (served at /sw.js so that its scope is the whole app, gateway/app.py).
+// The service worker (served at /sw.js so that its scope is the whole app, gateway/server/app.py).
 // It keeps the app shell (the page, its scripts, styles and icons) in a cache so the app
 // starts when the server cannot be reached, and serves the shell network first, so every
 // version the server serves replaces the cached one at once: an upgrade reaches the page

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.cache_scope import CacheIsolation
+from gateway.engines.cache_scope import CacheIsolation
 from tests.gateway_helpers import chat
 
 SHARED = ("You are the help desk of the lighthouse museum of Example Point: answer visitors' questions "

@@ -1,5 +1,5 @@
 """Hostile clients are bounded: request heads are capped in bytes, fields and time
-(431/408, gateway/http_limits.py), hosts are allowed by name (DNS rebinding fails), the
+(431/408, gateway/server/http_limits.py), hosts are allowed by name (DNS rebinding fails), the
 page's CSP is an HTTP header, sockets per user and per address are capped, and what
 anonymous users see and get is limited (docs/reliability.md, the probe table)."""
 
@@ -124,7 +124,7 @@ def test_an_unknown_host_name_is_refused_so_dns_rebinding_fails(gateway_factory)
 
 
 def test_a_rebinding_page_cannot_open_the_socket_even_with_matching_host_and_origin(gateway_factory):
-    from gateway.auth import COOKIE_NAME, origin_allowed
+    from gateway.api.auth import COOKIE_NAME, origin_allowed
 
     gw = gateway_factory(wait_for_engine=False)
     cookie = gw.new_cookie()
@@ -221,7 +221,7 @@ async def test_the_engine_link_secret_is_required_when_set():
 
     from engine.protocol import EngineInfo, HelloFrame, encode
     from engine.server import secret_check
-    from gateway.engines import EngineClient
+    from gateway.engines.client import EngineClient
     from tests.gateway_helpers import wait_for
 
     async def hello(ws):
@@ -310,7 +310,7 @@ def test_a_client_that_hangs_up_mid_body_or_mid_stream_is_counted_not_an_error(g
 
 
 def _ws_handshake(port: int, cookie: str, origin: str, sndbuf: int | None = None) -> socket.socket:
-    from gateway.auth import COOKIE_NAME
+    from gateway.api.auth import COOKIE_NAME
     from tests.gateway_helpers import raw_ws_connect
 
     sock = raw_ws_connect("127.0.0.1", port, f"{COOKIE_NAME}={cookie}", origin, rcvbuf=4096)

@@ -11,7 +11,7 @@ import json
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from gateway.auth import COOKIE_NAME
+from gateway.api.auth import COOKIE_NAME
 from tests.engine_gate import of_type
 from tests.gateway_helpers import chat, masked_frame, raw_ws_connect, read_reply, recv, send, wait_for
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import redis
 
-from gateway.auth import COOKIE_NAME
-from gateway.local import LocalStartError, ensure_redis
+from gateway.api.auth import COOKIE_NAME
+from gateway.server.local import LocalStartError, ensure_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -205,7 +205,7 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
 
 async def test_a_killed_local_engine_is_restarted_on_the_same_port_and_chats_work_again(tiny_model_dir,
                                                                                          gateway_factory):
-    from gateway.local import LocalEngine
+    from gateway.server.local import LocalEngine
     from tests.engine_gate import text_delta
     from tests.fixtures_servers import gate_in_front_of
     from tests.gateway_helpers import chat, read_reply, send
@@ -324,7 +324,7 @@ async def test_ctrl_c_mid_reply_logs_no_warning_and_stores_the_reply_as_cut_by_t
     from websockets.asyncio.client import connect
 
     from bench.soak import child_pids
-    from gateway.sessions import Keys
+    from gateway.store.sessions import Keys
 
     proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], gateway_env(redis_url, key_prefix, tmp_path))
     try:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import COOKIE_NAME, UserIds, cookie_value, origin_allowed
-from gateway.config import ConfigError, GatewayConfig, Limits, config_from_env
-from gateway.protocol import (
+from gateway.api.auth import COOKIE_NAME, UserIds, cookie_value, origin_allowed
+from gateway.api.socket_frames import (
     CancelFrame,
     ChatFrame,
     PingFrame,
@@ -16,6 +15,7 @@ from gateway.protocol import (
     decode_json,
     parse_client_frame,
 )
+from gateway.config import ConfigError, GatewayConfig, Limits, config_from_env
 
 
 def test_valid_frames_parse_into_their_dataclasses():

@@ -1,4 +1,4 @@
-"""Revocation reaches what is already open (gateway/revocation.py): revoking an access
+"""Revocation reaches what is already open (gateway/api/revocation.py): revoking an access
 token closes the sockets and ``/v1`` streams opened with it, on every gateway replica,
 with a clear reason, while the browser reply it started goes on and is stored; deleting
 a user's data closes every socket of that user. (The bounds below are for a broken
@@ -15,8 +15,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from gateway.auth import COOKIE_NAME
-from gateway.revocation import TOKEN_REVOKED, USER_DELETED
+from gateway.api.auth import COOKIE_NAME
+from gateway.api.revocation import TOKEN_REVOKED, USER_DELETED
 from tests.engine_gate import text_delta
 from tests.gateway_helpers import read_reply, recv, send, wait_for
 

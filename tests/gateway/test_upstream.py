@@ -1,4 +1,4 @@
-"""OpenAI-compatible servers as engines (``gateway/upstream.py``; docs/scaling.md,
+"""OpenAI-compatible servers as engines (``gateway/engines/upstream.py``; docs/scaling.md,
 "Existing engines as upstreams"). Real processes only: the upstream is another gateway
 of this project (its ``/v1``, on the tiny-model engine) or llama.cpp's ``llama-server``
 on SmolLM2's GGUF (skipped when it is not built); the browser chat runs through a
@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig
-from gateway.engines import EngineClient, EngineRouter
-from gateway.replies import EngineRun
-from gateway.upstream import UpstreamClient, engine_client, shown_model_name, upstream_body, upstream_error
+from gateway.engines.client import EngineClient, EngineRouter
+from gateway.engines.run import EngineRun
+from gateway.engines.upstream import UpstreamClient, engine_client, shown_model_name, upstream_body, upstream_error
 from tests.engine_gate import of_type, text_delta
 from tests.gateway_helpers import chat, openai_client, read_reply, recv, send, wait_for
 
@@ -38,7 +38,7 @@ async def engine_entry(gw) -> dict:
 
 
 def uid_of(gw, cookie: str) -> str:
-    from gateway.auth import UserIds
+    from gateway.api.auth import UserIds
 
     uid = UserIds(gw.config.secret_key).verify(cookie)
     assert uid is not None

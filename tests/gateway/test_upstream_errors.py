@@ -1,4 +1,4 @@
-"""An OpenAI-compatible upstream's own errors (``gateway/upstream.py``) reach the client
+"""An OpenAI-compatible upstream's own errors (``gateway/engines/upstream.py``) reach the client
 as the upstream's code and message, never ``internal_error``: a rate limit after some
 text, a server error or a refused sample in the middle of the stream, an error before any
 text (an ``error`` event or an HTTP 429). The upstream is a real HTTP server started here
@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig
-from gateway.serving import ThreadedServer
+from gateway.server.serving import ThreadedServer
 from tests.gateway_helpers import chat
 
 

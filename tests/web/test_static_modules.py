@@ -48,7 +48,7 @@ def test_icons_come_from_one_leaf_module() -> None:
 def test_the_service_worker_caches_every_file_of_the_app_shell() -> None:
     text = (STATIC / "sw.js").read_text()
     listed = set(re.findall(r'^\s*"(/[^"]*)",$', text[text.index("const SHELL"):text.index("];")], re.MULTILINE))
-    served_at_root = {"sw.js", "manifest.webmanifest"}  # gateway/app.py serves these from /
+    served_at_root = {"sw.js", "manifest.webmanifest"}  # gateway/server/app.py serves these from /
     files = {p.relative_to(STATIC).as_posix() for p in STATIC.rglob("*") if p.is_file()}
     shell = {f for f in files if f not in served_at_root and not f.endswith(".md")
              and not f.split("/")[-1].startswith("LICENSE")}
