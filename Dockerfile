@@ -44,7 +44,7 @@ COPY --chown=app:app gateway ./gateway
 COPY --chown=app:app web ./web
 COPY --chown=app:app static ./static
 RUN pip install -e ".[gateway]" \
- && ! python -c "import torch" 2>/dev/null && python -c "import gateway.app, gateway.__main__"
+ && ! python -c "import torch" 2>/dev/null && python -c "import gateway.server.app, gateway.__main__"
 USER app
 ENV DATA_DIR=/data
 EXPOSE 8000

@@ -48,7 +48,7 @@ from websockets.asyncio.client import connect  # noqa: E402
 
 from bench.serving_lib.stats import fmt, summarize  # noqa: E402
 
-COOKIE_NAME = "chat_uid"  # gateway.auth.COOKIE_NAME (not imported: the clients are outside the gateway)
+COOKIE_NAME = "chat_uid"  # gateway.api.auth.COOKIE_NAME (not imported: the clients are outside the gateway)
 
 TOPICS = ["rivers", "bread", "trains", "the moon", "gardens", "chess", "rain", "bicycles", "music", "clocks",
           "owls", "maps", "glass", "winter", "bridges", "tea"]

@@ -5,7 +5,7 @@ tokens/s for each routing policy, in one run, on the same workloads.
                             [--workloads chat,shared,skewed] [--repeats N]
                             [--engines 2] [--threads 1] [--json]
 
-For each policy (``gateway/routing.py``: ``random``, ``round_robin``, ``hash`` = rendezvous
+For each policy (``gateway/engines/routing.py``: ``random``, ``round_robin``, ``hash`` = rendezvous
 hashing of the chat, ``sticky`` = home unless overloaded, ``cache_aware`` = matched share
 of the prompt against load, the default) it starts ``--engines`` engines (``--threads``
 torch threads each, fresh, so no policy inherits another's cache) and one gateway, and
@@ -150,8 +150,8 @@ def shared_workload(seed: int, users: int, doc_tokens: int, stagger_s: float) ->
 def skewed_workload(seed: int, engine_urls: list[str], heavy_chats: int, light_users: int
                     ) -> list[tuple[Conversation, float]]:
     """One heavy user's chats that all hash to the first engine, plus light users."""
-    from gateway.openai_api import affinity_key
-    from gateway.routing import rendezvous_rank
+    from gateway.api.openai_api import affinity_key
+    from gateway.engines.routing import rendezvous_rank
 
     rng = random.Random(seed)
     tm = TextMaker(rng)

@@ -4,9 +4,9 @@
                                 [--load 0.6[,0.8,...]] [--costs cpu|gpu] [--seed 1] [--json PATH]
 
 What it runs is the routing code that ships: each request is routed by the real
-``gateway.engines.EngineRouter.choose`` (so ``gateway.routing.choose_cache_aware``,
+``gateway.engines.client.EngineRouter.choose`` (so ``gateway.engines.routing.choose_cache_aware``,
 ``choose``, ``rendezvous_rank`` and ``RoutingPolicy``, the prompt's chained block hashes
-of ``engine.block_hash`` and ``gateway.prefix_index.PrefixIndex.match``), over stub
+of ``engine.block_hash`` and ``gateway.engines.prefix_index.PrefixIndex.match``), over stub
 ``EngineClient`` objects that are "connected" and whose in-flight requests are the
 simulated engine's (one gateway: its in-flight count is the engine's exact load), and a
 ``Placements`` that keeps placements in a dict and counts the Redis commands it would
@@ -72,8 +72,8 @@ if str(ROOT) not in sys.path:
 
 from engine.block_hash import chain_hashes, namespace_of, namespace_seed  # noqa: E402
 from engine.protocol import EngineInfo, KvEventsFrame, encode  # noqa: E402
-from gateway.engines import EngineClient, EngineRouter, RoutePrompt  # noqa: E402
-from gateway.routing import Placements, RoutingPolicy  # noqa: E402
+from gateway.engines.client import EngineClient, EngineRouter, RoutePrompt  # noqa: E402
+from gateway.engines.routing import Placements, RoutingPolicy  # noqa: E402
 
 __all__ = ["COSTS", "Costs", "PolicySpec", "SimConfig", "SimResult", "Workload", "decision_cost", "main",
            "parse_policies", "run_sim"]
@@ -577,7 +577,7 @@ class PolicySpec:
     """One routing setting to simulate.
 
     Attributes:
-        policy: a ``gateway.routing.POLICIES`` name.
+        policy: a ``gateway.engines.routing.POLICIES`` name.
         load_tokens: ``cache_aware``'s load weight (tokens per request of load).
         first_turn_ids: route a chat's first turn with its prompt's token ids (what the
             gateway does when it can read the engines' tokenizer; False: the gateway
@@ -688,7 +688,7 @@ class Sim:
         self.t1 = cfg.warmup_s + cfg.duration_s
         self.heap: list[tuple[float, int, Any, Any]] = []
         self.seq = 0
-        self.seed = namespace_seed(namespace_of(WEIGHTS_ID, ""))
+        self.seed = namespace_seed(namespace_of(WEIGHTS_ID))
         self.engines = [SimEngine(i, f"ws://engine-{i}:9000", cfg.costs, self) for i in range(cfg.engines)]
         self.by_url = {e.url: e for e in self.engines}
         self.clients = stub_clients(cfg.engines, cfg.costs.kv_pages)
@@ -997,7 +997,7 @@ def decision_cost(engines: int, prompt_tokens: int = 2048, index_pages: int = 20
     clients = stub_clients(engines, CPU_COSTS.kv_pages)
     router = EngineRouter(clients, RoutingPolicy(), CountingPlacements())
     tokens = _tokens(rng, prompt_tokens)
-    pages = chain_hashes(namespace_seed(namespace_of(WEIGHTS_ID, "")), tokens, 16)
+    pages = chain_hashes(namespace_seed(namespace_of(WEIGHTS_ID)), tokens, 16)
     per = max(1, index_pages // engines)
     t_apply = time.process_time_ns()
     n_applied = 0
@@ -1018,7 +1018,7 @@ def decision_cost(engines: int, prompt_tokens: int = 2048, index_pages: int = 20
     for k in range(trials):
         run_now(router.choose(f"chat-{k}", prompt=prompt))
     decision = (time.process_time_ns() - t) / trials / 1000.0
-    seed_h = namespace_seed(namespace_of(WEIGHTS_ID, ""))
+    seed_h = namespace_seed(namespace_of(WEIGHTS_ID))
     t = time.process_time_ns()
     for _ in range(trials):
         chain_hashes(seed_h, tokens, 16)

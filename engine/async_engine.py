@@ -160,7 +160,7 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                ids, reused, decoding = await loop.run_in_executor(self._prep, self._prepare, request)
+                ids, reused, shared, decoding = await loop.run_in_executor(self._prep, self._build, request)
             except asyncio.CancelledError:
                 if not self._stop:
                     raise
@@ -172,6 +172,10 @@ class AsyncEngine:
             if request.clamp_max_tokens and 1 <= room < params.max_tokens:
                 params = dataclasses.replace(params, max_tokens=room)
             self.core.check_fits(len(ids), params)
+            detok = None
+            if request.continued_tokens:  # replay the continued reply's tokens off the step thread
+                detok = await loop.run_in_executor(self._prep, self.core.continuation_detokenizer, ids,
+                                                   request.continued_tokens, params)
             with self._lock:
                 aborted_early = rid in self._cancelled
             if aborted_early:
@@ -181,7 +185,8 @@ class AsyncEngine:
             with self._lock:  # against _loop's last drain: added before it, or aborted here
                 closed = self._closed
                 if not closed:
-                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival, decoding)))
+                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival,
+                                             request.continued_tokens, detok, shared, decoding)))
             if closed:
                 finished = True
                 yield _aborted_before_start(rid, ids, reused, arrival)
@@ -202,13 +207,15 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
                 self._cancelled.discard(rid)
 
-    def _prepare(self, request: GenerateRequest) -> tuple[list[int], bool, Decoding]:
-        """On a prompt thread: the prompt ids, whether the prefix ids were reused, and the
-        request's compiled constraint and tool stream (grammars compile here, never on
-        the step loop)."""
+    def _build(self, request: GenerateRequest) -> tuple[list[int], bool, int, Decoding]:
+        """On a prompt thread: the prompt ids, whether ``prefix_token_ids`` were reused, how
+        many leading tokens are declared shared (0 without a cache salt: everything is
+        shared then), and the request's compiled constraint and tool stream (grammars
+        compile here, never on the step loop)."""
         self.core.check_params(request.params)
         ids, reused = self.prompts.build(request)
-        return ids, reused, self.core.prepare_decoding(request.params, request.tools)
+        shared = self.prompts.shared_length(ids, request.shared_messages) if request.cache_salt else 0
+        return ids, reused, shared, self.core.prepare_decoding(request.params, request.tools)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished). A request still being
@@ -337,7 +344,7 @@ class AsyncEngine:
     def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, params, salt, reused, arrival, decoding = arg
+                rid, ids, params, salt, reused, arrival, continued, detok, shared, decoding = arg
                 with self._lock:
                     alive = rid in self._streams
                     cancelled = rid in self._cancelled
@@ -347,7 +354,8 @@ class AsyncEngine:
                     replies.append((_aborted_before_start(rid, ids, reused, arrival), rid))
                     continue
                 try:
-                    self.core.add_request(rid, ids, params, salt, reused, arrival, decoding=decoding)
+                    self.core.add_request(rid, ids, params, salt, reused, arrival, continued, detok,
+                                          shared_tokens=shared, decoding=decoding)
                 except EngineError as e:
                     replies.append((e, rid))
                 except Exception as e:  # a bug must reach the caller as an error, not a hang
@@ -381,7 +389,7 @@ class AsyncEngine:
         """After the last step: requests submitted but never added end with ``abort``."""
         for kind, arg in self._take_inbox():
             if kind == "add":
-                rid, ids, _params, _salt, reused, arrival, _decoding = arg
+                rid, ids, _params, _salt, reused, arrival, _continued, _detok, _shared, _decoding = arg
                 self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
             elif kind == "call":
                 fut = arg[0]

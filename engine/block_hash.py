@@ -9,13 +9,24 @@ hash and this block's tokens) and NVIDIA Dynamo's KV events::
     h(i)  = BLAKE2b-64(h(i-1) as 8 bytes || tokens of page i as little-endian uint32)
 
 Two prefixes share the hash of page ``i`` exactly when they share pages ``0..i`` and the
-namespace (the engine's prefix-cache namespace: ``"{weights_id}|{cache_salt}"``), up to a
-64-bit collision (about 1 in 10^19 per pair; a collision costs one misrouted request,
-never wrong output: the engine matches tokens, not hashes).
+namespace (the engine's prefix-cache namespace: ``"{weights_id}|"``), up to a 64-bit
+collision (about 1 in 10^19 per pair; a collision costs one misrouted request, never
+wrong output: the engine matches tokens, not hashes).
+
+A salted request (a per-user ``cache_salt``, docs/reliability.md "Cache isolation")
+keeps its first ``shared_tokens`` (whole pages: a prefix the operator declared shared,
+such as the default system prompt) in the namespace's chain and re-seeds the chain
+with its salt for the rest, as the radix tree hangs those pages below a salt node::
+
+    s     = BLAKE2b-64[person "chatserve-salt"](h(k-1) as 8 bytes || salt as UTF-8)
+    h(k)  = BLAKE2b-64(s || tokens of page k)            (k = shared pages)
+
+so a salted page's hash cannot be computed without the salt, and one user's private
+pages never hash like another's.
 
 The engine's radix tree names each block it stores or evicts this way (``kv_events``
 frames, docs/protocol.md); the gateway names a request's prompt the same way and looks
-the names up in its prefix index (``gateway/prefix_index.py``). Torch-free.
+the names up in its prefix index (``gateway/engines/prefix_index.py``). Torch-free.
 """
 
 from __future__ import annotations
@@ -25,13 +36,17 @@ import sys
 from array import array
 from collections.abc import Sequence
 
-__all__ = ["chain_hashes", "namespace_of", "namespace_seed", "prompt_block_hashes"]
+__all__ = ["chain_hashes", "namespace_of", "namespace_seed", "prompt_block_hashes", "salt_seed"]
+
+# BLAKE2b personalisation of salt seeds: a salt seed can never equal a page hash by construction
+_SALT_PERSON = b"chatserve-salt"
 
 
-def namespace_of(weights_id: str, cache_salt: str = "") -> str:
-    """The engine's prefix-cache namespace for requests with ``cache_salt`` on weights
-    ``weights_id`` (what ``EngineCore`` stores them under)."""
-    return f"{weights_id}|{cache_salt}"
+def namespace_of(weights_id: str) -> str:
+    """The engine's prefix-cache namespace for weights ``weights_id`` (what ``EngineCore``
+    stores every request under; a cache salt is a level of the tree below it, see
+    ``salt_seed``)."""
+    return f"{weights_id}|"
 
 
 def namespace_seed(namespace: str) -> int:
@@ -76,10 +91,29 @@ def chain_hashes(parent: int, token_ids: Sequence[int], block_size: int) -> list
     return out
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, namespace: str) -> list[int]:
-    """The hashes of every whole page of a prompt in ``namespace`` (see the module doc).
+def salt_seed(parent: int, salt: str) -> int:
+    """The seed a salted chain continues from after the page hashed ``parent`` (the
+    namespace's seed when nothing is shared): see the module doc."""
+    return int.from_bytes(hashlib.blake2b(parent.to_bytes(8, "little") + salt.encode("utf-8", "surrogatepass"),
+                                          digest_size=8, person=_SALT_PERSON).digest(), "little")
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, namespace: str, salt: str = "",
+                        shared_tokens: int = 0) -> list[int]:
+    """The hashes of every whole page of a prompt in ``namespace`` (see the module doc),
+    as the radix tree names them: with a ``salt``, the first ``shared_tokens // block_size``
+    pages in the namespace's chain and the rest in the salted one.
 
     Raises:
         ValueError: as ``chain_hashes``.
     """
-    return chain_hashes(namespace_seed(namespace), token_ids, block_size)
+    seed = namespace_seed(namespace)
+    if not salt or block_size < 1:
+        return chain_hashes(seed, token_ids, block_size)
+    pages = len(token_ids) // block_size
+    shared = min(max(0, shared_tokens) // block_size, pages)
+    head = chain_hashes(seed, token_ids[:shared * block_size], block_size)
+    if shared == pages:
+        return head
+    return head + chain_hashes(salt_seed(head[-1] if head else seed, salt), token_ids[shared * block_size:],
+                               block_size)

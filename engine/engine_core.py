@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.block_hash import namespace_of
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
@@ -21,7 +22,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, InvalidRequestError, InvariantError
 from engine.model_runner import ModelRunner
 from engine.outputs import PromptProgress, RequestOutput, Timings, TokenLogprob, Usage
-from engine.radix_cache import RadixCache
+from engine.radix_cache import CacheScope, RadixCache
 from engine.request import Request
 from engine.sampler import PenaltyState, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -194,34 +195,63 @@ class EngineCore:
                 f"prompt + max_tokens needs {blocks} KV blocks but the pool has {self.pool.num_blocks}"
             )
 
+    def continuation_detokenizer(self, prompt_ids: list[int], continued_tokens: int,
+                                 params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of a request whose last ``continued_tokens`` prompt tokens are a
+        cut reply it continues: primed with them (``IncrementalDetokenizer(prior_ids=...)``,
+        O(1) decode work a token). Callable from any thread: ``AsyncEngine`` builds it with
+        the prompt, off the step thread."""
+        prior = prompt_ids[len(prompt_ids) - continued_tokens:] if continued_tokens else []
+        return IncrementalDetokenizer(self.tokenizer, params.stop, prior_ids=prior)
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     cache_salt: str = "", prefix_reused: bool = False,
-                    arrival_s: float | None = None, *, tools: ToolRequest | None = None,
-                    decoding: Decoding | None = None) -> Request:
-        """Queue a request whose prompt is already built.
+                    arrival_s: float | None = None, continued_tokens: int = 0,
+                    detok: IncrementalDetokenizer | None = None, shared_tokens: int = 0, *,
+                    tools: ToolRequest | None = None, decoding: Decoding | None = None) -> Request:
+        """Queue a request whose prompt is already built. With a ``cache_salt`` its pages
+        live in its own part of the prefix cache (``CacheScope``) except its first
+        ``shared_tokens`` (rounded down to whole pages), which every salt may share.
+
+        ``continued_tokens``: the last that many prompt tokens are a cut reply this request
+        continues (``GenerateRequest.continued_tokens``): they count as its output for the
+        penalties, the seeded noise and the text (``detok``, from
+        ``continuation_detokenizer``; built here when None).
+
+        ``decoding``: its constraint and tool stream from ``prepare_decoding`` (called here,
+        on this thread, when None: the async engine calls it off the step loop).
 
         ``decoding``: its constraint and tool stream from ``prepare_decoding`` (called here,
         on this thread, when None: the async engine calls it off the step loop).
 
         Raises:
-            InvalidRequestError: duplicate live request id (code ``duplicate_request_id``),
-                a logit_bias id outside the vocabulary, an uncompilable constraint.
+            InvalidRequestError: duplicate live request id (code ``duplicate_request_id``);
+                ``continued_tokens`` outside ``[0, len(prompt_ids) - 1]``; a logit_bias id
+                outside the vocabulary; an uncompilable constraint.
             ContextLengthError: see ``check_fits``.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "duplicate_request_id")
+        if not 0 <= continued_tokens < len(prompt_ids):
+            raise InvalidRequestError(f"continued_tokens must be in [0, {len(prompt_ids) - 1}], "
+                                      f"got {continued_tokens}")
         self.check_fits(len(prompt_ids), params)
         self.check_params(params)
         if decoding is None:
             decoding = self.prepare_decoding(params, tools)
-        req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params,
-                      namespace=f"{self.namespace}|{cache_salt}", prefix_reused=prefix_reused,
+        scope = CacheScope(namespace_of(self.namespace), cache_salt, shared_tokens if cache_salt else 0)
+        req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params, namespace=scope,
+                      prefix_reused=prefix_reused, prior_output=continued_tokens,
                       constraint=decoding.constraint, tool_stream=decoding.tool_stream)
         if arrival_s is not None:
             req.arrival_s = arrival_s
         if PenaltyState.needed(params):
-            req.token_counts = PenaltyState(self.model_config.vocab_size, self.device, prompt_ids)
-        req.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            # a continued reply's tokens are output the penalties count, as they would be
+            # had the reply been written at once (prompt ∪ output is the same set)
+            prior = prompt_ids[len(prompt_ids) - continued_tokens:] if continued_tokens else ()
+            req.token_counts = PenaltyState(self.model_config.vocab_size, self.device, prompt_ids, prior)
+        req.detok = detok if detok is not None else self.continuation_detokenizer(prompt_ids, continued_tokens,
+                                                                                  params)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.counters.requests_total += 1
@@ -284,16 +314,25 @@ class EngineCore:
             lps = sampled.logprobs[k:end] if sampled.logprobs else [None] * (end - k)
             tokens = sampled.token_ids[k:end]
             k += item.num_samples
-            if item.spec:
-                assert self.spec is not None
-                req.spec.record(self.spec, len(item.spec), kept)
-                self.counters.spec_drafted_total += len(item.spec)
-                self.counters.spec_accepted_total += kept
-                self.counters.spec_steps_total += 1
             if req.output_ids:
                 req.decode_steps += 1
-            outputs.append(self._on_tokens(req, tokens, lps, now))
+            outputs.append(self._on_tokens(req, tokens, lps, now, len(item.spec), kept))
         return outputs
+
+    def _count_drafts(self, req: Request, drafted: int, kept: int, used: int | None) -> None:
+        """Count one verification of ``drafted`` drafts of which ``kept`` were right, in the
+        request's record and the engine's counters. ``used``: when the reply ended in this
+        step, how many of the step's tokens it kept (the rest came after a stop string,
+        EOS or ``max_tokens``): drafts at positions past its end count as neither drafted
+        nor accepted, so accepted drafts are tokens that reached the output."""
+        if not drafted or self.spec is None:
+            return
+        if used is not None:
+            drafted, kept = min(drafted, used), min(kept, used)
+        req.spec.record(self.spec, drafted, kept)
+        self.counters.spec_drafted_total += drafted
+        self.counters.spec_accepted_total += kept
+        self.counters.spec_steps_total += 1
 
     def _propose_drafts(self, config: SpecConfig) -> None:
         """Give each decoding request its draft tokens for this step (prompt lookup), while
@@ -346,33 +385,40 @@ class EngineCore:
             k += item.num_samples
         return accepted
 
-    def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+    def _on_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float, drafted: int = 0,
+                   kept: int = 0) -> RequestOutput:
         """Append a step's kept tokens one by one, checking the stop conditions after each;
         then, for a constrained request, the tokens its grammar forces (taken without
         sampling: the mask would allow only them); emit one delta for them, or the final
-        output at the first that ends the request (the rest are dropped)."""
+        output at the first that ends the request (the rest are dropped).
+        ``drafted``/``kept``: the step's drafts for the request and how many were right
+        (``tokens`` is the kept drafts and one sampled token)."""
         if req.first_token_s is None:
             req.first_token_s = now
         constraint = req.constraint
-        for j, (tok, logprob) in enumerate(zip(tokens, logprobs)):
-            if constraint is not None and j in constraint.dead_rows:
-                return self._end_early(req, "error", f"grammar dead end: {constraint.dead_rows[j]}")
-            reason = self._append(req, tok, logprob)
-            if reason is not None:
-                return self._end_early(req, *reason)
+        for used, (tok, logprob) in enumerate(zip(tokens, logprobs), 1):
+            if constraint is not None and used - 1 in constraint.dead_rows:
+                dead = constraint.dead_rows[used - 1]
+                return self._end_early(req, ("error", f"grammar dead end: {dead}"), (drafted, kept, used - 1))
+            ended = self._append(req, tok, logprob)
+            if ended is not None:
+                return self._end_early(req, ended, (drafted, kept, used))
+        self._count_drafts(req, drafted, kept, None)
         # forced tokens come without logprobs, so a request that asks for them samples every token
         while constraint is not None and req.params.logprobs is None:
             forced = constraint.forced()
             if not forced:
                 break
             for tok in forced:
-                reason = self._append(req, tok, None)
-                if reason is not None:
-                    return self._end_early(req, *reason)
+                ended = self._append(req, tok, None)
+                if ended is not None:
+                    return self._end_early(req, ended, None)
         out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
-                            logprobs=req.pending_logprobs or None, tool_calls=req.pending_tool_calls or None,
+                            logprobs=req.pending_logprobs or None, trim_prior=req.pending_trim,
+                            tool_calls=req.pending_tool_calls or None,
                             prompt_logprobs=self._prompt_logprobs_once(req))
-        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_tool_calls = "", [], [], []
+        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_trim = "", [], [], 0
+        req.pending_tool_calls = []
         return out
 
     def _append(self, req: Request, tok: int, logprob) -> tuple[str, str | int | None] | None:
@@ -394,6 +440,7 @@ class EngineCore:
         if (tok in self.eos_ids and (not p.ignore_eos or constraint is not None)) or tok in p.stop_token_ids:
             return ("stop", tok)
         self._add_text(req, req.detok.add(tok))
+        req.pending_trim += req.detok.take_trim()
         if req.detok.stopped:
             return ("stop", req.detok.stop_reason)
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -419,16 +466,25 @@ class EngineCore:
         req.pending_text += content
         req.pending_tool_calls.extend(calls)
 
-    def _end_early(self, req: Request, reason: str, stop_reason) -> RequestOutput:
+    def _end_early(self, req: Request, reason: tuple[str, str | int | None],
+                   drafts: tuple[int, int, int] | None) -> RequestOutput:
         """Finish inside a step's tokens: the KV of the tokens after the last one kept is
-        dropped (the last token, as always, has none)."""
+        dropped (the last token, as always, has none). ``drafts``: (drafted, kept, used)
+        for ``_count_drafts`` when the step's drafts are not counted yet."""
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        return self._finish(req, reason, stop_reason)
+        if drafts is not None:
+            self._count_drafts(req, *drafts)  # before the timings are taken
+        return self._finish(req, *reason)
 
     def _finish(self, req: Request, reason: str, stop_reason) -> RequestOutput:
-        """Release the request's blocks (caching its pages) and build its final output."""
+        """Release the request's blocks (caching its pages) and build its final output.
+
+        A reply that truly ends ("stop") shows an unfinished character at its end as
+        U+FFFD; one cut by ``max_tokens``, the context or an abort drops it (its token ids
+        stay, so a continuation completes the character)."""
         req.finished_s = time.monotonic()
-        self._add_text(req, req.detok.finish())
+        self._add_text(req, req.detok.finish(complete=reason == "stop"))
+        req.pending_trim += req.detok.take_trim()
         if reason == "length" and req.detok.stopped:  # a stop string completed in the flushed tail
             reason, stop_reason = "stop", req.detok.stop_reason
         output_text, calls = req.detok.text, None
@@ -461,9 +517,10 @@ class EngineCore:
                             e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),
                             **_step_timings(req, n_out)),
             output_text=output_text, output_token_ids=list(req.output_ids),
-            prompt_token_ids=list(req.prompt_ids), prefix_reused=req.prefix_reused,
+            prompt_token_ids=list(req.prompt_ids), prefix_reused=req.prefix_reused, trim_prior=req.pending_trim,
         )
-        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_tool_calls = "", [], [], []
+        req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_trim = "", [], [], 0
+        req.pending_tool_calls = []
         return out
 
     # ----- introspection --------------------------------------------------------------

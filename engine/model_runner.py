@@ -162,7 +162,9 @@ class ModelRunner:
                 constrained.append((r.constraint, len(params), item.spec))
             for j in range(item.num_samples):
                 params.append(r.params)
-                keys.append(None if r.params.seed is None else noise_key(r.params.seed, len(r.output_ids) + j))
+                # a continued reply's own tokens count: position i of the reply written at once
+                pos = r.prior_output + len(r.output_ids) + j
+                keys.append(None if r.params.seed is None else noise_key(r.params.seed, pos))
                 counts.append(r.token_counts)
                 extra.append(item.spec[:j])
         # the masks are computed on another thread while the forward runs: the matchers are

@@ -36,10 +36,22 @@ class GenerateRequest:
             back to a full render and reports ``prefix_reused=False``.
         params: sampling and stopping parameters.
         cache_salt: namespace for the prefix cache; requests with different salts never
-            share KV (cache namespaces (docs/acceptance.md)). The engine also salts with its weights id.
+            share KV beyond ``shared_messages`` (docs/reliability.md, cache isolation). The
+            engine also separates weights by their id.
+        shared_messages: with a ``cache_salt``, the leading messages the caller declares
+            shared by everyone (a default system prompt): the prompt's tokens that render
+            them (``PromptBuilder.shared_length``, whole pages) stay in the unsalted cache,
+            where every salt finds them. Works with ``prompt_token_ids`` too.
         clamp_max_tokens: when the prompt fits the context but prompt + max_tokens does
             not, lower max_tokens to what is left (the reply then ends with "length")
             instead of refusing. The prompt itself is never truncated.
+        continued_tokens: the last ``continued_tokens`` ids of ``prompt_token_ids`` are a
+            reply cut at its max tokens that this request continues (tokens; 0: none).
+            They count as that reply's output already shown: its text is not sent again,
+            a stop string begun in it still matches, penalties count them as output and a
+            seeded request's noise goes on from their number, so a greedy or seeded reply
+            continued this way equals the reply written at once (``max_tokens`` counts the
+            new tokens only; docs/protocol.md, continuing a cut reply).
         tools: the functions the model may call and the tool choice (``engine.tools.spec``),
             or None.
         continue_final_message: the last message is the assistant's, and the reply
@@ -53,6 +65,8 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    continued_tokens: int = 0
+    shared_messages: list[dict[str, str]] | None = None
     prompt: str | None = None
     tools: ToolRequest | None = None
     continue_final_message: bool = False
@@ -118,6 +132,9 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     prefix_reused: bool | None = None
     progress: PromptProgress | None = None
+    # (a continuation) characters to take off the end of the continued reply's shown
+    # text before this item's text; on the first item with text, or the final one
+    trim_prior: int = 0
     tool_calls: list[ToolCallDelta] | None = None
     output_tool_calls: list[ToolCall] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None

@@ -19,6 +19,7 @@ Standard library only (the gateway builds routing ids with it).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -185,15 +186,21 @@ class PromptBuilder:
 
         Raises:
             InvalidRequestError: not exactly one of messages / prompt_token_ids / prompt,
-                bad ids, bad messages, or an empty prompt.
+                bad ids, bad messages, an empty prompt, or ``continued_tokens`` that are not
+                a part of ``prompt_token_ids`` after its first token.
         """
         given = [x is not None for x in (req.messages, req.prompt_token_ids, req.prompt)]
         if sum(given) != 1:
             raise InvalidRequestError("give exactly one of messages, prompt_token_ids or prompt")
+        if req.continued_tokens and req.prompt_token_ids is None:
+            raise InvalidRequestError("continued_tokens needs prompt_token_ids (the prompt ending with the reply)")
         if req.prompt_token_ids is not None:
             ids = self._check_ids(req.prompt_token_ids, "prompt_token_ids")
             if not ids:
                 raise InvalidRequestError("prompt_token_ids is empty")
+            if not 0 <= req.continued_tokens < len(ids):
+                raise InvalidRequestError(f"continued_tokens must be in [0, {len(ids) - 1}] for a prompt of "
+                                          f"{len(ids)} tokens, got {req.continued_tokens}")
             return ids, False
         if req.prompt is not None:
             ids = self.encode_text(_text(req.prompt, "prompt"))
@@ -208,6 +215,41 @@ class PromptBuilder:
                 tail = self.tokenizer.encode(rest, add_special_tokens=False) if rest else []
                 return prefix + [int(t) for t in tail], True
         return self.render_ids(messages, options), False
+
+    def shared_length(self, prompt_ids: list[int], shared_messages: list[dict[str, str]] | None) -> int:
+        """How many leading tokens of ``prompt_ids`` hold only the declared-shared leading
+        messages and the chat template's own text (tokens; the caller rounds down to pages).
+
+        The template is rendered with ``shared_messages`` followed by an empty message of
+        the next role (so a template that adds its default system prompt to a chat without
+        one does so here too), and the answer is the common prefix of those ids with
+        ``prompt_ids``. Whatever the caller declares, the count never covers a token that
+        is not in that render: text that is neither declared nor the template's is never
+        shared. 0 when the model has no chat template or it rejects the messages.
+
+        Raises:
+            InvalidRequestError: ``shared_messages`` is not a list of valid messages.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            return 0
+        msgs = validate_messages(shared_messages) if shared_messages else []
+        next_role = "assistant" if msgs and msgs[-1]["role"] == "user" else "user"
+        ref = self._shared_render(tuple((m["role"], m["content"]) for m in msgs), next_role)
+        n = 0
+        for a, b in zip(ref, prompt_ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one builder per engine, kept for its life
+    def _shared_render(self, messages: tuple[tuple[str, str], ...], next_role: str) -> tuple[int, ...]:
+        chat = [{"role": r, "content": c} for r, c in messages] + [{"role": next_role, "content": ""}]
+        try:
+            return tuple(_as_id_list(self.tokenizer.apply_chat_template(chat, tokenize=True,
+                                                                        add_generation_prompt=False)))
+        except Exception:  # a template that rejects this shape: nothing is shared
+            return ()
 
     def _render_text(self, messages: list[dict[str, Any]], generation_prompt: bool,
                      options: RenderOptions = RenderOptions()) -> str:

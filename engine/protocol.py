@@ -24,8 +24,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # 2: per-step frames, stats from the end-of-step snapshot; 3: progress items; 4: KV events;
-# 5: raw prompts, tools and tool calls, continue_final_message, logprobs with token texts
-PROTOCOL_VERSION = 5
+# 5: continuing a cut reply (generate's continued_tokens, the items' trim_prior);
+# 6: per-user cache salts with declared-shared messages (generate's shared_messages);
+# 7: raw prompts, tools and tool calls, continue_final_message, output constraints, logit
+# bias, named logprobs and prompt logprobs
+PROTOCOL_VERSION = 7
 
 
 class FrameError(ValueError):
@@ -113,10 +116,13 @@ class EngineInfo:
 class GenerateFrame:
     """Start a generation. Exactly one of ``messages`` / ``prompt_token_ids`` / ``prompt``;
     ``params`` holds ``engine.sampling_params.SamplingParams`` keys (checked by the engine).
-
-    ``tools``, ``tool_choice``, ``parallel_tool_calls``: OpenAI's chat-completions fields
-    (``engine.tools.spec``); ``continue_final_message``: continue the final assistant
-    message instead of answering it; ``prompt``: a raw text prompt (no chat template).
+    ``continued_tokens`` (protocol 5): the last that many ``prompt_token_ids`` are a cut
+    reply this request continues (``engine.outputs.GenerateRequest``); ``shared_messages``
+    (protocol 6): with a ``cache_salt``, the leading messages declared shared.
+    Protocol 7: ``prompt``, a raw text prompt (no chat template); ``tools``,
+    ``tool_choice``, ``parallel_tool_calls``, OpenAI's chat-completions fields
+    (``engine.tools.spec``); ``continue_final_message``, continue the final assistant
+    message instead of answering it.
     """
 
     request_id: str
@@ -126,6 +132,8 @@ class GenerateFrame:
     params: dict[str, Any] | None = None
     cache_salt: str = ""
     clamp_max_tokens: bool = False
+    continued_tokens: int = 0
+    shared_messages: list[dict[str, str]] | None = None
     prompt: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -195,17 +203,22 @@ class DeltaFrame:
 
     ``logprobs``: per token ``{"token_id", "token", "bytes", "logprob", "top": [{"token_id",
     "token", "bytes", "logprob"}, ...]}`` when asked for (``token``: the token's text,
-    ``bytes``: its UTF-8 bytes). ``tool_calls``: tool-call deltas ``{"index", "id"?,
-    "name"?, "arguments"}`` (a call's first has its id and name; the others fragments of
-    its arguments' JSON text); with tools, ``text`` is the content outside calls.
-    ``prompt_logprobs`` (once, with the first item that has tokens, when asked for): an
-    entry per prompt token, the first with ``logprob`` null.
+    ``bytes``: its UTF-8 bytes).
+    ``trim_prior`` (a continuation, protocol 5): characters (code points) to take off the
+    end of the continued reply's text before appending ``text``; only ever on the
+    request's first item with text, or on its ``done``.
+    ``tool_calls`` (protocol 7): tool-call deltas ``{"index", "id"?, "name"?, "arguments"}``
+    (a call's first has its id and name; the others fragments of its arguments' JSON
+    text); with tools, ``text`` is the content outside calls. ``prompt_logprobs``
+    (protocol 7; once, with the first item that has tokens, when asked for): an entry
+    per prompt token, the first with ``logprob`` null.
     """
 
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
+    trim_prior: int = 0
     tool_calls: list[dict[str, Any]] | None = None
     prompt_logprobs: list[dict[str, Any]] | None = None
 
@@ -217,8 +230,8 @@ class DoneFrame:
     ``finish_reason`` is "stop", "length", "abort", "tool_calls" (the reply made tool
     calls and ended) or "error" (the engine could not continue it: ``stop_reason`` says
     why); the concatenation of every item's ``text`` equals ``output_text``.
-    ``output_tool_calls``: every call of the reply whole (``{"index", "id", "name",
-    "arguments"}``), or None for a request without tools.
+    ``trim_prior``: as in ``DeltaFrame``. ``output_tool_calls``: every call of the reply
+    whole (``{"index", "id", "name", "arguments"}``), or None for a request without tools.
     """
 
     request_id: str
@@ -233,6 +246,7 @@ class DoneFrame:
     prefix_reused: bool = False
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
+    trim_prior: int = 0
     tool_calls: list[dict[str, Any]] | None = None
     output_tool_calls: list[dict[str, Any]] | None = None
     prompt_logprobs: list[dict[str, Any]] | None = None
@@ -314,6 +328,8 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
         d = {"type": "delta", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
         if item.logprobs:
             d["logprobs"] = item.logprobs
+        if item.trim_prior:
+            d["trim_prior"] = item.trim_prior
         if item.tool_calls:
             d["tool_calls"] = item.tool_calls
         if item.prompt_logprobs:
@@ -322,6 +338,8 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
     d = {"type": "done", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
     if item.logprobs:
         d["logprobs"] = item.logprobs
+    if item.trim_prior:
+        d["trim_prior"] = item.trim_prior
     if item.tool_calls:
         d["tool_calls"] = item.tool_calls
     d.update(finish_reason=item.finish_reason, stop_reason=item.stop_reason, output_text=item.output_text,
@@ -354,6 +372,10 @@ def to_dict(frame: Frame) -> dict[str, Any]:
             d["cache_salt"] = frame.cache_salt
         if frame.clamp_max_tokens:
             d["clamp_max_tokens"] = True
+        if frame.continued_tokens:
+            d["continued_tokens"] = frame.continued_tokens
+        if frame.shared_messages is not None:
+            d["shared_messages"] = frame.shared_messages
         if frame.continue_final_message:
             d["continue_final_message"] = True
         return d
@@ -436,10 +458,13 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     text = _get(d, "text", str, "")
     ids = _int_list(d, "token_ids", [])
     logprobs = _get(d, "logprobs", list, None)
+    trim = int(_get(d, "trim_prior", int, 0))
+    if trim < 0:
+        raise FrameError(f"'trim_prior' of a {kind} frame must be >= 0")
     tool_calls = _dict_list(d, "tool_calls")
     prompt_logprobs = _dict_list(d, "prompt_logprobs")
     if kind == "delta":
-        return DeltaFrame(rid, text, ids, logprobs, tool_calls, prompt_logprobs)
+        return DeltaFrame(rid, text, ids, logprobs, trim, tool_calls, prompt_logprobs)
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
@@ -457,7 +482,7 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     return DoneFrame(rid, text, ids, logprobs, str(_get(d, "finish_reason", str, "stop")), stop_reason,
                      str(_get(d, "output_text", str, "")), _int_list(d, "output_token_ids", []),
                      _int_list(d, "prompt_token_ids", []), bool(_get(d, "prefix_reused", bool, False)), u, t,
-                     tool_calls, _dict_list(d, "output_tool_calls"), prompt_logprobs)
+                     trim, tool_calls, _dict_list(d, "output_tool_calls"), prompt_logprobs)
 
 
 def _dict_list(d: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
@@ -514,8 +539,8 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
 
 
 GENERATE_FIELDS = frozenset({"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params",
-                             "cache_salt", "clamp_max_tokens", "prompt", "tools", "tool_choice",
-                             "parallel_tool_calls", "continue_final_message"})
+                             "cache_salt", "clamp_max_tokens", "continued_tokens", "shared_messages", "prompt",
+                             "tools", "tool_choice", "parallel_tool_calls", "continue_final_message"})
 
 
 def decode_client_frame(text: str | bytes) -> ClientFrame:
@@ -544,6 +569,9 @@ def decode_client_frame(text: str | bytes) -> ClientFrame:
             messages = _get(d, "messages", list, None)
             if messages is not None and not all(isinstance(m, dict) for m in messages):
                 raise FrameError("'messages' must be a list of objects")
+            shared = _get(d, "shared_messages", list, None)
+            if shared is not None and not all(isinstance(m, dict) for m in shared):
+                raise FrameError("'shared_messages' must be a list of objects")
             tool_choice = d.get("tool_choice")
             if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
                 raise FrameError("'tool_choice' must be a string or an object")
@@ -551,6 +579,7 @@ def decode_client_frame(text: str | bytes) -> ClientFrame:
                                  _int_list(d, "prefix_token_ids", None), _get(d, "params", dict, None),
                                  str(_get(d, "cache_salt", str, "")),
                                  bool(_get(d, "clamp_max_tokens", bool, False)),
+                                 int(_get(d, "continued_tokens", int, 0)), shared,
                                  _get(d, "prompt", str, None), _dict_list(d, "tools"), tool_choice,
                                  _get(d, "parallel_tool_calls", bool, None),
                                  bool(_get(d, "continue_final_message", bool, False)))

@@ -14,6 +14,19 @@ Tree layout::
      |    |    +-- [u32..u63] [b5 b9]
      |    +-- ...
      +-- "ns-B"                  requests of different namespaces never share blocks
+          +-- [s0..s15] [b4]      a prefix declared shared (e.g. the default system prompt)
+               +-- salt "u1"      salt node: no tokens, no blocks; one user's pages below
+               |    +-- [p16..p31] [b8]
+               +-- salt "u2"
+                    +-- [p16..p31] [b6]   the same tokens as u1's, never the same block
+
+A request with a ``CacheScope`` that names a salt matches and stores its first
+``shared_tokens`` (whole pages) in the namespace's own tree, where everyone with the
+same prefix finds them, and the rest only below its salt node there: two salts never
+share a page beyond the shared part, whatever the tokens (per-user cache isolation,
+docs/reliability.md). A salt node's key can never equal a page of tokens, it holds no
+blocks and goes when its last child is evicted; its pages' hashes re-seed the chain with
+the salt (``engine.block_hash.salt_seed``).
 
 Ownership of one request R (prompt = 2 pages matched from the tree, 1 full page and
 1 partial page computed by R)::
@@ -59,9 +72,38 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.block_hash import chain_hashes, namespace_seed
+from engine.block_hash import chain_hashes, namespace_seed, salt_seed
 from engine.block_pool import BlockPool
 from engine.errors import InvariantError
+
+
+@dataclass(frozen=True)
+class CacheScope:
+    """Where a request's pages live in the tree.
+
+    Attributes:
+        namespace: the namespace node (the weights id, ``engine.block_hash.namespace_of``).
+        salt: the request's cache salt; "" shares every page within the namespace.
+        shared_tokens: with a salt, how many leading tokens (rounded down to whole pages
+            by the tree) live in the namespace's shared part above the salt node.
+    """
+
+    namespace: str
+    salt: str = ""
+    shared_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SaltKey:
+    """The key of a salt node among its parent's children (never equal to a page of
+    tokens, which is a tuple of ints)."""
+
+    salt: str
+
+
+def as_scope(namespace: str | CacheScope) -> CacheScope:
+    """A bare namespace string as the scope that shares every page in it."""
+    return namespace if isinstance(namespace, CacheScope) else CacheScope(namespace)
 
 
 class RadixCacheError(RuntimeError):
@@ -73,14 +115,15 @@ class RadixNode:
     """One tree node; an opaque handle for callers (pass it back to ``lock``/``unlock``).
 
     ``tokens`` is the edge label (a tuple, ``len(blocks) * block_size`` tokens) and
-    ``blocks`` its KV block ids; namespace nodes and the root have neither.
+    ``blocks`` its KV block ids; namespace nodes, salt nodes (``salt`` set) and the root
+    have neither.
     """
 
     __slots__ = ("parent", "tokens", "blocks", "hashes", "children", "lock_ref", "last_access",
-                 "uid", "namespace", "removed")
+                 "uid", "namespace", "removed", "salt")
 
     def __init__(self, parent: RadixNode | None, tokens: tuple[int, ...], blocks: list[int],
-                 uid: int, last_access: int, namespace: str | None = None) -> None:
+                 uid: int, last_access: int, namespace: str | None = None, salt: str | None = None) -> None:
         self.parent = parent
         self.tokens = tokens
         self.blocks = blocks
@@ -94,9 +137,11 @@ class RadixNode:
         self.uid = uid
         self.namespace = namespace
         self.removed = False
+        self.salt = salt
 
     def __repr__(self) -> str:
-        what = f"ns={self.namespace!r}" if self.namespace is not None else f"pages={len(self.blocks)}"
+        what = (f"ns={self.namespace!r}" if self.namespace is not None
+                else "salt" if self.salt is not None else f"pages={len(self.blocks)}")
         return f"RadixNode(uid={self.uid}, {what}, lock_ref={self.lock_ref})"
 
 
@@ -199,10 +244,12 @@ class RadixCache:
 
     # --- match / lock ------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], namespace: str = "",
+    def match_prefix(self, token_ids: Sequence[int], namespace: str | CacheScope = "",
                      max_tokens: int | None = None) -> MatchResult:
         """Find the longest cached prefix of ``token_ids`` in ``namespace``, in whole blocks.
 
+        ``namespace`` is a namespace name or a ``CacheScope``; a salted scope matches its
+        shared pages in the namespace and the rest only below its salt node.
         At most ``max_tokens`` tokens are matched (rounded down to a block multiple);
         a caller that needs logits passes ``len(token_ids) - 1``. When the match ends
         inside an edge, that edge is split at the block boundary so that the returned
@@ -215,16 +262,32 @@ class RadixCache:
         was written), so they can be read at once and must never be written.
         """
         bs = self.block_size
+        scope = as_scope(namespace)
         limit = len(token_ids) if max_tokens is None else max(0, min(len(token_ids), max_tokens))
         num_pages = limit // bs
-        ns_node = self._root.children.get(namespace) if self.enabled else None
+        ns_node = self._root.children.get(scope.namespace) if self.enabled else None
         if ns_node is None or num_pages == 0:
             return MatchResult([], 0, self._root)
         self._clock += 1
-        node, blocks = self._walk(ns_node, tuple(token_ids[: num_pages * bs]))
+        tokens = tuple(token_ids[: num_pages * bs])
+        shared = self._shared_pages(scope, num_pages)
+        node, blocks = self._walk(ns_node, tokens[: shared * bs])
+        if len(blocks) == shared < num_pages:  # the shared part is all there: go on below the salt
+            salt_node = node.children.get(SaltKey(scope.salt))
+            if salt_node is not None:
+                salt_node.last_access = self._clock
+                deeper, more = self._walk(salt_node, tokens[shared * bs:])
+                if more:
+                    node, blocks = deeper, blocks + more
         if not blocks:
             return MatchResult([], 0, self._root)
         return MatchResult(blocks, len(blocks) * bs, node)
+
+    def _shared_pages(self, scope: CacheScope, num_pages: int) -> int:
+        """Leading pages (of ``num_pages``) that ``scope`` keeps in its namespace's shared part."""
+        if not scope.salt:
+            return num_pages
+        return min(max(0, scope.shared_tokens) // self.block_size, num_pages)
 
     def lock(self, node: RadixNode) -> None:
         """Pin ``node`` and its ancestors against eviction (lock_ref += 1 on the path).
@@ -261,8 +324,11 @@ class RadixCache:
 
     # --- insert ------------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], namespace: str = "") -> InsertResult:
-        """Store the pages ``token_ids`` -> ``blocks`` (full blocks only) in ``namespace``.
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int],
+               namespace: str | CacheScope = "") -> InsertResult:
+        """Store the pages ``token_ids`` -> ``blocks`` (full blocks only) in ``namespace``
+        (a name or a ``CacheScope``: a salted scope stores its pages past the shared part
+        below its salt node, creating it).
 
         ``len(token_ids) == len(blocks) * block_size``: the caller trims its partial
         last block, and inserts only pages whose KV is fully written (a match hands
@@ -289,13 +355,22 @@ class RadixCache:
             raise ValueError("insert got the same block id twice")
         if not self.enabled or n == 0:
             return InsertResult(0, 0, [], self._root, [])
+        scope = as_scope(namespace)
         tokens = tuple(token_ids)
         self._clock += 1
-        ns_node = self._root.children.get(namespace)
+        shared = self._shared_pages(scope, n)
+        ns_node = self._root.children.get(scope.namespace)
         node: RadixNode | None = ns_node
+        salt_node: RadixNode | None = None
         tree_blocks: list[int] = []
         if ns_node is not None:
-            node, tree_blocks = self._walk(ns_node, tokens)
+            node, tree_blocks = self._walk(ns_node, tokens[: shared * bs])
+            if len(tree_blocks) == shared < n:
+                salt_node = node.children.get(SaltKey(scope.salt))
+                if salt_node is not None:
+                    salt_node.last_access = self._clock
+                    node, more = self._walk(salt_node, tokens[shared * bs:])
+                    tree_blocks = tree_blocks + more
         pos = len(tree_blocks)
         duplicates = [mine for tree_block, mine in zip(tree_blocks, blocks) if tree_block != mine]
         new_blocks = list(blocks[pos:])
@@ -306,21 +381,34 @@ class RadixCache:
                 raise RadixCacheError(f"block {b} is free in the pool; the caller must hold it")
         if new_blocks:
             if node is None:
-                node = ns_node = RadixNode(self._root, (), [], next(self._uids), self._clock, namespace)
-                self._root.children[namespace] = ns_node
-            leaf = RadixNode(node, tokens[pos * bs:], new_blocks, next(self._uids), self._clock)
-            node.children[leaf.tokens[:bs]] = leaf
-            if self.events:
-                leaf.hashes = chain_hashes(self._tail_hash(node), leaf.tokens, bs)
-                for h in leaf.hashes:
-                    self._pending[h] = True
+                node = ns_node = RadixNode(self._root, (), [], next(self._uids), self._clock, scope.namespace)
+                self._root.children[scope.namespace] = ns_node
+            if pos < shared:  # the rest of the shared part first, in the namespace itself
+                node = self._add_leaf(node, tokens[pos * bs: shared * bs], blocks[pos:shared])
+            if shared < n:
+                if salt_node is None:
+                    salt_node = node = RadixNode(node, (), [], next(self._uids), self._clock, salt=scope.salt)
+                    assert salt_node.parent is not None
+                    salt_node.parent.children[SaltKey(scope.salt)] = salt_node
+                start = max(pos, shared)
+                node = self._add_leaf(node, tokens[start * bs:], blocks[start:])
             self.pool.incref(new_blocks)
             self._tree_blocks.update(new_blocks)
             self._num_cached += len(new_blocks)
-            node = leaf
-        if node is None or node is ns_node:
+        if node is None or not node.blocks:  # nothing stored or matched (a namespace or salt node)
             node = self._root
         return InsertResult(pos * bs, (n - pos) * bs, duplicates, node, tree_blocks + new_blocks)
+
+    def _add_leaf(self, parent: RadixNode, tokens: tuple[int, ...], blocks: Sequence[int]) -> RadixNode:
+        """A new child of ``parent`` holding the pages ``tokens`` -> ``blocks`` (named by
+        their chained hashes when the cache reports events); counters are the caller's."""
+        leaf = RadixNode(parent, tokens, list(blocks), next(self._uids), self._clock)
+        parent.children[tokens[: self.block_size]] = leaf
+        if self.events:
+            leaf.hashes = chain_hashes(self._tail_hash(parent), tokens, self.block_size)
+            for h in leaf.hashes:
+                self._pending[h] = True
+        return leaf
 
     # --- eviction ------------------------------------------------------------------------
 
@@ -343,10 +431,13 @@ class RadixCache:
             parent = leaf.parent
             freed += self._remove_leaf(leaf)
             assert parent is not None
-            if parent.namespace is not None:
-                if not parent.children and parent.lock_ref == 0:
-                    self._remove_leaf(parent)
-            elif self._evictable_leaf(parent):
+            # a namespace or salt node goes with its last child (then its parent may be a leaf)
+            while parent is not self._root and not parent.blocks and not parent.children and parent.lock_ref == 0:
+                grand = parent.parent
+                self._remove_leaf(parent)
+                assert grand is not None
+                parent = grand
+            if self._evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         return freed
 
@@ -373,12 +464,16 @@ class RadixCache:
         return [h for n in self._iter_live() for h in n.hashes]
 
     def _tail_hash(self, node: RadixNode) -> int:
-        """The hash of the last page on the path to ``node`` (a namespace node: its seed)."""
+        """The hash of the last page on the path to ``node`` (a namespace node: its seed; a
+        salt node: the salted seed after its parent's last page)."""
         if node.namespace is not None:
             seed = self._seeds.get(node.namespace)
             if seed is None:
                 seed = self._seeds[node.namespace] = namespace_seed(node.namespace)
             return seed
+        if node.salt is not None:
+            assert node.parent is not None
+            return salt_seed(self._tail_hash(node.parent), node.salt)
         return node.hashes[-1]
 
     # --- checks and debugging ------------------------------------------------------------
@@ -415,6 +510,13 @@ class RadixCache:
                 for key, c in n.children.items():
                     if not (c.parent is n and not c.removed):
                         raise InvariantError(f"bad parent link at {c!r}")
+                    if c.salt is not None:
+                        if c.tokens or c.blocks or c.hashes or c.namespace is not None or n.salt is not None:
+                            raise InvariantError(f"salt node {c!r} holds tokens or blocks, or sits below a salt")
+                        if not (key == SaltKey(c.salt) and c.children):
+                            raise InvariantError(f"salt node {c!r} is mis-keyed or empty")
+                        stack.append(c)
+                        continue
                     if not (c.namespace is None and c.blocks):
                         raise InvariantError(f"{c!r} holds no blocks")
                     if not (len(c.tokens) == len(c.blocks) * bs):
@@ -446,7 +548,8 @@ class RadixCache:
 
         def walk(n: RadixNode, depth: int) -> None:
             toks = list(n.tokens[:8]) + (["..."] if len(n.tokens) > 8 else [])
-            label = f"ns {n.namespace!r}" if n.namespace is not None else f"{toks} -> {n.blocks}"
+            label = (f"ns {n.namespace!r}" if n.namespace is not None
+                     else f"salt {n.salt[:8]!r}" if n.salt is not None else f"{toks} -> {n.blocks}")
             lines.append(f"{'  ' * depth}{label} lock={n.lock_ref} t={n.last_access}")
             for c in n.children.values():
                 walk(c, depth + 1)
@@ -515,7 +618,8 @@ class RadixCache:
         assert not node.children and node.lock_ref == 0 and not node.removed
         parent = node.parent
         if parent is not None:
-            key = node.namespace if node.namespace is not None else node.tokens[:self.block_size]
+            key = node.namespace if node.namespace is not None else (
+                SaltKey(node.salt) if node.salt is not None else node.tokens[:self.block_size])
             del parent.children[key]
         node.removed = True
         if not node.blocks:
@@ -550,4 +654,5 @@ def _common_pages(edge: tuple[int, ...], query: tuple[int, ...], start: int, bs:
     return pages
 
 
-__all__ = ["InsertResult", "MatchResult", "RadixCache", "RadixCacheError", "RadixNode"]
+__all__ = ["CacheScope", "InsertResult", "MatchResult", "RadixCache", "RadixCacheError", "RadixNode",
+           "SaltKey", "as_scope"]

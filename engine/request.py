@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.radix_cache import CacheScope
 from engine.sampling_params import SamplingParams
 from engine.spec.ngram import TokenHistory
 from engine.spec.policy import SpecState
@@ -42,7 +43,9 @@ class Request:
         request_id: unique among live requests.
         prompt_ids: the prompt tokens, as run.
         params: sampling and stop parameters.
-        namespace: prefix-cache namespace (weights id + cache salt).
+        namespace: where its pages live in the prefix cache (``CacheScope``: the weights'
+            namespace, its cache salt and the tokens it shares across salts; a bare
+            namespace string shares every page in it).
         output_ids: sampled tokens so far (including a final EOS/stop token).
         block_table: physical KV blocks covering tokens 0..num_computed_tokens-1 and
             the blocks reserved for this step.
@@ -60,6 +63,9 @@ class Request:
         spec_drafts: draft tokens to verify in the next step (set by the engine, read by
             the scheduler).
         decode_steps: steps that sampled for it after its prefill.
+        prior_output: the last ``prior_output`` prompt tokens are a cut reply this
+            request continues: output already shown (tokens; 0 for a new reply).
+        pending_trim: characters of that reply's shown text taken back and not reported yet.
         constraint: its grammar state (``engine.structured.compiler.Constraint``) when its
             output is constrained (a response format, or tool calls), else None.
         tool_stream: the split of its text into content and tool calls
@@ -72,7 +78,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    namespace: str = ""
+    namespace: CacheScope | str = ""
     prefix_reused: bool = False
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -94,6 +100,8 @@ class Request:
     spec: SpecState = field(default_factory=SpecState)
     spec_drafts: list[int] = field(default_factory=list)
     decode_steps: int = 0
+    prior_output: int = 0
+    pending_trim: int = 0
     constraint: Any = None
     tool_stream: Any = None
     prompt_logprobs: list[Any] = field(default_factory=list)

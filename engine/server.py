@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -26,6 +27,7 @@ from websockets.http11 import Request, Response
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError, InvalidRequestError
 from engine.outputs import GenerateRequest, RequestOutput, TokenLogprob
+from engine.prompt import validate_messages
 from engine.protocol import (
     AbortFrame,
     DeltaFrame,
@@ -91,12 +93,12 @@ def output_item(request_id: str, out: RequestOutput, vocab: Vocabulary | None = 
     calls = [c.as_dict() for c in out.tool_calls] if out.tool_calls else None
     prompt_lps = prompt_logprob_dicts(out.prompt_logprobs, vocab) if out.prompt_logprobs else None
     if not out.finished:
-        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, calls, prompt_lps)
+        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, out.trim_prior, calls, prompt_lps)
     assert out.usage is not None and out.timings is not None  # a finished output carries both
     whole = [c.as_dict() for c in out.output_tool_calls] if out.output_tool_calls is not None else None
-    return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop",
-                     out.stop_reason, out.output_text or "", out.output_token_ids or [], out.prompt_token_ids or [],
-                     bool(out.prefix_reused), out.usage, out.timings, calls, whole, prompt_lps)
+    return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop", out.stop_reason,
+                     out.output_text or "", out.output_token_ids or [], out.prompt_token_ids or [],
+                     bool(out.prefix_reused), out.usage, out.timings, out.trim_prior, calls, whole, prompt_lps)
 
 
 def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
@@ -107,11 +109,17 @@ def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
     """
     if text_error(frame.cache_salt, "cache_salt"):
         raise InvalidRequestError("cache_salt must be a string of valid Unicode")
+    if frame.shared_messages:
+        try:
+            validate_messages(frame.shared_messages)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"shared_messages: {e.message}") from None
     return GenerateRequest(
         request_id=internal_id, prompt_token_ids=frame.prompt_token_ids,
         messages=frame.messages, prefix_token_ids=frame.prefix_token_ids,
         params=SamplingParams.from_dict(frame.params), cache_salt=frame.cache_salt,
-        clamp_max_tokens=frame.clamp_max_tokens, prompt=frame.prompt,
+        clamp_max_tokens=frame.clamp_max_tokens, continued_tokens=frame.continued_tokens,
+        shared_messages=frame.shared_messages, prompt=frame.prompt,
         tools=parse_tools(frame.tools, frame.tool_choice, frame.parallel_tool_calls),
         continue_final_message=frame.continue_final_message,
     )
@@ -290,6 +298,30 @@ def secret_check(secret: str | None) -> Callable[[ServerConnection, Request], Re
     return check
 
 
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (a name or an address) is this machine's loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_without_secret(host: str) -> None:
+    """Say what an engine without ``ENGINE_SECRET`` exposes: a warning on any address but
+    loopback (anyone who reaches it may run generations and read the prefix cache's page
+    names), a note on loopback (any local process may). ``python -m gateway`` gives the
+    engine it starts a secret of its own."""
+    if is_loopback(host):
+        log.info("no %s: any process on this machine can use this engine; set one (the gateway sends the "
+                 "same value) to admit only the gateway", SECRET_ENV)
+    else:
+        log.warning("listening on %s without %s: anyone who reaches this address can run generations and read "
+                    "the prefix cache's page names; set %s in the engine's and the gateways' environment",
+                    host, SECRET_ENV, SECRET_ENV)
+
+
 async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.Event | None = None,
                      stop: asyncio.Event | None = None, start_engine: bool = True) -> None:
     """Serve until ``stop`` is set (forever if None); with ``ENGINE_SECRET`` set in the
@@ -304,8 +336,11 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
     server = EngineServer(engine)
     if start_engine:
         engine.start()
+    secret = os.environ.get(SECRET_ENV) or None
+    if secret is None:
+        warn_without_secret(host)
     async with serve(server.handle, host, port, max_size=MAX_FRAME_BYTES, ping_interval=20, ping_timeout=60,
-                     process_request=secret_check(os.environ.get(SECRET_ENV) or None)) as ws_server:
+                     process_request=secret_check(secret)) as ws_server:
         sock = next(iter(ws_server.sockets))
         bound_port = sock.getsockname()[1]
         print(f"ENGINE READY ws://{host}:{bound_port}", flush=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.config import ConfigError, GatewayConfig, config_from_env
-from gateway.extensions import create_app_with_extras
-from gateway.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis
-from gateway.serving import make_listen_socket, serve_and_announce, uvicorn_config
+from gateway.config import ConfigError, GatewayConfig, config_from_env, read_shared_prompts
+from gateway.server.extensions import create_app_with_extras
+from gateway.server.local import LocalEngine, LocalRedis, LocalStartError, ensure_redis, new_engine_secret
+from gateway.server.serving import make_listen_socket, serve_and_announce, uvicorn_config
 
 
 def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConfig, str]:
@@ -53,10 +53,16 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
     p.add_argument("--data-dir", type=Path, default=base.data_dir, help="data folder (DATA_DIR)")
     p.add_argument("--max-frame-bytes", type=int, default=base.limits.max_frame_bytes,
                    help="largest browser frame (LIMIT_MAX_FRAME_BYTES)")
+    p.add_argument("--shared-prompts-file", type=Path, default=None, metavar="FILE",
+                   help="a JSON array of prompts shared by every user's prefix cache besides the default system "
+                        "prompt (SHARED_PROMPTS_FILE; docs/reliability.md, cache isolation)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="what the gateway (and a local engine) log on stderr (default: %(default)s)")
     a = p.parse_args(_glue_engine_args(sys.argv[1:] if argv is None else argv))
-    hard = max(base.limits.hard_frame_bytes, 4 * a.max_frame_bytes)
+    try:
+        shared = read_shared_prompts(a.shared_prompts_file) if a.shared_prompts_file else base.shared_prompts
+    except ValueError as e:
+        raise ConfigError(f"--shared-prompts-file: {e}") from None
     cfg = base.with_overrides(
         host=a.host, port=a.port, redis_url=a.redis_url, model=a.model, data_dir=a.data_dir,
         engine_urls=tuple(a.engine) if a.engine else base.engine_urls,
@@ -64,7 +70,7 @@ def parse_args(argv: list[str] | None, base: GatewayConfig) -> tuple[GatewayConf
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else base.allowed_origins,
         allowed_hosts=tuple(a.allowed_hosts) if a.allowed_hosts is not None else base.allowed_hosts,
         session_ttl_s=a.session_ttl if a.session_ttl and a.session_ttl > 0 else None,
-        limits={"max_frame_bytes": a.max_frame_bytes, "hard_frame_bytes": hard})
+        limits={"max_frame_bytes": a.max_frame_bytes}, shared_prompts=shared)
     return cfg, a.log_level
 
 
@@ -132,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         local_redis = ensure_redis(cfg.redis_url, cfg.data_dir)
         if not cfg.engine_urls:
             print(f"Starting a local engine ({cfg.model or 'bundled SmolLM2-135M-Instruct'})...", flush=True)
-            # the gateway's level first: a --log-level in --engine-args comes later and wins
+            # the gateway's level first: a --log-level in --engine-args comes later and wins; the
+            # engine admits only this gateway (a secret of its own unless ENGINE_SECRET names one)
+            secret = cfg.engine_secret or new_engine_secret()
             engine = LocalEngine(model=cfg.model, extra_args=(f"--log-level={log_level}", *cfg.engine_args),
-                                 echo=lambda line: print(f"[engine] {line}", flush=True))
-            cfg = cfg.with_overrides(engine_urls=(engine.start(),))
+                                 echo=lambda line: print(f"[engine] {line}", flush=True), secret=secret)
+            cfg = cfg.with_overrides(engine_urls=(engine.start(),), engine_secret=secret)
             engine.supervise(say=lambda line: print(line, flush=True))
         port = sock.getsockname()[1]
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host

@@ -34,7 +34,7 @@ from websockets.typing import Origin
 
 from engine.sampling_params import param_error, range_text
 from engine.text_checks import text_error
-from gateway.auth import COOKIE_NAME
+from gateway.api.auth import COOKIE_NAME
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "CHAT_TOKEN"
@@ -185,8 +185,9 @@ async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: a
             elif kind == "error":
                 print(f"error ({msg.get('code')}): {msg.get('message')}", file=err, flush=True)
                 return EXIT_INTERRUPTED if interrupted.is_set() else 1
-    except websockets.ConnectionClosed:
-        print("error: the connection closed before the reply ended", file=err)
+    except websockets.ConnectionClosed as e:
+        why = f" ({e.rcvd.code}: {e.rcvd.reason})" if e.rcvd is not None and e.rcvd.reason else ""
+        print(f"error: the connection closed before the reply ended{why}", file=err)
         return EXIT_INTERRUPTED if interrupted.is_set() else 1
     finally:
         stop_wait.cancel()

@@ -6,6 +6,7 @@ Every option has an environment variable (named in ``ENV_VARS``); the command li
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shlex
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import param_error
-from gateway.routing import RoutingPolicy
+from gateway.engines.routing import RoutingPolicy
 
 MIB = 1 << 20
 
@@ -31,16 +32,19 @@ class ConfigError(ValueError):
     """An option has an invalid value (raised on construction)."""
 
 
+# limits that may be None (no cap, or a derived default)
+OPTIONAL_LIMITS = frozenset({"ws_socket_sndbuf_bytes", "http_max_connections_per_address", "http_max_connections"})
+
+
 @dataclass(frozen=True)
 class Limits:
     """Documented limits (docs/protocol.md). Sizes in bytes, times in seconds.
 
     Attributes:
-        max_frame_bytes: largest browser frame handled; a bigger one gets a
-            ``frame_too_large`` error frame and the socket stays open.
-        hard_frame_bytes: frames above this are refused by the WebSocket layer itself
-            (close 1009 with a reason) before the application sees them; must be above
-            ``max_frame_bytes`` so that the documented limit answers with an error frame.
+        max_frame_bytes: largest browser frame (and ``/v1`` body); a bigger frame is
+            refused by the WebSocket layer as soon as its header gives its length, before
+            its payload is read: a ``frame_too_large`` error frame, then close 1009 with a
+            reason (``gateway/server/ws_protocol.py``).
         max_http_body_bytes: largest ``/api`` request body (HTTP 413 above).
         max_sessions_per_user: chats one user may keep (``too_many_sessions``).
         max_generations_per_user: replies one user may have in progress at once.
@@ -56,16 +60,25 @@ class Limits:
             (``SO_SNDBUF`` on the listening socket); None keeps the kernel's autotuning
             (which can reach several MiB per connection).
         http_max_header_bytes: largest request head (request line and headers); a
-            bigger one gets HTTP 431 and the connection is closed (gateway/http_limits.py).
+            bigger one gets HTTP 431 and the connection is closed (gateway/server/http_limits.py).
         http_max_headers: most header fields in one request (431 above).
         http_header_timeout_s: a request whose head is not complete this long after the
             connection opened (or after its first byte) gets HTTP 408 and is closed.
         ws_max_sockets_per_user: browser sockets one user may hold open at once.
         ws_max_sockets_per_address: browser sockets one client address may hold open.
+        http_body_timeout_s: a request body not complete this long after its head gets
+            ``408 Request Timeout`` and the connection is closed (gateway/server/http_limits.py).
+        http_max_connections_per_address: HTTP connections (not yet upgraded to a
+            WebSocket) one client address may hold open; the next gets ``429`` at once and
+            is closed (256, as ``ws_max_sockets_per_address``: a burst of socket handshakes
+            from one address is HTTP until it upgrades). None: no cap (behind a proxy, which
+            shows one address for all).
+        http_max_connections: connections of every kind the server holds at once; the next
+            gets ``503`` at once and is closed. None: three quarters of the process's open
+            file limit (``ulimit -n``), so sockets never run out before the cap answers.
     """
 
     max_frame_bytes: int = 4 * MIB
-    hard_frame_bytes: int = 16 * MIB
     max_http_body_bytes: int = 1 * MIB
     max_sessions_per_user: int = 500
     max_generations_per_user: int = 4
@@ -82,15 +95,16 @@ class Limits:
     http_header_timeout_s: float = 10.0
     ws_max_sockets_per_user: int = 32
     ws_max_sockets_per_address: int = 256
+    http_body_timeout_s: float = 30.0
+    http_max_connections_per_address: int | None = 256
+    http_max_connections: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_frame_bytes < 1024:
             raise ConfigError("max_frame_bytes must be >= 1024")
-        if self.hard_frame_bytes <= self.max_frame_bytes:
-            raise ConfigError("hard_frame_bytes must be above max_frame_bytes")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "ws_socket_sndbuf_bytes" and (v is None or v <= 0):
+            if (v is None and f.name not in OPTIONAL_LIMITS) or (v is not None and v <= 0):
                 raise ConfigError(f"{f.name} must be > 0, got {v!r}")
         if self.ws_socket_sndbuf_bytes is not None and self.ws_socket_sndbuf_bytes < 4096:
             raise ConfigError("ws_socket_sndbuf_bytes must be >= 4096 or None")
@@ -154,7 +168,7 @@ class GatewayConfig:
             a real outage answers ``store_unavailable``.
         engine_urls: the engines: our engines' internal WebSocket URLs (``ws://host:port``)
             and OpenAI-compatible servers (``http(s)://host:port/v1``: vLLM, SGLang,
-            llama-server, another gateway; ``gateway/upstream.py``); empty means "start a
+            llama-server, another gateway; ``gateway/engines/upstream.py``); empty means "start a
             local engine" (done by ``python -m gateway``, not by the app factory).
         model: model path for that local engine (None: the bundled SmolLM2).
         engine_args: more ``python -m engine serve`` options for that local engine
@@ -188,8 +202,11 @@ class GatewayConfig:
         ws_per_message_deflate: compress browser frames (off: deltas are tiny).
         defaults: per-chat defaults.
         limits: documented limits.
-        routing: which engine serves a request (``gateway/routing.py``; env
+        routing: which engine serves a request (``gateway/engines/routing.py``; env
             ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``).
+        shared_prompts: message texts declared shared across users' cache namespaces
+            besides ``defaults.system_prompt`` (``gateway/engines/cache_scope.py``; env
+            ``SHARED_PROMPTS_FILE``: a JSON array of strings).
     """
 
     host: str = "127.0.0.1"
@@ -221,6 +238,7 @@ class GatewayConfig:
     defaults: Defaults = field(default_factory=Defaults)
     limits: Limits = field(default_factory=Limits)
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    shared_prompts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (0 <= self.port < 65536):
@@ -249,6 +267,8 @@ class GatewayConfig:
         for o in self.allowed_origins:
             if not o.startswith(("http://", "https://")) or o.endswith("/"):
                 raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")
+        if not all(isinstance(t, str) for t in self.shared_prompts):
+            raise ConfigError("shared_prompts must be strings")
 
     def trusted_hosts(self) -> list[str]:
         """The host names allowed in ``Host`` (see ``allowed_hosts``)."""
@@ -313,9 +333,26 @@ ENV_VARS: dict[str, str] = {
     "key_prefix": "KEY_PREFIX",
     "session_ttl_s": "SESSION_TTL_S",
     "stream_ttl_s": "STREAM_TTL_S",
+    "shared_prompts": "SHARED_PROMPTS_FILE",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
 ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER"}
+
+
+def read_shared_prompts(path: Path) -> tuple[str, ...]:
+    """The prompts declared shared across users' caches: a JSON array of strings in ``path``.
+
+    Raises:
+        ValueError: the file cannot be read or is not such an array (``config_from_env``
+            reports it as a ``ConfigError`` naming the variable).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a JSON array of strings from {path}: {e}") from None
+    if not isinstance(data, list) or not all(isinstance(t, str) for t in data):
+        raise ValueError(f"{path} must hold a JSON array of strings")
+    return tuple(data)
 
 
 def _split(value: str) -> tuple[str, ...]:
@@ -348,13 +385,17 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = tuple(shlex.split(raw))  # ValueError (bad quotes) -> ConfigError below
             elif name == "data_dir":
                 changes[name] = Path(raw)
+            elif name == "shared_prompts":
+                changes[name] = read_shared_prompts(Path(raw))
             else:
                 changes[name] = raw
         limits: dict[str, Any] = {}
         for f in fields(Limits):
             var = LIMIT_ENV_PREFIX + f.name.upper()
             raw = env.get(var)
-            if raw:
+            if raw and f.name in OPTIONAL_LIMITS and raw.strip().lower() == "none":
+                limits[f.name] = None
+            elif raw:
                 limits[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
         routing: dict[str, Any] = {}
         for name, var in ROUTING_ENV.items():

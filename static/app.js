@@ -6,18 +6,22 @@
 import { api } from "./js/api.js";
 import { ChatSocket } from "./js/socket.js";
 import { createMarkdownRenderer, copyText } from "./js/markdown.js";
-import { MessageView, icon, ICONS } from "./js/messages.js";
+import { MessageView } from "./js/messages.js";
+import { icon, ICONS } from "./js/icons.js";
 import { SidebarView } from "./js/sidebar.js";
 import { SettingsDialog } from "./js/settings.js";
-import { ChatController, replaceDefaults } from "./js/controller.js";
+import { ChatController, replaceDefaults, isBusyNotice } from "./js/controller.js";
 import { TokensDialog } from "./js/tokens.js";
 import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
 import { ContextMeter } from "./js/progress.js";
 
 import { wireBranches } from "./js/branches.js";
+import { fillShortcutRows, isMac, wireShortcuts } from "./js/shortcuts.js";
 
 const READY_POLL_MS = 3000;
+// Said when Enter cannot send; it goes when the reply ends or another chat is shown.
+const BUSY_TEXT = "A reply is still being written. Wait for it to finish, or stop it (Esc) and send again.";
 const OFFLINE_TEXT = "Not connected to the server, so nothing was sent; your message stays in the box. Send it again once the connection is back.";
 
 /**
@@ -51,6 +55,7 @@ function socketUrl(loc) {
  */
 async function main(win) {
   const doc = win.document;
+  registerServiceWorker(win);
   const $ = (id) => doc.getElementById(id);
   const config = await loadConfig(doc);
   // The user's own defaults for new chats replace the gateway's (same object, filled in place).
@@ -91,19 +96,26 @@ async function main(win) {
       }
     }, READY_POLL_MS);
   };
-  const notify = (message) => {
+  // notify("", {onlyBusy: true}) hides the notice only when it is about the open chat being busy
+  const notify = (message, opts = {}) => {
+    if (opts.onlyBusy && !isBusyNotice($("notice-text").textContent)) return;
     $("notice-text").textContent = message;
     notice.hidden = !message;
+    if (message) urgent(message);
     if (message === engineDown) watchEngine();
   };
-  const announce = (message) => {
-    $("announcer").textContent = message;
+  // A live region says a text again only when it changes: a repeat gets a no-break space.
+  const say = (region, message) => {
+    region.textContent = message && region.textContent === message ? `${message}\u00a0` : message;
   };
+  const announce = (message) => say($("announcer"), message); // polite: replies, copies
+  const urgent = (message) => say($("alerts"), message); // assertive: errors, the connection
   let countdown = 0;
   const showConnection = (s) => {
     clearInterval(countdown);
     doc.body.dataset.connection = s.state; // "connecting" | "open" | "closed", for styles and tests
     if (s.state === "open") {
+      if (!banner.hidden) urgent("Connected to the server again.");
       banner.hidden = true;
       return;
     }
@@ -119,19 +131,36 @@ async function main(win) {
     };
     tick();
     countdown = setInterval(tick, 1000);
+    if (banner.hidden) urgent($("conn-text").textContent.replace(/ in \d+ s…$/, "…")); // said once, not each tick
     banner.hidden = false;
   };
 
   // ---- sidebar (off-canvas when narrow) ---------------------------------
   const setSidebarOpen = (open) => {
     doc.body.classList.toggle("sidebar-open", open);
-    $("sidebar-toggle").setAttribute("aria-expanded", String(open));
+    $("sidebar-toggle").setAttribute("aria-expanded", String(open || (!narrow.matches && !doc.body.classList.contains("sidebar-hidden"))));
     $("scrim").hidden = !open;
     // On a narrow screen the drawer and the chat take turns: what is covered
     // (or off screen) is inert, so Tab and screen readers skip it.
-    $("sidebar").inert = narrow.matches && !open;
+    $("sidebar").inert = narrow.matches ? !open : doc.body.classList.contains("sidebar-hidden");
     $("main").inert = narrow.matches && open;
     if (open) $("new-chat").focus();
+  };
+  // Alt+Shift+S: the drawer on a narrow screen; on a wide one the list folds away and back.
+  const toggleSidebar = () => {
+    if (narrow.matches) {
+      setSidebarOpen(!doc.body.classList.contains("sidebar-open"));
+      return;
+    }
+    const hide = !doc.body.classList.contains("sidebar-hidden");
+    doc.body.classList.toggle("sidebar-hidden", hide);
+    $("sidebar").inert = hide;
+    $("sidebar-toggle").setAttribute("aria-expanded", String(!hide));
+    if (hide && $("sidebar").contains(doc.activeElement)) input.focus();
+  };
+  const showSidebar = () => {
+    if (narrow.matches) setSidebarOpen(true);
+    else if (doc.body.classList.contains("sidebar-hidden")) toggleSidebar();
   };
   const closeSidebarIfNarrow = () => {
     if (narrow.matches && doc.body.classList.contains("sidebar-open")) setSidebarOpen(false);
@@ -201,8 +230,21 @@ async function main(win) {
     const title = sidebar.get(id)?.title || "this chat";
     $("confirm-text").textContent = `“${title}” and all its messages will be deleted.`;
     confirmDialog.returnValue = "";
-    confirmDialog.onclose = () => {
-      if (confirmDialog.returnValue === "confirm") controller.remove(id);
+    confirmDialog.onclose = async () => {
+      if (confirmDialog.returnValue !== "confirm") return; // the dialog gave focus back to the bin
+      const wasOpen = id === controller.currentId;
+      const items = [...$("chat-list").querySelectorAll(".chat-item")];
+      const at = items.findIndex((li) => li.dataset.id === id);
+      const neighbour = (items[at + 1] || items[at - 1])?.dataset.id;
+      if (!(await controller.remove(id))) return;
+      // The bin that had focus is gone: put focus where work goes on, never on the page's body.
+      const link = neighbour && [...$("chat-list").querySelectorAll(".chat-item")].find((li) => li.dataset.id === neighbour);
+      if (wasOpen || !link) {
+        closeSidebarIfNarrow();
+        input.focus();
+      } else {
+        link.querySelector(".chat-link").focus();
+      }
     };
     confirmDialog.showModal();
   };
@@ -212,7 +254,7 @@ async function main(win) {
     if (!text.trim()) return;
     // Enter that cannot send says why (the text stays in the box).
     if (controller.isBusy()) {
-      notify("A reply is still being written. Wait for it to finish, or stop it (Esc) and send again.");
+      notify(BUSY_TEXT);
       return;
     }
     if (!socket.isOpen) {
@@ -235,9 +277,19 @@ async function main(win) {
     ev.preventDefault();
     submit();
   });
+  // On a touch screen the return key writes a new line (a message of several lines is
+  // otherwise hard to type) and Send is the button, as in phone messengers.
+  const touch = win.matchMedia("(pointer: coarse)");
+  const fitEnterKey = () => {
+    input.setAttribute("enterkeyhint", touch.matches ? "enter" : "send");
+    $("composer-hint").textContent = touch.matches ? "Return for a new line; send with the arrow. Replies can be wrong; check what matters."
+      : "Enter to send, Shift+Enter for a new line. Replies can be wrong; check what matters.";
+  };
+  fitEnterKey();
+  touch.addEventListener("change", fitEnterKey);
   input.addEventListener("keydown", (ev) => {
     // Enter sends; Shift+Enter is a newline; Enter that ends an IME composition does neither.
-    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && ev.keyCode !== 229) {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && ev.keyCode !== 229 && !touch.matches) {
       ev.preventDefault();
       submit();
     }
@@ -257,16 +309,19 @@ async function main(win) {
       const code = btn.closest(".code-block")?.querySelector("pre")?.textContent || "";
       flash(btn, (await copyText(doc, code)) ? "Copied" : "Copy failed");
     } else if (btn.classList.contains("copy-msg")) {
-      const ok = await copyText(doc, view.textOf(btn.closest(".msg")));
-      announce(ok ? "Reply copied." : "Could not copy.");
-      if (ok) {
-        btn.replaceChildren(icon(doc, ICONS.check));
-        setTimeout(() => btn.replaceChildren(icon(doc, ICONS.copy)), 1500);
-      }
+      copyReply(btn.closest(".msg"), btn);
     } else if (btn.classList.contains("regenerate")) {
       controller.regenerate();
     }
   });
+  const copyReply = async (li, btn) => {
+    const ok = await copyText(doc, view.textOf(li));
+    announce(ok ? "Reply copied." : "Could not copy.");
+    if (ok && btn) {
+      btn.replaceChildren(icon(doc, ICONS.check));
+      setTimeout(() => btn.replaceChildren(icon(doc, ICONS.copy)), 1500);
+    }
+  };
   const newChat = () => {
     closeSidebarIfNarrow();
     controller.navigate(null);
@@ -277,7 +332,7 @@ async function main(win) {
   $("chat-list").addEventListener("click", (ev) => {
     if (ev.target.closest(".chat-link")) closeSidebarIfNarrow();
   });
-  $("sidebar-toggle").addEventListener("click", () => setSidebarOpen(!doc.body.classList.contains("sidebar-open")));
+  $("sidebar-toggle").addEventListener("click", toggleSidebar);
   $("sidebar-close").addEventListener("click", () => {
     setSidebarOpen(false);
     $("sidebar-toggle").focus();
@@ -286,6 +341,44 @@ async function main(win) {
   narrow.addEventListener("change", () => setSidebarOpen(false));
   $("open-settings").addEventListener("click", () => settings.open(controller.currentSettings(), controller.currentId));
   $("open-tokens").addEventListener("click", () => tokens.open());
+  const shortcutsDialog = $("shortcuts-dialog");
+  fillShortcutRows($("shortcut-rows"), isMac(win.navigator));
+  const showShortcuts = () => {
+    if (shortcutsDialog.open) shortcutsDialog.close();
+    else if (!doc.querySelector("dialog[open]")) shortcutsDialog.showModal();
+  };
+  $("open-shortcuts").addEventListener("click", showShortcuts);
+  wireShortcuts(doc, {
+    newChat,
+    search: () => {
+      showSidebar();
+      $("chat-search").focus();
+    },
+    toggleSidebar,
+    focusInput: () => {
+      closeSidebarIfNarrow();
+      input.focus();
+    },
+    regenerate: () => {
+      if (view.lastAssistant() && !controller.isBusy()) controller.regenerate();
+    },
+    copyLast: () => {
+      const last = view.lastAssistant();
+      if (last && !last.classList.contains("streaming")) copyReply(last, last.querySelector(".copy-msg"));
+      else announce("There is no finished reply to copy.");
+    },
+    help: showShortcuts,
+  });
+  // Starting prompts on the empty page fill the message box, to send as they are or to edit.
+  $("empty-state").addEventListener("click", (ev) => {
+    const btn = ev.target.closest("button.starter");
+    if (!btn) return;
+    input.value = btn.dataset.prompt || "";
+    autosize();
+    refreshSend();
+    input.focus();
+    input.setSelectionRange(input.value.length, input.value.length);
+  });
   $("notice-close").addEventListener("click", () => notify(""));
   $("conn-retry").addEventListener("click", () => socket.reconnectNow());
   win.addEventListener("hashchange", () => controller.openFromLocation());
@@ -307,6 +400,20 @@ async function main(win) {
   controller.refreshList();
   await controller.openFromLocation();
   if (!narrow.matches) input.focus();
+}
+
+/**
+ * Register the service worker (static/sw.js, served at /sw.js) that keeps the app shell
+ * for starting offline. Browsers allow one only in a secure context: HTTPS, or
+ * http://localhost / 127.0.0.1; elsewhere the page works as before, without it.
+ * @param {Window} win
+ */
+function registerServiceWorker(win) {
+  if (!("serviceWorker" in win.navigator) || !win.isSecureContext) return;
+  const register = () => win.navigator.serviceWorker.register("/sw.js").catch(() => {});
+  // after the page's own loads, so the shell's caching does not compete with them
+  if (win.document.readyState === "complete") register();
+  else win.addEventListener("load", register, { once: true });
 }
 
 /**

@@ -20,9 +20,9 @@ pytest_plugins = ["tests.fixtures_models", "tests.fixtures_redis", "tests.fixtur
 
 # Fixtures that load a model, or start a process that does (gateway_factory and
 # api_gateway start or reach the tiny-model engine).
-MODEL_FIXTURES = frozenset({"smollm2_dir", "tiny_model_dir", "tiny_qwen2_dir", "tiny_engine", "engine_url",
-                             "engine_gate", "spare_engine", "chunked_engine", "chunked_gate",
-                             "smollm2_engine_url", "gateway_factory", "api_gateway"})
+MODEL_FIXTURES = frozenset({"smollm2_dir", "tiny_model_dir", "tiny_qwen2_dir", "tiny_bytes_model_dir",
+                            "tiny_engine", "engine_url", "engine_gate", "spare_engine", "chunked_engine",
+                            "chunked_gate", "smollm2_engine_url", "gateway_factory", "api_gateway"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -3,6 +3,9 @@
 - ``smollm2_dir``: the real SmolLM2-135M-Instruct, converted once to a HF folder.
 - ``tiny_model_dir``: a 2-layer random Llama with SmolLM2's real tokenizer.
 - ``tiny_qwen2_dir``: the same shapes as Qwen2 (q/k/v bias).
+- ``tiny_bytes_model_dir``: the tiny Llama made to write mostly non-ASCII tokens (parts
+  of multi-byte characters, many of them invalid together), to cut replies inside
+  characters.
 - ``tiny_engine_config(model_dir, **overrides)``: a small CPU float32 ``EngineConfig``.
 
 Random weights are drawn so that greedy decoding is not degenerate: the embedding
@@ -128,6 +131,27 @@ def smollm2_dir() -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A tiny random Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, SmolLM2's tokenizer)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_dir, seed=0)
+
+
+NON_ASCII_GAIN = 3.0  # tiny_bytes_model_dir: how much longer the non-ASCII tokens' embeddings are
+
+
+@pytest.fixture(scope="session")
+def tiny_bytes_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Llama with the (tied) embeddings of SmolLM2's 904 tokens that decode to
+    non-ASCII text made ``NON_ASCII_GAIN`` times longer, so greedy replies are mostly
+    such tokens: about a third of the cut points of a reply fall inside a character
+    (valid ones: CJK, Cyrillic, Greek; and bytes that never form one)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-bytes"), "llama", smollm2_dir, seed=0)
+    tok = AutoTokenizer.from_pretrained(folder)
+    non_ascii = [i for i in range(len(tok)) if any(ord(c) >= 0x80 for c in tok.decode([i]))]
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.embed_tokens.weight"][non_ascii] *= NON_ASCII_GAIN
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -37,12 +37,12 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from gateway.app import new_secret
-from gateway.auth import COOKIE_NAME
+from gateway.api.auth import COOKIE_NAME
 from gateway.config import GatewayConfig
-from gateway.extensions import create_app_with_extras
-from gateway.local import LocalEngine
-from gateway.serving import ThreadedServer
+from gateway.server.app import new_secret
+from gateway.server.extensions import create_app_with_extras
+from gateway.server.local import LocalEngine
+from gateway.server.serving import ThreadedServer
 from tests.engine_gate import EngineGate
 
 ENGINE_ARGS = ["--num-blocks", "512", "--block-size", "16"]

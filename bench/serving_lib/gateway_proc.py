@@ -6,7 +6,7 @@
 Prints ``GATEWAY READY http://127.0.0.1:PORT`` once it serves. ``--tap`` adds two routes
 for bench/gateway_load.py: ``POST /_bench/tap/install`` (wrap the engine connections with
 ``EngineTap``) and ``GET /_bench/tap`` (the records as JSON). The gateway is the product's
-own app (``gateway.extensions.create_app_with_extras``, else ``gateway.app.create_app``),
+own app (``gateway.server.extensions.create_app_with_extras``, else ``gateway.server.app.create_app``),
 served by uvicorn exactly as ``python -m gateway`` does.
 """
 
@@ -42,17 +42,17 @@ def build_app(config: Any, tap: EngineTap | None) -> Any:
     gateway has it and the tap routes when ``tap`` is given."""
     extra = tap_routes(tap) if tap is not None else []
     try:
-        from gateway.extensions import default_extras
+        from gateway.server.extensions import default_extras
 
         routes, events, middleware = default_extras(config)
-        from gateway.app import create_app
+        from gateway.server.app import create_app
 
         app = create_app(config, extra_routes=[*extra, *routes], events=events)
         for m in middleware:
             app.add_middleware(m.cls, *m.args, **m.kwargs)
         return app
     except ImportError:  # a gateway without the OpenAI API still serves /ws
-        from gateway.app import create_app
+        from gateway.server.app import create_app
 
         return create_app(config, extra_routes=extra)
 
@@ -76,9 +76,9 @@ def _profile_until_sigterm(path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve until killed; returns the exit status."""
-    from gateway.app import new_secret
     from gateway.config import GatewayConfig
-    from gateway.serving import make_listen_socket, serve_and_announce, uvicorn_config
+    from gateway.server.app import new_secret
+    from gateway.server.serving import make_listen_socket, serve_and_announce, uvicorn_config
 
     p = argparse.ArgumentParser(prog="python -m bench.serving_lib.gateway_proc")
     p.add_argument("--engine", action="append", required=True)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--tap", action="store_true")
     p.add_argument("--max-generations-per-user", type=int, default=4)
-    p.add_argument("--routing-policy", default=None, help="gateway/routing.py POLICIES (default: the gateway's)")
+    p.add_argument("--routing-policy", default=None, help="routing POLICIES (default: the gateway's)")
     p.add_argument("--routing-load-tokens", type=float, default=None, help="cache_aware's load weight (tokens)")
     p.add_argument("--profile", default=None, metavar="PATH", help="cProfile the gateway; stats to PATH on SIGTERM")
     a = p.parse_args(argv)

@@ -26,7 +26,7 @@ class EngineTap:
         self._installed: set[int] = set()
 
     def install(self, router: Any) -> int:
-        """Wrap every client of ``router`` (a ``gateway.engines.EngineRouter``); returns
+        """Wrap every client of ``router`` (a ``gateway.engines.client.EngineRouter``); returns
         how many were newly wrapped. Idempotent."""
         n = 0
         for client in router.clients:

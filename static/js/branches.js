@@ -4,16 +4,8 @@
 // The controller does the talking (`edit`/`continue` frames, the versions API);
 // this module only builds DOM and routes clicks to it.
 
-import { icon } from "./messages.js";
+import { icon, ICONS } from "./icons.js";
 import { copyText } from "./markdown.js";
-
-export const BRANCH_ICONS = {
-  copy: "M9 9h10v10H9zM5 15V5h10",
-  edit: "M4 20h4L19 9l-4-4L4 16zM13.5 6.5l4 4",
-  prev: "M15 6l-6 6 6 6",
-  next: "M9 6l6 6-6 6",
-  more: "M5 12h14M13 6l6 6-6 6",
-};
 
 /**
  * A `<time>` for a message's creation (Unix seconds): short text, full date in the title.
@@ -78,8 +70,8 @@ export function userMeta(doc, info) {
   hover.className = "msg-actions on-hover";
   hover.append(
     timeElement(doc, info.created_at),
-    button(doc, "copy-user", "Copy message", BRANCH_ICONS.copy),
-    button(doc, "edit-user", "Edit message", BRANCH_ICONS.edit),
+    button(doc, "copy-user", "Copy message", ICONS.copy),
+    button(doc, "edit-user", "Edit message", ICONS.edit),
   );
   meta.append(hover);
   return meta;
@@ -96,8 +88,8 @@ export function setVersions(doc, meta, v) {
   box.replaceChildren();
   box.hidden = !v || v.count < 2;
   if (box.hidden) return;
-  const prev = button(doc, "version-prev", "Previous version", BRANCH_ICONS.prev);
-  const next = button(doc, "version-next", "Next version", BRANCH_ICONS.next);
+  const prev = button(doc, "version-prev", "Previous version", ICONS.prev);
+  const next = button(doc, "version-next", "Next version", ICONS.next);
   prev.disabled = v.index <= 0;
   next.disabled = v.index >= v.count - 1;
   prev.dataset.index = String(v.index - 1);
@@ -115,7 +107,7 @@ export function setVersions(doc, meta, v) {
  * @returns {HTMLButtonElement}
  */
 export function continueButton(doc) {
-  const b = button(doc, "continue-reply", "Continue this reply", BRANCH_ICONS.more, "Continue");
+  const b = button(doc, "continue-reply", "Continue this reply", ICONS.more, "Continue");
   b.hidden = true;
   return b;
 }
@@ -168,14 +160,17 @@ export function openEditor(doc, li, text, onSend) {
   send.textContent = "Send";
   row.append(cancel, send);
   form.append(ta, row);
+  const more = li.querySelector(".show-more");
   body.hidden = true;
   if (meta) meta.hidden = true;
+  if (more) more.hidden = true;
   li.classList.add("editing");
   li.append(form);
   const close = () => {
     form.remove();
     body.hidden = false;
     if (meta) meta.hidden = false;
+    if (more) more.hidden = false;
     li.classList.remove("editing");
   };
   const submit = async () => {

@@ -2,7 +2,7 @@
 // frames (docs/protocol.md §2-3), and server frames into view updates.
 
 import { ApiError } from "./api.js";
-import { errorText } from "./format.js";
+import { errorText, titleFrom } from "./format.js";
 import { chatIdFromHash, hashForChat } from "./router.js";
 import { ReplyBook, randomId } from "./replies.js";
 import { effectiveSettings } from "./settings.js";
@@ -24,6 +24,18 @@ export function replaceDefaults(config, d) {
 }
 import { onLiveEvent, markOwnChange } from "./live.js";
 
+/** The starts of notices that hold only while the open chat writes a reply: they go when
+ * its reply ends or another chat is shown, so none outlives the reply it was about. */
+const BUSY_NOTICES = ["A reply is still being written", "Wait for the reply to finish", "This chat is still writing a reply"];
+
+/**
+ * @param {string} text  a notice's text
+ * @returns {boolean} whether it says the open chat is busy writing a reply
+ */
+export function isBusyNotice(text) {
+  return !!text && BUSY_NOTICES.some((t) => text.startsWith(t));
+}
+
 /**
  * @typedef {object} ControllerDeps
  * @property {Window} win
@@ -32,8 +44,9 @@ import { onLiveEvent, markOwnChange } from "./live.js";
  * @property {import("./socket.js").ChatSocket} socket  created by the caller with onFrame/onStatus wired here
  * @property {import("./messages.js").MessageView} view
  * @property {import("./sidebar.js").SidebarView} sidebar
- * @property {(message:string)=>void} notify  shows an error notice ("" hides it)
- * @property {(message:string)=>void} announce  polite screen-reader announcement
+ * @property {(message:string, opts?:{onlyBusy?:boolean})=>void} notify  shows an error notice ("" hides
+ *   it; with `onlyBusy` only a notice that says the chat is busy, see isBusyNotice)
+ * @property {(message:string)=>void} announce  polite screen-reader announcement (the status region)
  * @property {import("./progress.js").ContextMeter} [meter]  how full the open chat's context is
  * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string,
  *   loaded:boolean})=>void} onChange
@@ -84,6 +97,7 @@ export class ChatController {
     const inPlace = !!opts.keepScroll && id !== null && id === this.currentId && !!this.session;
     const top = this.view.scrollEl.scrollTop;
     const atBottom = this.view.isNearBottom();
+    if (id !== this.currentId) this.notify("", { onlyBusy: true });
     this.currentId = id;
     if (!inPlace) {
       this.session = null;
@@ -191,7 +205,7 @@ export class ChatController {
       this.createdDraft = this.draft;
       this.draft = null;
       // Until `done` brings the server's title, the first line stands in for it.
-      const provisional = content.trim().split("\n")[0].slice(0, 60);
+      const provisional = titleFrom(content);
       this.sidebar.upsert({ id, title: s.title || provisional, created_at: s.created_at, updated_at: s.updated_at });
       if (token === this.loadToken) {
         this.currentId = id;
@@ -236,7 +250,9 @@ export class ChatController {
     if (!id || !content.trim() || this.isBusy()) return false;
     this.notify("");
     const frame = { type: "edit", session_id: id, message_id: messageId, content, client_msg_id: randomId() };
-    this.book.pending.set(id, { sessionId: id, kind: "edit", frame, sent: false, content, userEl: null, cancelRequested: false, editedId: messageId });
+    const retitle = this.titleAfterFirstChange(messageId, content);
+    this.book.pending.set(id, { sessionId: id, kind: "edit", frame, sent: false, content, userEl: null, cancelRequested: false,
+      editedId: messageId, retitle });
     this.flushPending();
     this.changed();
     return true;
@@ -275,9 +291,50 @@ export class ChatController {
       return;
     }
     if (id !== this.currentId) return;
+    const first = (s.messages || []).find((m) => m.role === "user");
+    const retitle = first ? this.titleAfterFirstChange(this.view.firstUserId(), first.content) : null;
     const top = this.view.scrollEl.scrollTop;
     this.showSession(s);
     this.view.scrollEl.scrollTop = top;
+    if (retitle) this.retitle(id, retitle);
+  }
+
+  /**
+   * The gateway names a chat after its first message once, when it is sent. When that
+   * message is edited (or another version of it is shown), a title still derived from
+   * the old text would name a message no longer there: this is the title to give the
+   * chat instead, or null when the chat keeps its title (renamed by its user, or the
+   * message changed is not the first).
+   * @private
+   * @param {string|null} messageId  the user message that changes
+   * @param {string} content  its new text
+   * @returns {string|null}
+   */
+  titleAfterFirstChange(messageId, content) {
+    const first = this.view.listEl.querySelector(".msg.user");
+    if (!first || !messageId || first.dataset.messageId !== messageId || !this.currentId) return null;
+    const title = this.sidebar.get(this.currentId)?.title ?? this.session?.title ?? "";
+    const before = titleFrom(this.view.userText(first));
+    const after = titleFrom(content);
+    return title === before && after !== before && !this.renamed.has(this.currentId) ? after : null;
+  }
+
+  /**
+   * Give a chat the title derived from its (new) first message; best effort.
+   * @private
+   * @param {string} id
+   * @param {string} title
+   */
+  async retitle(id, title) {
+    try {
+      markOwnChange(this, id);
+      const s = await this.api.patchSession(id, { title });
+      this.sidebar.upsert({ id, title: s.title ?? title, updated_at: s.updated_at });
+      if (id === this.currentId && this.session) this.session.title = s.title ?? title;
+      this.changed();
+    } catch {
+      // the chat keeps its old title: nothing is lost
+    }
   }
 
   /** Stop the open chat's reply (`cancel`); its partial text is kept. */
@@ -314,20 +371,24 @@ export class ChatController {
     }
   }
 
-  /** @param {string} id  deleted on the server, then from the list */
+  /**
+   * @param {string} id  deleted on the server, then from the list
+   * @returns {Promise<boolean>} whether it is gone (false: the server refused, a notice says why)
+   */
   async remove(id) {
     try {
       await this.api.deleteSession(id);
     } catch (err) {
       if (!(err instanceof ApiError && err.code === "not_found")) {
         this.notify(this.apiErrorText(err));
-        return;
+        return false;
       }
     }
     this.sidebar.remove(id);
     this.book.pending.delete(id);
     for (const r of [...this.book.replies.values()]) if (r.sessionId === id) this.book.replies.delete(r.requestId);
     if (id === this.currentId) this.navigate(null, { replace: true });
+    return true;
   }
 
   /** @returns {import("./settings.js").ChatSettings} the open chat's settings */
@@ -459,7 +520,7 @@ export class ChatController {
     if (!p) return;
     this.book.pending.delete(f.session_id);
     const r = this.book.attach(f.request_id, f.session_id, f.message_id);
-    Object.assign(r, { kind: p.kind, content: p.content, userEl: p.userEl, createdHere: !!p.createdHere });
+    Object.assign(r, { kind: p.kind, content: p.content, userEl: p.userEl, createdHere: !!p.createdHere, retitle: p.retitle });
     if (p.userEl && f.user_message_id) p.userEl.dataset.messageId = f.user_message_id;
     if (f.session_id === this.currentId) {
       if (p.kind === "regenerate") {
@@ -515,6 +576,7 @@ export class ChatController {
     const r = this.book.replies.get(f.request_id);
     if (!r) return;
     this.book.replies.delete(f.request_id);
+    if (r.sessionId === this.currentId) this.notify("", { onlyBusy: true }); // the reply it was about ended
     if (r.sessionId === this.currentId && f.usage && f.usage.prompt_tokens > 0) {
       this.meter?.set(f.usage.prompt_tokens + (f.usage.completion_tokens || 0));
     }
@@ -528,8 +590,12 @@ export class ChatController {
         timings: f.timings,
         error: f.error,
       });
-      this.announce(f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply was interrupted." : "Reply finished.");
+      // The transcript is not read as it streams (aria-live off): the finished reply is.
+      const said = this.view.spokenText(r.el);
+      const end = f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply was interrupted." : "Reply finished.";
+      this.announce(said ? `${end} ${said}` : end);
     }
+    if (r.kind === "edit" && r.retitle && f.finish_reason !== "error") this.retitle(r.sessionId, r.retitle);
     const summary = { id: r.sessionId, updated_at: Date.now() / 1000 };
     // A title from `done` names a new chat, unless the user renamed it meanwhile.
     const title = f.title && !this.renamed.has(r.sessionId) ? f.title : undefined;

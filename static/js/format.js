@@ -28,36 +28,78 @@ export function replyStats(usage, timings) {
   return { ttftMs: ttft, tokensPerSecond: rate, cachedTokens: num(u.cached_tokens), completionTokens: completion };
 }
 
+const COUNT = new Intl.NumberFormat("en-US");
+
 /**
- * One short line such as "TTFT 84 ms · 41.2 tok/s · 32 cached"; empty when
- * nothing is known.
+ * @param {number} rate  tokens per second
+ * @returns {string} "41 tok/s" (whole from 10 up, one decimal below)
+ */
+export function formatRate(rate) {
+  return `${rate >= 10 ? Math.round(rate) : rate.toFixed(1)} tok/s`;
+}
+
+/**
+ * The stats line under a reply, in words people read: "32 tokens · 41 tok/s · 512 from
+ * cache" (the reply's length, its decode rate, and the prompt tokens the prefix cache
+ * served; that part is left out when none were). Empty when nothing is known.
  * @param {ReturnType<typeof replyStats>} s
  * @returns {string}
  */
 export function formatStats(s) {
   const parts = [];
-  if (s.ttftMs !== null) parts.push(`TTFT ${Math.round(s.ttftMs)} ms`);
-  if (s.tokensPerSecond !== null) parts.push(`${s.tokensPerSecond.toFixed(1)} tok/s`);
-  if (s.cachedTokens !== null) parts.push(`${s.cachedTokens} cached`);
+  if (s.completionTokens !== null) parts.push(`${COUNT.format(s.completionTokens)} ${s.completionTokens === 1 ? "token" : "tokens"}`);
+  if (s.tokensPerSecond !== null) parts.push(formatRate(s.tokensPerSecond));
+  if (s.cachedTokens) parts.push(`${COUNT.format(s.cachedTokens)} from cache`);
   return parts.join(" · ");
 }
 
 /**
- * A longer description for the stats line's tooltip.
- * @param {object|null|undefined} usage
- * @param {object|null|undefined} timings
- * @returns {string}
+ * The details line shown when the stats line is opened (and its tooltip): time to first
+ * token (TTFT), the prompt's size and cached share, time per token, total time.
+ * @param {object|null|undefined} usage  `{prompt_tokens, cached_tokens, completion_tokens}` (tokens)
+ * @param {object|null|undefined} timings  `{ttft_ms, tpot_ms, e2e_ms}` (ms)
+ * @returns {string} e.g. "First token after 84 ms (TTFT) · prompt 1,024 tokens, 512 from cache · 24.4 ms per token · 2.31 s in all"
  */
-export function describeStats(usage, timings) {
+export function formatStatDetails(usage, timings) {
   const u = usage || {};
   const t = timings || {};
-  const lines = [];
-  if (u.prompt_tokens != null) lines.push(`Prompt: ${u.prompt_tokens} tokens (${u.cached_tokens ?? 0} from cache)`);
-  if (u.completion_tokens != null) lines.push(`Reply: ${u.completion_tokens} tokens`);
-  if (t.ttft_ms != null) lines.push(`Time to first token: ${Math.round(t.ttft_ms)} ms`);
-  if (t.tpot_ms != null) lines.push(`Time per output token: ${Number(t.tpot_ms).toFixed(1)} ms`);
-  if (t.e2e_ms != null) lines.push(`Total: ${(t.e2e_ms / 1000).toFixed(2)} s`);
-  return lines.join("\n");
+  const parts = [];
+  if (t.ttft_ms != null) parts.push(`First token after ${COUNT.format(Math.round(t.ttft_ms))} ms (TTFT)`);
+  if (u.prompt_tokens != null) {
+    parts.push(`prompt ${COUNT.format(u.prompt_tokens)} tokens` + (u.cached_tokens ? `, ${COUNT.format(u.cached_tokens)} from cache` : ""));
+  }
+  if (t.tpot_ms != null && t.tpot_ms > 0) parts.push(`${Number(t.tpot_ms).toFixed(1)} ms per token`);
+  if (t.e2e_ms != null) parts.push(`${(t.e2e_ms / 1000).toFixed(2)} s in all`);
+  return parts.join(" · ");
+}
+
+/**
+ * A live decode rate while a reply streams, from its text: the page's `delta` frames
+ * carry text, not token counts, so tokens are estimated as characters / `charsPerToken`.
+ * @param {number} chars  characters of the reply after its first delta's
+ * @param {number} ms  time since its first delta
+ * @param {number} charsPerToken  measured on the replies this page saw finish (about 4 for English)
+ * @returns {number|null} tokens per second, or null while too little is known (under 0.3 s)
+ */
+export function liveRate(chars, ms, charsPerToken) {
+  if (!(ms >= 300) || !(chars > 0) || !(charsPerToken > 0)) return null;
+  return chars / charsPerToken / (ms / 1000);
+}
+
+/** Characters of a title the gateway derives from a chat's first message. */
+export const AUTO_TITLE_CHARS = 60;
+
+/**
+ * The title the gateway gives a chat from its first message (its `title_from`):
+ * whitespace collapsed, cut at `maxChars` characters with an ellipsis.
+ * @param {string} content  the first user message
+ * @param {number} [maxChars]
+ * @returns {string}
+ */
+export function titleFrom(content, maxChars = AUTO_TITLE_CHARS) {
+  const text = String(content).split(/\s+/).filter(Boolean).join(" ");
+  const chars = Array.from(text); // code points, as the gateway counts them
+  return chars.length <= maxChars ? text : chars.slice(0, maxChars - 1).join("").trimEnd() + "…";
 }
 
 /**

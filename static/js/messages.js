@@ -1,8 +1,9 @@
 // The conversation pane: user and assistant messages, the streaming reply
 // (re-rendered at most once per animation frame), and per-reply stats.
 
-import { replyStats, formatStats, describeStats } from "./format.js";
+import { replyStats, formatStats, formatStatDetails, formatRate, liveRate } from "./format.js";
 import { userMeta, continueButton, timeElement, setTime, updateContinue } from "./branches.js";
+import { icon, ICONS } from "./icons.js";
 
 // Why a partial reply stopped, when it was not the user's Stop (the gateway stores
 // `cut_reason` with it: docs/protocol.md).
@@ -11,30 +12,16 @@ const CUT_TEXT = {
   engine_lost: "the model server stopped while writing this reply; what was written is kept",
 };
 
-const SVG_NS = "http://www.w3.org/2000/svg";
+/** A finished reply is read out up to this many characters (the rest is in the transcript). */
+const SPOKEN_CHARS = 1500;
 
-/**
- * A small stroked icon, built with DOM calls.
- * @param {Document} doc
- * @param {string} pathData  SVG path "d" attribute (24x24 box)
- * @returns {SVGSVGElement}
- */
-export function icon(doc, pathData) {
-  const svg = doc.createElementNS(SVG_NS, "svg");
-  svg.setAttribute("viewBox", "0 0 24 24");
-  svg.setAttribute("aria-hidden", "true");
-  svg.setAttribute("class", "icon");
-  const path = doc.createElementNS(SVG_NS, "path");
-  path.setAttribute("d", pathData);
-  svg.append(path);
-  return svg;
-}
+/** The live rate under a streaming reply is redrawn at most this often (ms). */
+const LIVE_RATE_EVERY_MS = 500;
 
-export const ICONS = {
-  copy: "M9 9h10v10H9zM5 15V5h10",
-  regenerate: "M20 11a8 8 0 1 0-2.3 5.7M20 5v6h-6",
-  check: "M5 12l5 5 9-10",
-};
+/** A user message taller than this many lines is shown collapsed ... */
+export const COLLAPSE_OVER_LINES = 18;
+/** ... to this many lines, with "Show more". */
+export const COLLAPSED_LINES = 12;
 
 /**
  * The message list. It owns the DOM under `listEl` and nothing else; the
@@ -51,8 +38,17 @@ export class MessageView {
     this.scrollEl = opts.scrollEl;
     this.emptyEl = opts.emptyEl;
     this.renderer = opts.renderer;
-    /** @type {WeakMap<HTMLLIElement, {text:string, raf:number}>} per assistant message */
+    /** @type {WeakMap<HTMLLIElement, {text:string, raf:number, firstAt?:number, firstLen?:number,
+     *   rateAt?:number}>} per assistant message; `firstAt`/`firstLen`: when its first text came, and
+     *   how long it was (the live rate counts what came after) */
     this.replyState = new WeakMap();
+    this.bodyIds = 0;
+    /** Characters per token of the replies shown so far (for the live rate), 4 until one is known. */
+    this.charsPerToken = 4;
+    this.listEl.addEventListener("click", (ev) => {
+      const btn = ev.target.closest("button.show-more");
+      if (btn && this.listEl.contains(btn)) this.toggleCollapsed(btn);
+    });
   }
 
   /** @private */
@@ -85,11 +81,13 @@ export class MessageView {
    */
   showHistory(messages) {
     this.listEl.replaceChildren();
+    const users = [];
     for (const m of messages) {
-      if (m.role === "user") this.addUser(m.content, m.id, m);
+      if (m.role === "user") users.push(this.addUser(m.content, m.id, { ...m, deferFit: true }));
       else if (m.role === "assistant") this.finish(this.addAssistant(m.id), m);
       // system messages are shown in the settings panel, not in the flow
     }
+    this.collapseLong(users);
     this.updateEmpty();
     this.scrollToBottom();
   }
@@ -97,7 +95,8 @@ export class MessageView {
   /**
    * @param {string} content  shown as plain text
    * @param {string|null} [id]  the stored message id, once known
-   * @param {{created_at?:number, versions?:{index:number, count:number}}} [info]  time and versions
+   * @param {{created_at?:number, versions?:{index:number, count:number}, deferFit?:boolean}} [info]  time
+   *   and versions; `deferFit`: the caller collapses a long message itself (`collapseLong`, once for many)
    * @returns {HTMLLIElement}
    */
   addUser(content, id, info = {}) {
@@ -108,12 +107,75 @@ export class MessageView {
     const sr = this.srLabel("You said:");
     const body = this.doc.createElement("div");
     body.className = "msg-body";
+    body.id = `msg-body-${++this.bodyIds}`;
     body.textContent = content;
     li.append(sr, body, userMeta(this.doc, info));
     this.listEl.append(li);
+    if (!info.deferFit) this.collapseLong([li]);
     this.updateEmpty();
     this.scrollToBottom();
     return li;
+  }
+
+  /**
+   * Collapse the user messages taller than `COLLAPSE_OVER_LINES` lines to
+   * `COLLAPSED_LINES`, each with a "Show more" / "Show less" button (a long paste
+   * would otherwise fill screens of the transcript). Reads every height first, then
+   * writes: one layout for many messages.
+   * @param {HTMLLIElement[]} items  user messages in the list
+   */
+  collapseLong(items) {
+    const bodies = items.map((li) => li.querySelector(".msg-body")).filter((b) => b && !b.parentElement.querySelector(".show-more"));
+    if (!bodies.length) return;
+    const line = parseFloat(getComputedStyle(bodies[0]).lineHeight) || 24;
+    const tall = bodies.filter((b) => b.scrollHeight > COLLAPSE_OVER_LINES * line);
+    for (const body of tall) {
+      body.classList.add("collapsible", "collapsed");
+      const btn = this.doc.createElement("button");
+      btn.type = "button";
+      btn.className = "show-more";
+      btn.setAttribute("aria-controls", body.id);
+      btn.setAttribute("aria-expanded", "false");
+      btn.textContent = "Show more";
+      body.after(btn);
+    }
+  }
+
+  /** @private "Show more" / "Show less" on a long user message */
+  toggleCollapsed(btn) {
+    const body = btn.parentElement.querySelector(".msg-body");
+    const collapse = !body.classList.contains("collapsed");
+    body.classList.toggle("collapsed", collapse);
+    btn.setAttribute("aria-expanded", String(!collapse));
+    btn.textContent = collapse ? "Show more" : "Show less";
+    // folding a long message back must not leave the reader far below it
+    if (collapse && body.getBoundingClientRect().top < this.scrollEl.getBoundingClientRect().top) {
+      body.scrollIntoView({ block: "start" });
+    }
+  }
+
+  /**
+   * An assistant message's text as a screen reader should hear it once it is finished:
+   * its rendered text (no markdown marks), cut at `SPOKEN_CHARS` with a pointer to the rest.
+   * @param {HTMLLIElement} li
+   * @returns {string}
+   */
+  spokenText(li) {
+    const text = (li.querySelector(".msg-body")?.textContent || "").replace(/\s+/g, " ").trim();
+    return text.length <= SPOKEN_CHARS ? text : `${text.slice(0, SPOKEN_CHARS)}… The rest is in the conversation.`;
+  }
+
+  /** @returns {string|null} the first user message's stored id */
+  firstUserId() {
+    return this.listEl.querySelector(".msg.user")?.dataset.messageId || null;
+  }
+
+  /**
+   * @param {HTMLLIElement} li  a user message
+   * @returns {string} its text, whole (also when shown collapsed)
+   */
+  userText(li) {
+    return li.querySelector(".msg-body")?.textContent || "";
   }
 
   /**
@@ -143,8 +205,19 @@ export class MessageView {
     const badge = d.createElement("span");
     badge.className = "badge";
     badge.hidden = true;
-    const stats = d.createElement("span");
+    // "32 tokens · 41 tok/s · 512 from cache"; opened, it shows TTFT and the rest
+    const stats = d.createElement("details");
     stats.className = "stats";
+    const statsLine = d.createElement("summary");
+    statsLine.className = "stats-line";
+    const statsDetails = d.createElement("div");
+    statsDetails.className = "stats-details";
+    stats.append(statsLine, statsDetails);
+    // "≈ 41 tok/s" while the reply streams (not read out: the status region says when it ends)
+    const live = d.createElement("div");
+    live.className = "live-rate";
+    live.setAttribute("aria-hidden", "true");
+    live.hidden = true;
     const actions = d.createElement("span");
     actions.className = "msg-actions";
     actions.append(
@@ -153,7 +226,7 @@ export class MessageView {
       continueButton(d),
     );
     meta.append(badge, stats, actions, timeElement(d, undefined));
-    main.append(this.srLabel("Assistant said:"), body, typing, meta);
+    main.append(this.srLabel("Assistant said:"), body, typing, live, meta);
     li.append(avatar, main);
     this.listEl.append(li);
     this.updateEmpty();
@@ -161,14 +234,13 @@ export class MessageView {
   }
 
   /**
-   * Mark an assistant message as streaming: typing dots, busy live region.
+   * Mark an assistant message as streaming: typing dots, `aria-busy` (the transcript is
+   * a log that is not read as it changes; the status region says when the reply ends).
    * @param {HTMLLIElement} li
    */
   startStreaming(li) {
     li.classList.add("streaming");
-    const body = li.querySelector(".msg-body");
-    body.setAttribute("aria-live", "polite");
-    body.setAttribute("aria-busy", "true");
+    li.querySelector(".msg-body").setAttribute("aria-busy", "true");
     li.querySelector(".typing").hidden = false;
     li.querySelector(".msg-meta").hidden = true;
     this.scrollToBottom();
@@ -183,6 +255,10 @@ export class MessageView {
   setStreamingText(li, text) {
     const st = this.st(li);
     st.text = text;
+    if (st.firstAt === undefined && text) {
+      st.firstAt = performance.now();
+      st.firstLen = text.length;
+    }
     if (st.raf) return;
     st.raf = requestAnimationFrame(() => {
       st.raf = 0;
@@ -199,7 +275,21 @@ export class MessageView {
     const text = this.st(li).text;
     this.renderer.render(li.querySelector(".msg-body"), text);
     li.querySelector(".typing").hidden = !(li.classList.contains("streaming") && !text);
+    if (li.classList.contains("streaming")) this.showLiveRate(li);
     if (stick) this.scrollToBottom();
+  }
+
+  /** @private "≈ 41 tok/s" under a streaming reply, redrawn at most every LIVE_RATE_EVERY_MS */
+  showLiveRate(li) {
+    const st = this.st(li);
+    const now = performance.now();
+    if (st.firstAt === undefined || (st.rateAt && now - st.rateAt < LIVE_RATE_EVERY_MS)) return;
+    const rate = liveRate(st.text.length - (st.firstLen || 0), now - st.firstAt, this.charsPerToken);
+    if (rate === null) return;
+    st.rateAt = now;
+    const el = li.querySelector(".live-rate");
+    el.textContent = `≈ ${formatRate(rate)}`;
+    el.hidden = false;
   }
 
   /**
@@ -218,9 +308,9 @@ export class MessageView {
     if (typeof info.content === "string") st.text = info.content;
     if (info.id) li.dataset.messageId = info.id;
     li.classList.remove("streaming");
+    li.querySelector(".live-rate").hidden = true;
     const body = li.querySelector(".msg-body");
     body.removeAttribute("aria-busy");
-    body.removeAttribute("aria-live");
     this.renderNow(li);
     li.querySelector(".typing").hidden = true;
     const reason = info.finish_reason;
@@ -247,10 +337,15 @@ export class MessageView {
       : status === "error" ? "The reply was interrupted by an error"
       : "The reply reached its max tokens limit";
     const stats = li.querySelector(".stats");
-    // An interrupted reply has no engine timings: say why instead of "TTFT 0 ms".
+    // An interrupted reply has no engine timings: say why instead of "0 tokens".
     const timed = info.timings && Number(info.timings.e2e_ms) > 0;
-    stats.textContent = failure ? `Interrupted: ${failure}` : timed || reason !== "error" ? formatStats(replyStats(info.usage, info.timings)) : "";
-    stats.title = failure || describeStats(info.usage, info.timings);
+    const line = failure ? `Interrupted: ${failure}` : timed || reason !== "error" ? formatStats(replyStats(info.usage, info.timings)) : "";
+    const details = formatStatDetails(info.usage, info.timings) || "No timings were recorded for this reply.";
+    stats.querySelector(".stats-line").textContent = line;
+    stats.querySelector(".stats-line").title = details;
+    stats.querySelector(".stats-details").textContent = details;
+    stats.hidden = !line;
+    this.learnCharsPerToken(st.text, info.usage);
     li.querySelector(".msg-meta").hidden = false;
     if (!st.text && status === "error") {
       const p = this.doc.createElement("p");
@@ -259,6 +354,13 @@ export class MessageView {
       body.replaceChildren(p);
     }
     if (stick) this.scrollToBottom();
+  }
+
+  /** @private the live rate's estimate of characters per token, from a finished reply */
+  learnCharsPerToken(text, usage) {
+    const n = usage && Number(usage.completion_tokens);
+    if (!(n >= 8) || !text) return;
+    this.charsPerToken = 0.7 * this.charsPerToken + 0.3 * (text.length / n);
   }
 
   /**

@@ -2,10 +2,7 @@
 
 import { dateGroup } from "./format.js";
 import { hashForChat } from "./router.js";
-import { icon } from "./messages.js";
-
-const PENCIL = "M4 20h4L19 9l-4-4L4 16zM14 6l4 4";
-const TRASH = "M4 7h16M10 11v6M14 11v6M6 7l1 13h10l1-13M9 7V4h6v3";
+import { icon, ICONS } from "./icons.js";
 
 /** A chat as the list shows it (GET /api/sessions items). */
 /** @typedef {{id:string, title:string, created_at:number, updated_at:number}} ChatSummary */
@@ -26,6 +23,9 @@ export class SidebarView {
     /** @type {ChatSummary[]} */
     this.sessions = [];
     this.activeId = null;
+    /** While a title is typed the list is not redrawn (that would drop the edit); `stale`: redraw after. */
+    this.renaming = false;
+    this.stale = false;
     this.container.addEventListener("click", (ev) => this.handleClick(ev));
   }
 
@@ -86,9 +86,11 @@ export class SidebarView {
       if (finished) return;
       finished = true;
       const title = input.value.trim();
+      this.renaming = false;
       input.replaceWith(link);
-      if (save && title && title !== s.title) this.onRename(id, title);
       link.focus();
+      if (this.stale) this.render(); // what changed meanwhile (the focus stays on this chat's link)
+      if (save && title && title !== s.title) this.onRename(id, title);
     };
     input.addEventListener("keydown", (ev) => {
       if (ev.key === "Enter") {
@@ -102,6 +104,7 @@ export class SidebarView {
     });
     input.addEventListener("blur", () => finish(true));
     link.replaceWith(input);
+    this.renaming = true;
     input.focus();
     input.select();
   }
@@ -124,6 +127,16 @@ export class SidebarView {
   /** @private */
   render() {
     const d = this.doc;
+    if (this.renaming) {
+      this.stale = true;
+      return;
+    }
+    this.stale = false;
+    // A redraw (another tab's change, a finished reply) must not drop the keyboard
+    // user's focus to the page's body: it goes back to the same control of the same chat.
+    const focused = this.container.contains(d.activeElement) ? d.activeElement : null;
+    const focusId = focused?.closest(".chat-item")?.dataset.id;
+    const focusCls = focused && ["chat-link", "rename", "delete"].find((c) => focused.classList.contains(c));
     this.sessions.sort((a, b) => (b.updated_at || 0) - (a.updated_at || 0));
     const now = new Date();
     const frag = d.createDocumentFragment();
@@ -149,6 +162,7 @@ export class SidebarView {
       frag.append(p);
     }
     this.container.replaceChildren(frag);
+    if (focusId && focusCls) this.itemFor(focusId)?.querySelector(`.${focusCls}`)?.focus();
   }
 
   /** @private */
@@ -171,13 +185,13 @@ export class SidebarView {
     rename.className = "icon-btn small rename";
     rename.setAttribute("aria-label", `Rename chat: ${title}`);
     rename.title = "Rename";
-    rename.append(icon(d, PENCIL));
+    rename.append(icon(d, ICONS.edit));
     const del = d.createElement("button");
     del.type = "button";
     del.className = "icon-btn small delete";
     del.setAttribute("aria-label", `Delete chat: ${title}`);
     del.title = "Delete";
-    del.append(icon(d, TRASH));
+    del.append(icon(d, ICONS.trash));
     actions.append(rename, del);
     li.append(a, actions);
     return li;

@@ -216,9 +216,9 @@ def test_serving_measures_our_gateway_end_to_end(engine_url, redis_url, key_pref
     import time
 
     from bench.serving_lib.gateway_proc import build_app
-    from gateway.app import new_secret
     from gateway.config import GatewayConfig
-    from gateway.serving import ThreadedServer
+    from gateway.server.app import new_secret
+    from gateway.server.serving import ThreadedServer
 
     config = GatewayConfig().with_overrides(host="127.0.0.1", port=0, redis_url=redis_url, key_prefix=key_prefix,
                                             engine_urls=(engine_url,), secret_key=new_secret(),

@@ -395,3 +395,142 @@ def test_random_ids_with_stop_strings_cut_at_first_match(request, name):
             p.encode("utf-8")
 
     check()
+
+
+# -- cut replies and their continuations --------------------------------------------------
+#
+# A reply cut by max_tokens (or the context, or an abort) ends with ``finish(complete=False)``
+# and never ends in U+FFFD; a Continue replays the cut reply's ids (``prior_ids``) and the
+# two together show exactly the text of one uncut reply (less ``trim`` characters of the
+# shown text when a stop string or a re-decoded byte run takes them back).
+
+CUT_TEXTS = [
+    "今天天气很好，我们去公园。",
+    "emoji 😀🎉 and a family 👩‍👩‍👧 here",
+    "Grüße aus Köln — naïve café",
+    "mixed 日本語 text, Ελληνικά and русский 🙂 ok",
+]
+
+
+def cut_then_continue(tok, ids: list[int], cuts: list[int], stop=()) -> tuple[str, str | None, list[str]]:
+    """Generate ``ids`` in parts: cut (``finish(complete=False)``) after each position of
+    ``cuts`` and continue with the ids so far as ``prior_ids``; returns the text the parts
+    add up to (each continuation taking back its ``trim`` first), the stop string that
+    ended it, and the text shown at each cut."""
+    shown, start = "", 0
+    at_cuts: list[str] = []
+    for end in [*cuts, len(ids)]:
+        detok = IncrementalDetokenizer(tok, list(stop), prior_ids=ids[:start])
+        pieces = [detok.add(i) for i in ids[start:end]]
+        pieces.append(detok.finish(complete=end == len(ids)))
+        assert detok.text == "".join(pieces)
+        shown = shown[: len(shown) - detok.trim] + detok.text
+        if detok.stopped:
+            return shown, detok.stop_reason, at_cuts
+        at_cuts.append(shown)
+        start = end
+    return shown, None, at_cuts[:-1]
+
+
+def test_a_cut_inside_a_character_drops_its_bytes_instead_of_showing_a_replacement(tokenizer):
+    inside = 0
+    for text in CUT_TEXTS:
+        ids = encode(tokenizer, text)
+        for c in range(1, len(ids)):
+            detok = IncrementalDetokenizer(tokenizer)
+            streamed = "".join(detok.add(i) for i in ids[:c]) + detok.finish(complete=False)
+            full = decode_text(tokenizer, ids[:c])
+            inside += full.endswith("\ufffd")
+            assert streamed == detok.text == full.rstrip("\ufffd"), (text, c)
+            assert not streamed.endswith("\ufffd") and text.startswith(streamed.lstrip())
+    assert inside > 3  # cuts really fell inside characters, or this proves nothing
+
+
+def test_a_reply_that_truly_ends_on_an_incomplete_character_still_shows_a_replacement(tokenizer):
+    ids = encode(tokenizer, "ok then") + [byte_token_id(tokenizer, 0xE6)]
+    for complete, tail in ((True, "\ufffd"), (False, "")):
+        detok = IncrementalDetokenizer(tokenizer)
+        out = "".join(detok.add(i) for i in ids) + detok.finish(complete=complete)
+        assert out == "ok then" + tail
+
+
+@pytest.mark.parametrize("text", CUT_TEXTS)
+def test_continuing_at_every_cut_gives_the_uncut_text(tokenizer, text):
+    ids = encode(tokenizer, text)
+    whole = decode_text(tokenizer, ids)
+    for c in range(1, len(ids)):
+        shown, reason, at_cuts = cut_then_continue(tokenizer, ids, [c])
+        assert (shown, reason) == (whole, None), (c, at_cuts)
+        assert not at_cuts[0].endswith("\ufffd") and whole.startswith(at_cuts[0])
+    for c1 in range(1, len(ids) - 1, 3):  # cut twice
+        for c2 in range(c1 + 1, len(ids), 4):
+            assert cut_then_continue(tokenizer, ids, [c1, c2])[0] == whole
+
+
+@pytest.mark.parametrize("text, stops", [
+    ("the green stone is heavy", ["green stone"]),
+    ("the green stone is heavy", ["green stone", "stone is", "een s"]),
+    ("今天天气很好，我们去公园。", ["天气很"]),
+    ("emoji 😀🎉 and more", ["😀🎉 and"]),
+    ("one two STOP three", ["STOP", "two S"]),
+])
+def test_a_stop_string_across_the_cut_ends_the_continuation_where_the_uncut_reply_ends(tokenizer, text, stops):
+    ids = encode(tokenizer, text)
+    uncut = stream(tokenizer, ids, stop=stops)[0]
+    want, want_reason = uncut.text, uncut.stop_reason
+    assert want_reason is not None
+    trimmed = 0
+    for c in range(1, len(ids)):
+        detok = IncrementalDetokenizer(tokenizer, stops)
+        cut = "".join(detok.add(i) for i in ids[:c]) + detok.finish(complete=False)
+        shown, reason, _ = cut_then_continue(tokenizer, ids, [c], stops)
+        assert (shown, reason) == (want, want_reason), (c, cut)
+        if not detok.stopped and len(cut) > len(want):
+            trimmed += 1  # the cut showed the start of the stop string; the continuation took it back
+    assert trimmed > 0
+
+
+def test_the_trim_is_reported_once_and_before_any_continuation_text(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = encode(tok, "the green stone is heavy")
+    c = next(k for k in range(1, len(ids)) if decode_text(tok, ids[:k]).endswith("green"))
+    detok = IncrementalDetokenizer(tok, ["green stone"], prior_ids=ids[:c])
+    seen = []
+    for i in ids[c:]:
+        piece = detok.add(i)
+        seen.append((piece, detok.take_trim()))
+        if detok.stopped:
+            break
+    assert detok.stopped and detok.trim == len("green") and detok.text == ""
+    assert [t for _, t in seen if t] == [len("green")] and all(p == "" for p, _ in seen)
+    assert detok.take_trim() == 0
+
+
+@pytest.mark.parametrize("name", [SMOLLM2, "sp_llama2", "sp_metaspace"])
+def test_random_ids_cut_anywhere_and_continued_show_the_uncut_text(request, name):
+    tok = request.getfixturevalue(f"{name}_tokenizer")
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data(), ids=st.lists(_id_strategy(tok), min_size=2, max_size=24))
+    def check(data, ids):
+        full = decode_text(tok, ids)
+        stops = []
+        for _ in range(data.draw(st.integers(0, 2))):
+            if full:
+                a = data.draw(st.integers(0, len(full) - 1))
+                stops.append(full[a:data.draw(st.integers(a + 1, min(len(full), a + 6)))])
+        cuts = sorted(data.draw(st.sets(st.integers(1, len(ids) - 1), min_size=1, max_size=2)))
+        want = stream(tok, ids, stop=stops)[0]
+        shown, reason, at_cuts = cut_then_continue(tok, ids, cuts, stops)
+        # a cut reply whose own text matched a stop ends there ("stop", not continuable);
+        # it is the uncut reply's end whenever the cut's text is a prefix of the full text
+        # (a SentencePiece byte run can decode whole at a cut and turn invalid later)
+        before = decode_text(tok, ids[:cuts[0]]).rstrip("\ufffd")
+        if reason is None or len(at_cuts) == len(cuts) or full.startswith(before):
+            assert (shown, reason) == (want.text, want.stop_reason), (cuts, at_cuts)
+        for t in at_cuts:
+            t.encode("utf-8")
+            if not any("\ufffd" in s for s in stops):
+                assert not t.endswith("\ufffd")
+
+    check()

@@ -95,3 +95,53 @@ async def test_different_cache_salt_never_shares_kv(tiny_model_dir, start_engine
     assert y.usage.cached_tokens == 0
     assert x2.usage.cached_tokens > 0
     assert x.output_token_ids == y.output_token_ids == x2.output_token_ids
+
+
+async def test_a_declared_shared_prefix_hits_across_salts_and_nothing_private_does(tiny_model_dir, start_engine):
+    """Per-user cache isolation (docs/reliability.md): with salts, only the pages of the
+    declared-shared messages (and the template's own text) hit across salts; every page
+    past them hits only for the same salt, for a chat and for a continued prompt of ids;
+    a declaration that does not match the chat shares no text of it."""
+    eng = start_engine(tiny_model_dir)
+    bs = eng.info.block_size
+    system = {"role": "system", "content": "You answer in one short sentence and never use lists. " * 3}
+    msgs = [system, {"role": "user", "content": "My salary is 734215; is that a lot for a lighthouse keeper?"}]
+
+    async def run(rid, salt, shared, **kw):
+        req = GenerateRequest(rid, params=greedy(6), cache_salt=salt, shared_messages=shared, **kw)
+        return (await collect(eng, req)).final
+
+    a = await run("a", "A", [system], messages=msgs)
+    n_shared = eng.prompts.shared_length(a.prompt_token_ids, [system])
+    assert n_shared >= 2 * bs, "the test's system prompt spans whole pages"
+    assert "734215" not in eng.prompts.tokenizer.decode(a.prompt_token_ids[:n_shared])
+    b = await run("b", "B", [system], messages=msgs)
+    assert b.usage.cached_tokens == n_shared // bs * bs  # the shared pages, not one more
+    a2 = await run("a2", "A", [system], messages=msgs)
+    assert a2.usage.cached_tokens == (len(a.prompt_token_ids) - 1) // bs * bs  # its own pages all hit
+    assert a.output_token_ids == b.output_token_ids == a2.output_token_ids
+    # a continued reply (a prompt of ids) finds its own chat, and another salt the shared part
+    ids = a.prompt_token_ids + a.output_token_ids
+    cont_a = await run("ca", "A", [system], prompt_token_ids=ids)
+    cont_d = await run("cd", "D", [system], prompt_token_ids=ids)
+    assert cont_a.usage.cached_tokens >= len(a.prompt_token_ids) // bs * bs
+    assert cont_d.usage.cached_tokens == n_shared // bs * bs
+    # declaring a message the chat does not start with shares no text of the chat
+    other = [{"role": "system", "content": "Something else entirely. " * 8}]
+    assert eng.prompts.shared_length(a.prompt_token_ids, other) < bs
+    c = await run("c", "C", other, messages=msgs)
+    assert c.usage.cached_tokens == 0
+
+
+async def test_the_templates_default_system_prompt_is_shared_with_nothing_declared(tiny_model_dir, start_engine):
+    """A chat without a system message: the template's own default system prompt (public
+    text) is the shared part, so it hits across salts with no message declared."""
+    eng = start_engine(tiny_model_dir, block_size=4, num_blocks=1024)
+    msgs = [{"role": "user", "content": "A private question about my neighbour's garden."}]
+    a = (await collect(eng, GenerateRequest("a", messages=msgs, params=greedy(4), cache_salt="A",
+                                            shared_messages=[]))).final
+    n_shared = eng.prompts.shared_length(a.prompt_token_ids, [])
+    assert n_shared >= 4 and "neighbour" not in eng.prompts.tokenizer.decode(a.prompt_token_ids[:n_shared])
+    b = (await collect(eng, GenerateRequest("b", messages=msgs, params=greedy(4), cache_salt="B",
+                                            shared_messages=[]))).final
+    assert b.usage.cached_tokens == n_shared // 4 * 4

@@ -4,6 +4,7 @@ idle accounting identity (docs/acceptance.md, block accounting: free + evictable
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine.block_hash import chain_hashes, namespace_seed, prompt_block_hashes
 from engine.block_pool import BlockPool, blocks_needed
-from engine.radix_cache import RadixCache, RadixCacheError, RadixNode
+from engine.radix_cache import CacheScope, RadixCache, RadixCacheError, RadixNode
 
 # --- helpers: a request that follows the caller's contract --------------------------------
 
@@ -22,14 +23,14 @@ from engine.radix_cache import RadixCache, RadixCacheError, RadixNode
 class Req:
     """A running request as the scheduler holds it."""
 
-    ns: str
+    ns: str | CacheScope
     tokens: tuple[int, ...]
     node: RadixNode
     locked_pages: int  # pages covered by `node`
     blocks: list[int]  # one per page (last may be partial); the request holds a ref on each
 
 
-def admit(cache: RadixCache, tokens, ns: str = "", cap_last: bool = True) -> Req:
+def admit(cache: RadixCache, tokens, ns: str | CacheScope = "", cap_last: bool = True) -> Req:
     """Match (leaving one token to compute), lock, incref, allocate the rest privately."""
     pool = cache.pool
     m = cache.match_prefix(tokens, ns, max_tokens=len(tokens) - 1 if cap_last else None)
@@ -365,13 +366,23 @@ def test_contract_violations_raise():
 
 # --- the state machine ------------------------------------------------------------------------
 
-NAMESPACES = ("a", "b")
+
+def scopes_for(bs: int) -> list[str | CacheScope]:
+    """Plain namespaces and salted scopes: two users of one namespace with one shared page,
+    one of them again with two shared pages (a salt node elsewhere), and salts with
+    nothing shared."""
+    return ["a", "b", CacheScope("a", "u1", bs), CacheScope("a", "u2", bs),
+            CacheScope("a", "u1", 2 * bs + bs // 2), CacheScope("b", "u1", 0), CacheScope("a", "u2", 0)]
+
+
+Key = str | tuple[str, str, int]  # where a page lives: a namespace, or (namespace, salt, shared pages)
 
 
 class CacheMachine(RuleBasedStateMachine):
     """Random arrivals, finishes, aborts, mid-run inserts and evictions, checked against
-    a flat reference: per namespace, a dict from every cached page-aligned prefix to the
-    block the tree stores for it, with a last-access stamp per prefix."""
+    a flat reference: per place a page can live (a namespace's own tree, or the subtree
+    below one salt node), a dict from every cached page-aligned prefix to the block the
+    tree stores for it, with a last-access stamp per prefix."""
 
     @initialize(bs=st.sampled_from([1, 2, 4, 16]), total=st.integers(4, 48))
     def setup(self, bs, total):
@@ -381,76 +392,100 @@ class CacheMachine(RuleBasedStateMachine):
         self.events_seen: set[int] = set()  # what a gateway hearing the events would hold
         self.running: list[Req] = []
         self.seen: list[tuple[int, ...]] = []
-        self.ref: dict[str, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
-        self.stamp: dict[str, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
+        self.scopes = scopes_for(bs)
+        self.ref: dict[Key, dict[tuple[int, ...], int]] = defaultdict(dict)
+        self.stamp: dict[Key, dict[tuple[int, ...], int]] = defaultdict(dict)
         self.clock = 0
 
     # --- reference helpers ---
 
-    def _touch(self, ns, tokens, pages):
+    def _key(self, scope, pages: int) -> Key:
+        """Where the ``pages``-th page of a prompt of ``scope`` lives."""
+        if isinstance(scope, str):
+            return scope
+        shared = scope.shared_tokens // self.bs
+        return scope.namespace if pages <= shared else (scope.namespace, scope.salt, shared)
+
+    def _touch(self, scope, tokens, pages):
         self.clock += 1
         for i in range(1, pages + 1):
-            self.stamp[ns][tokens[: i * self.bs]] = self.clock
+            self.stamp[self._key(scope, i)][tokens[: i * self.bs]] = self.clock
 
-    def _expected_match(self, ns, tokens, cap):
+    def _expected_match(self, scope, tokens, cap):
         pages, blocks = 0, []
         while (pages + 1) * self.bs <= cap:
-            blk = self.ref[ns].get(tuple(tokens[: (pages + 1) * self.bs]))
+            blk = self.ref[self._key(scope, pages + 1)].get(tuple(tokens[: (pages + 1) * self.bs]))
             if blk is None:
                 break
             blocks.append(blk)
             pages += 1
         return pages, blocks
 
-    def _locked_prefixes(self) -> set[tuple[str, tuple[int, ...]]]:
-        return {(r.ns, r.tokens[: i * self.bs]) for r in self.running for i in range(1, r.locked_pages + 1)}
+    def _locked_prefixes(self) -> set[tuple[Key, tuple[int, ...]]]:
+        return {(self._key(r.ns, i), r.tokens[: i * self.bs]) for r in self.running
+                for i in range(1, r.locked_pages + 1)}
 
-    def _check_insert(self, ns, tokens, blocks, res):
+    def _has_child(self, key: Key, p: tuple[int, ...]) -> bool:
+        n = len(p) + self.bs
+        places = [key] + ([k for k in self.ref if isinstance(k, tuple) and k[0] == key and k[2] * self.bs == len(p)]
+                          if isinstance(key, str) else [])
+        return any(len(q) == n and q[: len(p)] == p for k in places for q in self.ref[k])
+
+    def _hash(self, key: Key, p: tuple[int, ...]) -> int:
+        if isinstance(key, str):
+            return prompt_block_hashes(p, self.bs, key)[-1]
+        return prompt_block_hashes(p, self.bs, key[0], key[1], key[2] * self.bs)[-1]
+
+    def _check_insert(self, scope, tokens, blocks, res):
         pages = len(blocks)
-        present = [tokens[: (i + 1) * self.bs] in self.ref[ns] for i in range(pages)]
+        keys = [self._key(scope, i + 1) for i in range(pages)]
+        present = [tokens[: (i + 1) * self.bs] in self.ref[keys[i]] for i in range(pages)]
         existing = sum(present)
         assert present == [True] * existing + [False] * (pages - existing), "reference not prefix-closed"
         assert res.num_existing_tokens == existing * self.bs
         assert res.num_new_tokens == (pages - existing) * self.bs
-        dups = [b for i, b in enumerate(blocks[:existing]) if self.ref[ns][tokens[: (i + 1) * self.bs]] != b]
+        dups = [b for i, b in enumerate(blocks[:existing]) if self.ref[keys[i]][tokens[: (i + 1) * self.bs]] != b]
         assert res.duplicate_blocks == dups
         for i in range(existing, pages):
-            self.ref[ns][tokens[: (i + 1) * self.bs]] = blocks[i]
-        assert res.blocks == [self.ref[ns][tokens[: (i + 1) * self.bs]] for i in range(pages)]
-        self._touch(ns, tokens, pages)
+            self.ref[keys[i]][tokens[: (i + 1) * self.bs]] = blocks[i]
+        assert res.blocks == [self.ref[keys[i]][tokens[: (i + 1) * self.bs]] for i in range(pages)]
+        self._touch(scope, tokens, pages)
 
-    def _match(self, ns, tokens, cap):
-        m = self.cache.match_prefix(tokens, ns, max_tokens=cap)
-        pages, blocks = self._expected_match(ns, tokens, min(cap, len(tokens)))
+    def _match(self, scope, tokens, cap):
+        m = self.cache.match_prefix(tokens, scope, max_tokens=cap)
+        pages, blocks = self._expected_match(scope, tokens, min(cap, len(tokens)))
         assert m.num_tokens == pages * self.bs, (m.num_tokens, pages, self.cache.pretty())
         assert m.blocks == blocks
         if pages:
-            self._touch(ns, tuple(tokens), pages)
+            self._touch(scope, tuple(tokens), pages)
         return m
 
     def _evict(self, k):
         before_cached, before_locked = self.cache.num_cached_blocks, self.cache.num_locked_blocks
         before_evictable = self.cache.num_evictable_blocks
         freed = self.cache.evict(k)
-        gone = {(ns, p) for ns in NAMESPACES for p, b in self.ref[ns].items() if self.pool.refcount(b) == 0}
+        gone = {(key, p) for key, d in self.ref.items() for p, b in d.items() if self.pool.refcount(b) == 0}
         assert freed == len(gone) and freed >= min(max(k, 0), before_evictable)
         assert self.cache.num_cached_blocks == before_cached - freed
         assert self.cache.num_locked_blocks == before_locked, "a locked node was evicted"
         locked = self._locked_prefixes()
         assert not gone & locked
-        for ns, p in gone:
-            del self.ref[ns][p]
+        for key, p in gone:
+            del self.ref[key][p]
         # LRU: nothing evicted is newer than an unlocked leaf that survived.
-        survivors = [self.stamp[ns][p] for ns in NAMESPACES for p in self.ref[ns]
-                     if (ns, p) not in locked and not any(
-                         len(q) == len(p) + self.bs and q[: len(p)] == p for q in self.ref[ns])]
+        survivors = [self.stamp[key][p] for key, d in self.ref.items() for p in d
+                     if (key, p) not in locked and not self._has_child(key, p)]
         if gone and survivors:
-            assert max(self.stamp[ns][p] for ns, p in gone) <= min(survivors)
-        for ns, p in gone:
-            del self.stamp[ns][p]
-        for ns in NAMESPACES:
-            for p in self.ref[ns]:
-                assert len(p) == self.bs or p[: -self.bs] in self.ref[ns], "evicted a parent before its child"
+            assert max(self.stamp[key][p] for key, p in gone) <= min(survivors)
+        for key, p in gone:
+            del self.stamp[key][p]
+        for key, d in self.ref.items():
+            for p in d:
+                parent_pages = len(p) // self.bs - 1
+                if parent_pages == 0:
+                    continue
+                parent_key = key if isinstance(key, str) or parent_pages > key[2] else key[0]
+                assert p[: -self.bs] in self.ref[parent_key], "evicted a parent before its child"
         return freed
 
     # --- rules ---
@@ -471,7 +506,7 @@ class CacheMachine(RuleBasedStateMachine):
         ext = random.Random(data.draw(st.integers(0, 2**16))).choices(range(3), k=ext_len)
         tokens = (prefix + tuple(ext))[: 5 * bs + 1]
         self.seen.append(tokens)
-        ns = data.draw(st.sampled_from(NAMESPACES))
+        ns = data.draw(st.sampled_from(self.scopes))
         cap = data.draw(st.one_of(st.just(len(tokens) - 1), st.integers(0, len(tokens))))
         m = self._match(ns, tokens, cap)
         self.cache.lock(m.node)
@@ -558,7 +593,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert not set(stored) & set(removed)
         self.events_seen.difference_update(removed)
         self.events_seen.update(stored)
-        expected = {prompt_block_hashes(p, self.bs, ns)[-1] for ns in NAMESPACES for p in self.ref[ns]}
+        expected = {self._hash(key, p) for key, d in self.ref.items() for p in d}
         assert self.events_seen == expected
         assert sorted(self.cache.cached_hashes()) == sorted(expected)
 
@@ -612,3 +647,84 @@ def test_events_report_a_page_stored_then_evicted_in_its_last_state_only():
     cache.evict(8)
     assert cache.take_events() == ([], prompt_block_hashes([7, 7], 2, "ns"))  # never seen stored
     assert RadixCache(pool, 2).take_events() == ([], [])  # without events: nothing recorded
+
+
+# --- salt nodes (per-user cache isolation) ---------------------------------------------------
+
+
+def _store(cache: RadixCache, tokens, scope):
+    """Insert ``tokens`` (whole pages) as a finished request of ``scope`` would."""
+    blocks = cache.pool.allocate(len(tokens) // cache.block_size)
+    res = cache.insert(tokens, blocks, scope)
+    cache.pool.decref(blocks)
+    return res
+
+
+def test_salted_scopes_share_only_the_declared_pages():
+    """Two users with one declared-shared page: each finds the shared page whoever stored it,
+    only their own private pages, and an unsalted request never sees a salted page."""
+    cache = RadixCache(BlockPool(16), 2, events=True)
+    u1, u2 = CacheScope("w|", "u1", 2), CacheScope("w|", "u2", 2)
+    shared, private = (5, 5), (1, 2, 3, 4)
+    r1 = _store(cache, shared + private, u1)
+    assert r1.num_new_tokens == 6
+    assert cache.match_prefix(shared + private + (9,), u1).num_tokens == 6
+    assert cache.match_prefix(shared + private + (9,), u2).num_tokens == 2  # the shared page only
+    assert cache.match_prefix(shared + private + (9,), "w|").num_tokens == 2
+    assert cache.match_prefix(shared + private + (9,), CacheScope("w|", "u1", 0)).num_tokens == 0
+    r2 = _store(cache, shared + private, u2)  # the same tokens: a page of its own
+    assert (r2.num_existing_tokens, r2.num_new_tokens) == (2, 4)
+    assert r2.blocks[0] == r1.blocks[0] and not set(r2.blocks[1:]) & set(r1.blocks[1:])
+    assert cache.match_prefix(shared + private, u2).blocks == r2.blocks
+    cache.check_invariants()
+    assert cache.num_cached_blocks == 5 and cache.pretty().count("salt") == 2
+
+
+def test_a_salt_node_goes_with_its_last_page_and_its_parent_becomes_evictable():
+    cache = RadixCache(BlockPool(8), 2)
+    u1 = CacheScope("w|", "u1", 2)
+    _store(cache, (5, 5, 1, 1, 2, 2), u1)
+    req = admit(cache, (5, 5, 1, 1, 2, 2, 3), u1)  # locks the whole salted path
+    assert req.locked_pages == 3
+    assert cache.evict(8) == 0  # all locked, the shared page included
+    finish(cache, req)
+    assert cache.evict(1) == 2  # the private leaf: [1 1 2 2] is one edge
+    assert "salt" not in cache.pretty(), "an emptied salt node is dropped with its last page"
+    cache.check_invariants()
+    assert cache.evict(1) == 1  # then the shared page, a leaf now
+    assert cache.pool.num_free == 8 and cache.num_cached_blocks == 0
+    cache.check_invariants()
+
+
+def test_salted_pages_are_named_as_the_gateway_hashes_them_and_never_alike():
+    cache = RadixCache(BlockPool(16), 2, events=True)
+    tokens = (5, 5, 1, 2, 3, 4)
+    _store(cache, tokens, CacheScope("w|", "u1", 2))
+    stored, _ = cache.take_events()
+    assert sorted(stored) == sorted(prompt_block_hashes(tokens, 2, "w|", "u1", 2))
+    _store(cache, tokens, CacheScope("w|", "u2", 2))
+    stored2, _ = cache.take_events()
+    assert sorted(stored2) == sorted(prompt_block_hashes(tokens, 2, "w|", "u2", 2)[1:])  # the shared page is known
+    assert not set(stored2) & set(stored), "one user's private pages hash like another's"
+    assert prompt_block_hashes(tokens, 2, "w|", "u1", 2)[0] == prompt_block_hashes(tokens, 2, "w|")[0]
+    cache.evict(16)
+    _, removed = cache.take_events()
+    assert sorted(removed) == sorted(set(stored) | set(stored2))
+    assert cache.cached_hashes() == []
+
+
+def test_a_salt_node_sits_where_its_shared_part_ends_even_inside_an_edge():
+    """An unsalted request stored a long edge; a salted one whose shared part ends inside it
+    splits it there and hangs its salt node at the split."""
+    cache = RadixCache(BlockPool(16), 2)
+    _store(cache, (5, 5, 6, 6, 7, 7), "w|")
+    u1 = CacheScope("w|", "u1", 3)  # 1 page shared (3 tokens, rounded down)
+    r = _store(cache, (5, 5, 6, 6, 8, 8), u1)
+    assert (r.num_existing_tokens, r.num_new_tokens) == (2, 4), "only the shared page may be reused"
+    assert cache.match_prefix((5, 5, 6, 6, 7, 7, 0), CacheScope("w|", "u2", 3)).num_tokens == 2
+    assert cache.match_prefix((5, 5, 6, 6, 7, 7, 0), u1).num_tokens == 4  # its own page [6 6]
+    assert cache.match_prefix((5, 5, 6, 6, 7, 7, 0), "w|").num_tokens == 6
+    assert cache.match_prefix((5, 5, 6, 6, 8, 8, 0), u1).num_tokens == 6
+    cache.check_invariants()
+    assert cache.reset() == 5 and cache.num_cached_blocks == 0
+    cache.check_invariants()

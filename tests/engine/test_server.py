@@ -273,3 +273,50 @@ async def test_kv_events_name_the_pages_a_reply_cached_for_subscribers_only(serv
         # the connection that never subscribed heard nothing of it
         await plain.send(json.dumps({"type": "ping"}))
         assert json.loads(await asyncio.wait_for(plain.recv(), 30))["type"] == "pong"
+
+
+async def test_kv_events_of_salted_requests_share_no_page_name_beyond_the_declared_part(server):
+    """Per-user cache isolation: the pages a salted request caches are named as a gateway
+    hashes that request's prompt (its salt and its shared part), and no other salt's
+    prompt of the same tokens hashes to any of them past the shared pages."""
+    from engine.block_hash import namespace_of, prompt_block_hashes
+
+    url, eng = server
+    system = {"role": "system", "content": "You answer in one short sentence and never use lists. " * 3}
+    msgs = [system, {"role": "user", "content": "My salary is 734215; is that a lot for a lighthouse keeper?"}]
+    async with connect(url) as ws:
+        hello = json.loads(await ws.recv())
+        await ws.send(json.dumps({"type": "kv_subscribe"}))
+        stored = set(json.loads(await asyncio.wait_for(ws.recv(), 30))["stored"])
+        await ws.send(json.dumps({"type": "generate", "request_id": "a", "messages": msgs, "cache_salt": "A",
+                                  "shared_messages": [system],
+                                  "params": {"max_tokens": 2, "temperature": 0, "ignore_eos": True}}))
+        bs, ns = hello["block_size"], namespace_of(hello["weights_id"])
+        done, mine = None, None
+        while mine is None or not set(mine[: len(done["prompt_token_ids"]) // bs]) <= stored:
+            f = await _recv(ws)
+            if f["type"] == "kv_events":
+                stored.update(f["stored"])
+            elif f["type"] == "done":
+                done = f
+                shared = eng.prompts.shared_length(done["prompt_token_ids"], [system])
+                mine = prompt_block_hashes(done["prompt_token_ids"], bs, ns, "A", shared)
+        other = prompt_block_hashes(done["prompt_token_ids"], bs, ns, "B", shared)
+        assert shared // bs >= 1
+        assert set(other) & stored == set(mine[: shared // bs]), "another salt names a private page alike"
+
+
+def test_an_engine_without_a_secret_warns_unless_only_loopback_reaches_it(caplog):
+    import logging
+
+    from engine.server import warn_without_secret
+
+    with caplog.at_level(logging.INFO, logger="engine.server"):
+        for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+            warn_without_secret(host)
+        assert caplog.records and all(r.levelno == logging.INFO for r in caplog.records)
+        caplog.clear()
+        for host in ("0.0.0.0", "::", "10.1.2.3", "engine"):
+            warn_without_secret(host)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 4
+    assert all("ENGINE_SECRET" in r.getMessage() for r in caplog.records)

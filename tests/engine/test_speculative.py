@@ -7,6 +7,7 @@ tokens of unseeded requests keep their distribution."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -175,6 +176,46 @@ def test_a_stop_string_or_max_tokens_inside_kept_drafts_ends_the_reply_exactly(e
     assert len(got["a"][0]) <= max_tokens
     if stop and stop != ["@"]:
         assert got["a"][2] == "stop" and stop[0] not in got["a"][1]
+
+
+@pytest.mark.parametrize("end", ["stop_string", "stop_token", "max_tokens"])
+def test_drafts_past_the_end_of_a_reply_count_as_neither_drafted_nor_accepted(engines, end):
+    """Right drafts that run on past the reply's end (a stop string or stop token inside
+    them; max_tokens, which drafts never pass) are dropped with the tokens after the end,
+    and the counters count only drafts that reached the output: with every draft right,
+    each decode step's tokens are its accepted drafts plus the one it sampled, except a
+    last step that ended inside its drafts, so a reply of n tokens after D decode steps
+    has n - 1 - D or n - D accepted drafts. The request's timings and the engine's totals
+    agree."""
+    plain, core = engines
+    tag = f"count-{end}/"
+    prompts = {"a": PROMPTS["p2"]}
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ids, text = run_core(plain, prompts, base, "full" + tag)["a"][:2]
+    if end == "stop_string":
+        at = next(i for i in range(len(text) // 2, len(text) - 3) if text[i:i + 3].strip())
+        params = dataclasses.replace(base, stop=[text[at:at + 3]])
+    elif end == "stop_token":
+        # the engine drafts 5 a step, so output tokens 1-6, 7-12, ... come a step each: a
+        # stop token early in a step's run leaves right drafts after it
+        at = next(k for k in range(12, len(ids)) if ids[k] not in ids[:k] and (k - 1) % 6 < 4)
+        params = dataclasses.replace(base, stop_token_ids=[ids[at]])
+    else:
+        params = dataclasses.replace(base, max_tokens=17)
+    core.draft = Oracle({"a": ids}, "right")
+    before = core.stats()
+    core.add_request(f"{tag}a", prompts["a"], params)
+    outputs = []
+    while core.has_work():
+        outputs += [o for o in core.step() if o.progress is None]
+    after = core.stats()
+    done, n, steps = outputs[-1], len(outputs[-1].output_token_ids), len(outputs) - 1
+    t = done.timings
+    assert done.finish_reason == ("length" if end == "max_tokens" else "stop") and n < len(ids)
+    assert t.accepted_tokens == t.draft_tokens and n - 1 - steps <= t.accepted_tokens <= n - steps
+    assert (after["spec_drafted_total"] - before["spec_drafted_total"],
+            after["spec_accepted_total"] - before["spec_accepted_total"]) == (t.draft_tokens, t.accepted_tokens)
+    assert t.acceptance_rate == 1.0 and steps < n - 1  # drafts were used
 
 
 def test_rejected_drafts_leave_no_kv_no_blocks_and_nothing_in_the_tree(tiny_model_dir):

@@ -1,5 +1,5 @@
-"""The gateway's pure mappings between the APIs and the engine (gateway/api_to_engine.py,
-gateway/engine_to_api.py): request fields to engine fields with a 400 naming the field,
+"""The gateway's pure mappings between the APIs and the engine (gateway/api/api_to_engine.py,
+gateway/api/engine_to_api.py): request fields to engine fields with a 400 naming the field,
 and engine reply items to OpenAI, Responses and Anthropic shapes. No model, no engine."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import parse_structured
 from engine.tools.spec import parse_tools
-from gateway.api_to_engine import (
+from gateway.api.api_to_engine import (
     FieldError,
     chat_logprob_params,
     choice_count,
@@ -29,7 +29,7 @@ from gateway.api_to_engine import (
     tools_from_functions,
     tools_from_responses,
 )
-from gateway.engine_to_api import (
+from gateway.api.engine_to_api import (
     anthropic_stop_reason,
     anthropic_tool_use_blocks,
     anthropic_tool_use_events,

@@ -92,7 +92,7 @@ def test_the_gateway_imports_and_builds_its_app_without_torch():
         "for m in pkgutil.iter_modules(gateway.__path__):\n"
         "    importlib.import_module('gateway.' + m.name)\n"
         "from gateway.config import GatewayConfig\n"
-        "from gateway.extensions import create_app_with_extras\n"
+        "from gateway.server.extensions import create_app_with_extras\n"
         "create_app_with_extras(GatewayConfig())\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 from websockets.exceptions import InvalidStatus
 
-from gateway.auth import UserIds
-from gateway.routing import rendezvous_rank
+from gateway.api.auth import UserIds
+from gateway.engines.routing import rendezvous_rank
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import gate_in_front_of
 from tests.gateway_helpers import Reply, chat, read_reply, recv, send, wait_for

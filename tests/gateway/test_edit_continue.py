@@ -3,10 +3,13 @@ engine (tiny model)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from engine.detokenizer import decode_text
 from tests.gateway.test_e2e import BLOCK, stored, token_messages, uid_of
-from tests.gateway_helpers import chat, read_reply, send
+from tests.gateway_helpers import chat, openai_client, read_reply, send
 
 
 async def test_an_edit_replies_to_the_new_text_and_the_old_branch_can_be_shown_again(gateway_factory):
@@ -66,22 +69,89 @@ async def test_continue_appends_to_a_reply_cut_at_max_tokens_from_the_cached_pre
     assert len(msgs[1]["token_ids"]) == first["completion_tokens"] + usage["completion_tokens"]
 
 
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    """SmolLM2's tokenizer (the tiny model's too)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+async def test_continue_across_a_stop_string_stores_the_text_of_the_reply_written_at_once(gateway_factory, tok):
+    """A reply cut after the start of a stop string shows that start (the cut ends it);
+    continued, the stop completes, and the stored reply is the uncut reply's, without it."""
+    gw = gateway_factory()
+    cookie = gw.new_cookie()
+    uid = uid_of(gw, cookie)
+    q, n = "Write a long story about the sea.", 30
+    async with gw.connect(cookie) as ws:
+        probe = await chat(ws, q, max_tokens=n, ignore_eos=True)
+        ids = token_messages(gw, uid, probe.start["session_id"])[1]["token_ids"]
+        for c in range(6, n - 4):  # a stop string of 3 characters before the cut and 3 after
+            shown, later = decode_text(tok, ids[:c]), decode_text(tok, ids[:c + 4])
+            stop = shown[-3:] + later[len(shown):len(shown) + 3]
+            if len(later) >= len(shown) + 3 and probe.text.find(stop) == len(shown) - 3:
+                break
+        else:
+            pytest.fail(f"no stop string found in {probe.text!r}")
+        uncut = await chat(ws, q, max_tokens=n, ignore_eos=True, stop=[stop])
+        assert uncut.done["finish_reason"] == "stop" and uncut.text == shown[:-3]
+        cut = await chat(ws, q, max_tokens=c, ignore_eos=True, stop=[stop])
+        assert cut.done["finish_reason"] == "length" and cut.text == shown  # the stop's start is shown
+        sid = cut.start["session_id"]
+        await send(ws, {"type": "continue", "session_id": sid, "message_id": cut.start["message_id"],
+                        "params": {"temperature": 0, "max_tokens": n - c, "ignore_eos": True, "stop": [stop]}})
+        more = await read_reply(ws)
+    assert more.error is None, more.error
+    assert more.done["finish_reason"] == "stop" and more.text == uncut.text  # from seq 1: the whole reply
+    reply = (await stored(gw, cookie, sid))["messages"][1]
+    assert (reply["content"], reply["status"], reply["finish_reason"]) == (uncut.text, "complete", "stop")
+    want = token_messages(gw, uid, uncut.start["session_id"])[1]["token_ids"]
+    assert token_messages(gw, uid, sid)[1]["token_ids"] == want
+
+
 @pytest.mark.slow
-async def test_on_smollm2_a_continued_greedy_reply_equals_the_reply_written_in_one_go(gateway_factory,
-                                                                                      smollm2_engine_url):
-    """Continue renders nothing: the prompt is the chat's exact ids through the cut reply
-    (no end-of-turn token), so greedy 12 + 12 tokens are the greedy 24 written at once
-    (without the default frequency penalty, which counts only a request's own output)."""
+async def test_on_smollm2_a_reply_cut_inside_a_character_never_shows_a_replacement_and_continues_exactly(
+        gateway_factory, smollm2_engine_url, tok):
+    """A Chinese reply cut at max tokens inside a character: the socket, the stored
+    message, the export and the OpenAI API (streamed and not) show it without the broken
+    character, and Continue completes it: the continued reply is the reply written at once,
+    token for token and character for character (the gateway's default frequency penalty
+    counts the continued reply's earlier tokens, as it would had it been written at once)."""
     gw = gateway_factory(engine_urls=[smollm2_engine_url])
     cookie = gw.new_cookie()
+    uid = uid_of(gw, cookie)
+    q, n = "请用中文回答：今天天气怎么样？", 96
     async with gw.connect(cookie) as ws:
-        whole = await chat(ws, "Write a short story about a cat.", max_tokens=24, frequency_penalty=0, timeout=300)
-        cut = await chat(ws, "Write a short story about a cat.", max_tokens=12, frequency_penalty=0, timeout=300)
-        assert cut.done["finish_reason"] == "length"
-        await send(ws, {"type": "continue", "session_id": cut.start["session_id"],
-                        "message_id": cut.start["message_id"],
-                        "params": {"temperature": 0, "max_tokens": 12, "frequency_penalty": 0}})
+        whole = await chat(ws, q, max_tokens=n, timeout=300)
+        ids = token_messages(gw, uid, whole.start["session_id"])[1]["token_ids"]
+        inside = [c for c in range(8, len(ids)) if decode_text(tok, ids[:c]).endswith("\ufffd")]
+        assert inside and "\ufffd" not in whole.text, whole.text
+        c = 80 if 80 in inside else inside[len(inside) // 2]
+        cut = await chat(ws, q, max_tokens=c, timeout=300)
+        sid = cut.start["session_id"]
+        assert cut.done["finish_reason"] == "length" and cut.text == decode_text(tok, ids[:c]).rstrip("\ufffd")
+        assert "\ufffd" not in cut.text and whole.text.startswith(cut.text)
+        body = await stored(gw, cookie, sid)
+        assert body["messages"][1]["content"] == cut.text
+        async with gw.http(cookie) as h:
+            md = (await h.get(f"/api/sessions/{sid}/export", params={"format": "md"})).text
+            js = (await h.get(f"/api/sessions/{sid}/export", params={"format": "json"})).json()
+        assert cut.text in md and "\ufffd" not in md and js["messages"][1]["content"] == cut.text
+        await send(ws, {"type": "continue", "session_id": sid, "message_id": cut.start["message_id"],
+                        "params": {"temperature": 0, "max_tokens": n - c}})
         more = await read_reply(ws, timeout=300)
     assert more.error is None, more.error
-    assert more.text == whole.text
-    assert more.done["usage"]["cached_tokens"] >= more.done["usage"]["prompt_tokens"] - BLOCK
+    usage = more.done["usage"]
+    assert more.text == whole.text and usage["cached_tokens"] >= usage["prompt_tokens"] - BLOCK
+    assert (await stored(gw, cookie, sid))["messages"][1]["content"] == whole.text
+    assert token_messages(gw, uid, sid)[1]["token_ids"] == ids
+    # the OpenAI API, on the same prompt and sampling: the same cut text, streamed or not
+    client = openai_client(gw)
+    messages = [{"role": "system", "content": gw.config.defaults.system_prompt}, {"role": "user", "content": q}]
+    params = dict(model="default", messages=messages, max_tokens=c, temperature=0,
+                  frequency_penalty=gw.config.defaults.frequency_penalty)
+    one = await asyncio.to_thread(lambda: client.chat.completions.create(**params))
+    chunks = await asyncio.to_thread(lambda: list(client.chat.completions.create(**params, stream=True)))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert one.choices[0].finish_reason == "length" and one.choices[0].message.content == cut.text == streamed

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from engine.protocol import to_dict
-from gateway.engines import EngineClient, EngineRouter
-from gateway.local import LocalEngine
+from gateway.engines.client import EngineClient, EngineRouter
+from gateway.server.local import LocalEngine
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import ENGINE_ARGS, gate_in_front_of
 from tests.gateway_helpers import read_reply, recv, send, wait_for

@@ -1,5 +1,5 @@
 """Chat export (Markdown, JSON), search by title and content, and per-user defaults for
-new chats over the HTTP API (gateway/chat_export.py, gateway/user_defaults.py)."""
+new chats over the HTTP API (gateway/api/chat_export.py, gateway/store/user_defaults.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from gateway.auth import COOKIE_NAME
+from gateway.api.auth import COOKIE_NAME
 from tests.fixtures_servers import RunningGateway
 
 SHORT = {"max_tokens": 4, "temperature": 0.0}

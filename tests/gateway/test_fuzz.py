@@ -26,14 +26,14 @@ from engine.errors import EngineError
 from engine.prompt import validate_messages
 from engine.protocol import FrameError, GenerateFrame, decode_client_frame
 from engine.server import parse_generate
+from gateway.api.http import _session_fields
+from gateway.api.openai_api import json_bytes
+from gateway.api.openai_request import OpenAIError, parse_chat_request
+from gateway.api.socket_frames import ChatFrame, ProtocolError, RegenerateFrame, decode_json, parse_client_frame
+from gateway.api.validation import printable
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
-from gateway.generation import merge_params
-from gateway.http_api import _session_fields
-from gateway.openai_api import json_bytes
-from gateway.openai_request import OpenAIError, parse_chat_request
-from gateway.protocol import ChatFrame, ProtocolError, RegenerateFrame, decode_json, parse_client_frame
-from gateway.validation import printable
+from gateway.replies.manager import merge_params
 
 UNIT = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LIVE = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -122,7 +122,7 @@ generate_frames = st.fixed_dictionaries(
               "prompt_token_ids": st.lists(st.integers(-5, 60000), max_size=8) | json_values,
               "prefix_token_ids": st.lists(st.integers(-5, 60000), max_size=8) | json_values,
               "params": params, "cache_salt": hostile_text | scalars, "clamp_max_tokens": scalars,
-              "extra": json_values})
+              "shared_messages": st.lists(message, max_size=2) | json_values, "extra": json_values})
 
 
 def as_wire(obj: Any) -> str:

@@ -1,10 +1,11 @@
 """Hostile clients are bounded: request heads are capped in bytes, fields and time
-(431/408, gateway/http_limits.py), hosts are allowed by name (DNS rebinding fails), the
+(431/408, gateway/server/http_limits.py), hosts are allowed by name (DNS rebinding fails), the
 page's CSP is an HTTP header, sockets per user and per address are capped, and what
 anonymous users see and get is limited (docs/reliability.md, the probe table)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 
@@ -123,7 +124,7 @@ def test_an_unknown_host_name_is_refused_so_dns_rebinding_fails(gateway_factory)
 
 
 def test_a_rebinding_page_cannot_open_the_socket_even_with_matching_host_and_origin(gateway_factory):
-    from gateway.auth import COOKIE_NAME, origin_allowed
+    from gateway.api.auth import COOKIE_NAME, origin_allowed
 
     gw = gateway_factory(wait_for_engine=False)
     cookie = gw.new_cookie()
@@ -220,7 +221,7 @@ async def test_the_engine_link_secret_is_required_when_set():
 
     from engine.protocol import EngineInfo, HelloFrame, encode
     from engine.server import secret_check
-    from gateway.engines import EngineClient
+    from gateway.engines.client import EngineClient
     from tests.gateway_helpers import wait_for
 
     async def hello(ws):
@@ -237,3 +238,162 @@ async def test_the_engine_link_secret_is_required_when_set():
         assert not without.healthy and not wrong.healthy
         for c in (without, wrong, right):
             await c.close()
+
+
+# ---- clients that go away ---------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    """Every record at WARNING or above of the loggers it is attached to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of ``/metrics`` (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_that_hangs_up_mid_body_or_mid_stream_is_counted_not_an_error(gateway_factory):
+    """A hang-up during a request body (any route that reads one) or while an answer
+    streams: no 500, nothing at WARNING or above in the gateway's or uvicorn's log, and a
+    count by route and stage in /metrics."""
+    gw = gateway_factory()
+    seen = _Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "gateway", "uvicorn.access")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    try:
+        for path in ("/api/sessions", "/v1/chat/completions", "/api/defaults"):
+            method = "PUT" if path == "/api/defaults" else "POST"
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", _port(gw)), timeout=30) as s:
+                    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                              f"Content-Length: 1000\r\n\r\n{{\"messages\": [".encode())
+                    time.sleep(0.05)  # the handler is reading the body when the client leaves
+        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "stream": True,
+                "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        for _ in range(3):
+            with httpx.Client(base_url=gw.base_url, timeout=60) as c, \
+                    c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # the first chunk came; then the client goes away mid-stream
+        text = ""
+        deadline = time.monotonic() + 60  # a bound for a broken gateway, not a timing assert
+        while time.monotonic() < deadline:
+            text = httpx.get(gw.base_url + "/metrics", timeout=30).text
+            counts = [_metric(text, "gateway_client_disconnects_total", route=p, stage="body")
+                      for p in ("/api/sessions", "/v1/chat/completions", "/api/defaults")]
+            if counts == [5, 5, 5] and _metric(text, "gateway_client_disconnects_total",
+                                               route="/v1/chat/completions", stage="response") >= 3:
+                break
+            time.sleep(0.2)
+        assert counts == [5, 5, 5], text
+        assert _metric(text, "gateway_client_disconnects_total", route="/v1/chat/completions", stage="response") >= 3
+        assert "status=\"500\"" not in text
+    finally:
+        for lg in loggers:
+            lg.removeHandler(seen)
+    assert [r.getMessage() for r in seen.records] == []
+
+
+# ---- memory and descriptors per connection -------------------------------------------------
+
+
+def _ws_handshake(port: int, cookie: str, origin: str, sndbuf: int | None = None) -> socket.socket:
+    from gateway.api.auth import COOKIE_NAME
+    from tests.gateway_helpers import raw_ws_connect
+
+    sock = raw_ws_connect("127.0.0.1", port, f"{COOKIE_NAME}={cookie}", origin, rcvbuf=4096)
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    return sock
+
+
+def test_a_ping_flood_that_never_reads_is_not_read_either_and_is_aborted(gateway_factory):
+    """A client that sends WebSocket pings and never reads their pongs: once the pongs
+    fill the connection's write buffer the gateway stops reading it (so what the client can
+    push in is bounded by the kernel's buffers, not by the gateway's memory), and aborts it
+    when its writes stay paused."""
+    from tests.gateway_helpers import masked_frame
+
+    gw = gateway_factory(wait_for_engine=False, limits={"ws_send_timeout_s": 1.0})
+    stats = gw.app.state.connection_stats
+    sock = _ws_handshake(_port(gw), gw.new_cookie(), gw.origin, sndbuf=65536)
+    chunk = masked_frame(b"p" * 125, opcode=0x9) * 8000  # about 1 MiB of pings
+    pushed, cap = 0, 64 << 20
+    sock.settimeout(5)
+    try:
+        while pushed < cap:
+            sock.sendall(chunk)
+            pushed += len(chunk)
+    except (TimeoutError, OSError):
+        pass  # the gateway stopped reading (the send blocked), or aborted the connection
+    finally:
+        sock.close()
+    assert pushed < 16 << 20, f"the gateway kept reading pings it could not answer: {pushed} bytes taken"
+    deadline = time.monotonic() + 60  # a bound for a broken gateway, not a timing assert
+    while stats.ws_stalled_aborted_total < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats.ws_stalled_aborted_total >= 1
+
+
+def test_a_frame_over_the_limit_is_refused_from_its_header_without_its_payload(gateway_factory):
+    """A frame whose header announces more than max_frame_bytes gets a frame_too_large
+    error frame and close 1009 before any of its payload is sent."""
+    gw = gateway_factory(wait_for_engine=False)
+    limit = gw.config.limits.max_frame_bytes
+    sock = _ws_handshake(_port(gw), gw.new_cookie(), gw.origin)
+    try:
+        n = 15 << 20
+        sock.sendall(bytes([0x81, 0x80 | 127]) + n.to_bytes(8, "big") + b"\0\0\0\0" + b"{" * 100)
+        answer = _read_all(sock)
+    finally:
+        sock.close()
+    assert answer[0] == 0x81 and b'"frame_too_large"' in answer and str(limit).encode() in answer, answer[:200]
+    close = answer[answer.index(b"\x88"):]  # the close frame: its code is 1009
+    assert int.from_bytes(close[2:4], "big") == 1009 and len(close) > 4
+    assert gw.app.state.connection_stats.ws_frames_too_large_total == 1
+
+
+def test_a_slow_body_gets_408_and_connections_are_capped_per_address_and_in_total(gateway_factory):
+    gw = gateway_factory(wait_for_engine=False, limits={"http_body_timeout_s": 1.0,
+                                                        "http_max_connections_per_address": 4})
+    port = _port(gw)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /api/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        assert _read_all(s).startswith(b"HTTP/1.1 408")
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            answer = _read_all(s)  # refused before it sent anything
+        assert answer.startswith(b"HTTP/1.1 429") and b"retry-after" in answer.lower()
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 30  # the server saw the closes
+    while gw.app.state.connection_stats.http_by_address and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(gw.base_url + "/healthz", timeout=10).status_code == 200
+
+    total = gateway_factory(wait_for_engine=False, limits={"http_max_connections": 3,
+                                                           "http_max_connections_per_address": None})
+    held = [socket.create_connection(("127.0.0.1", _port(total)), timeout=30) for _ in range(3)]
+    try:
+        with socket.create_connection(("127.0.0.1", _port(total)), timeout=30) as s:
+            assert _read_all(s).startswith(b"HTTP/1.1 503")
+    finally:
+        for s in held:
+            s.close()
+    stats = total.app.state.connection_stats
+    assert stats.refused_total.get("total") == 1 and gw.app.state.connection_stats.refused_total["per_address"] == 1

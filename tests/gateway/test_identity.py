@@ -1,5 +1,5 @@
 """One identity across the browser, the terminal client and the OpenAI API: personal
-access tokens (gateway/tokens.py) map to the browser cookie's user, so a chat started
+access tokens (gateway/api/access_tokens.py) map to the browser cookie's user, so a chat started
 anywhere is listed in that user's sidebar and continues anywhere. Also the terminal
 client's URL forms, its --help, its refusal messages and Ctrl-C."""
 
@@ -18,9 +18,9 @@ import pytest
 import websockets
 from websockets.asyncio.client import connect
 
-from gateway.auth import COOKIE_NAME
+from gateway.api.access_tokens import TOKEN_PREFIX, token_hash
+from gateway.api.auth import COOKIE_NAME
 from gateway.client import build_parser, http_base, refusal_text, socket_url
-from gateway.tokens import TOKEN_PREFIX, token_hash
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import RunningGateway
 

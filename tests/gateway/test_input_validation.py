@@ -15,9 +15,9 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import RANGES, SamplingParams, param_error
-from gateway.openai_request import OpenAIError, parse_chat_request
-from gateway.protocol import ProtocolError, decode_json, parse_client_frame
-from gateway.validation import BadJson, loads_json
+from gateway.api.openai_request import OpenAIError, parse_chat_request
+from gateway.api.socket_frames import ProtocolError, decode_json, parse_client_frame
+from gateway.api.validation import BadJson, loads_json
 from tests.gateway_helpers import chat, read_reply, recv, send
 
 LONE = "Say hi \ud83d"  # a JavaScript string cut in the middle of a surrogate pair

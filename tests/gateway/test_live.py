@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.auth import UserIds
-from gateway.protocol import PONG
+from gateway.api.auth import UserIds
+from gateway.api.socket_frames import PONG
 from tests.gateway_helpers import chat, recv, send, wait_for
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -17,8 +18,8 @@ import httpx
 import pytest
 import redis
 
-from gateway.auth import COOKIE_NAME
-from gateway.local import LocalStartError, ensure_redis
+from gateway.api.auth import COOKIE_NAME
+from gateway.server.local import LocalStartError, ensure_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,11 +134,34 @@ def local_engine_port(lines: list[str]) -> int | None:
     return ports[-1] if ports else None
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (Linux /proc)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+async def anonymous_engine_answer(port: int, headers: dict[str, str] | None = None) -> int:
+    """The HTTP status a WebSocket handshake on the engine's port gets (101: admitted)."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    try:
+        async with connect(f"ws://127.0.0.1:{port}", additional_headers=headers or {}, open_timeout=10):
+            return 101
+    except InvalidStatus as e:
+        return int(e.response.status_code)
+
+
 def test_gateway_with_no_engine_url_starts_and_stops_its_own_engine(tiny_model_dir, redis_url, key_prefix, tmp_path):
-    """...with the options given in --engine-args (here: int8 weights)."""
+    """...with the options given in --engine-args (here: int8 weights), behind a link secret
+    of its own: an anonymous local client (or a wrong secret) is refused at the handshake,
+    and the secret is in the engine's environment, not on its command line."""
+    env = gateway_env(redis_url, key_prefix, tmp_path)
+    env.pop("ENGINE_SECRET", None)
     proc, base, lines = start_gateway(["--model", str(tiny_model_dir), "--engine-args",
-                                       "--dtype bfloat16 --quantization int8"],
-                                      gateway_env(redis_url, key_prefix, tmp_path))
+                                       "--dtype bfloat16 --quantization int8"], env)
     engine_port = None
     try:
         engine_port = local_engine_port(lines)
@@ -145,6 +169,14 @@ def test_gateway_with_no_engine_url_starts_and_stops_its_own_engine(tiny_model_d
         assert any("quantize weights to int8" in line for line in lines), lines
         result = run_client(base, tmp_path / "cookie", "Hi from the one-command default")
         assert result.returncode == 0, result.stderr
+        assert asyncio.run(anonymous_engine_answer(engine_port)) == 403
+        assert asyncio.run(anonymous_engine_answer(engine_port, {"X-Engine-Secret": "guess"})) == 403
+        (engine_pid,) = [c for c in child_pids(proc.pid) if b"engine" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{engine_pid}/environ").read_bytes().split(b"\0")
+                       if b"=" in kv)
+        secret = environ[b"ENGINE_SECRET"]
+        assert len(secret) >= 32 and secret not in Path(f"/proc/{engine_pid}/cmdline").read_bytes()
+        assert asyncio.run(anonymous_engine_answer(engine_port, {"X-Engine-Secret": secret.decode()})) == 101
     finally:
         assert stop_gateway(proc) == 0
     with pytest.raises(OSError):  # the engine went away with the gateway
@@ -173,7 +205,7 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
 
 async def test_a_killed_local_engine_is_restarted_on_the_same_port_and_chats_work_again(tiny_model_dir,
                                                                                          gateway_factory):
-    from gateway.local import LocalEngine
+    from gateway.server.local import LocalEngine
     from tests.engine_gate import text_delta
     from tests.fixtures_servers import gate_in_front_of
     from tests.gateway_helpers import chat, read_reply, send
@@ -292,7 +324,7 @@ async def test_ctrl_c_mid_reply_logs_no_warning_and_stores_the_reply_as_cut_by_t
     from websockets.asyncio.client import connect
 
     from bench.soak import child_pids
-    from gateway.sessions import Keys
+    from gateway.store.sessions import Keys
 
     proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], gateway_env(redis_url, key_prefix, tmp_path))
     try:

@@ -11,10 +11,10 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import new_secret
 from gateway.config import GatewayConfig
-from gateway.extensions import create_app_with_extras, default_extras
-from gateway.serving import ThreadedServer
+from gateway.server.app import new_secret
+from gateway.server.extensions import create_app_with_extras, default_extras
+from gateway.server.serving import ThreadedServer
 from tests.gateway_helpers import chat
 from tests.gateway_helpers import openai_client as client
 

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.auth import COOKIE_NAME
-from gateway.openai_api import key_user_id
+from gateway.api.auth import COOKIE_NAME
+from gateway.api.openai_api import key_user_id
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import RunningGateway
 from tests.gateway_helpers import openai_client as client

@@ -1,4 +1,4 @@
-"""The gateway's prefix index (gateway/prefix_index.py): engines' KV events in, the
+"""The gateway's prefix index (gateway/engines/prefix_index.py): engines' KV events in, the
 leading pages each engine holds out, within a fixed bound on pages kept."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine.block_hash import prompt_block_hashes
-from gateway.prefix_index import PrefixIndex
+from gateway.engines.prefix_index import PrefixIndex
 
 A, B, C = "ws://a:1", "ws://b:2", "ws://c:3"
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import COOKIE_NAME, UserIds, cookie_value, origin_allowed
-from gateway.config import ConfigError, GatewayConfig, Limits, config_from_env
-from gateway.protocol import (
+from gateway.api.auth import COOKIE_NAME, UserIds, cookie_value, origin_allowed
+from gateway.api.socket_frames import (
     CancelFrame,
     ChatFrame,
     PingFrame,
@@ -16,6 +15,7 @@ from gateway.protocol import (
     decode_json,
     parse_client_frame,
 )
+from gateway.config import ConfigError, GatewayConfig, Limits, config_from_env
 
 
 def test_valid_frames_parse_into_their_dataclasses():
@@ -98,7 +98,7 @@ def test_cookie_header_parsing_tolerates_junk():
     assert cookie_value(scope(None)) is None
 
 
-def test_config_reads_environment_variables_and_validates():
+def test_config_reads_environment_variables_and_validates(tmp_path):
     cfg = config_from_env({"PORT": "9001", "ENGINE_URLS": "ws://a:1, ws://b:2", "SESSION_TTL_S": "60",
                            "ALLOWED_ORIGINS": "https://x.example", "LIMIT_MAX_FRAME_BYTES": "2048",
                            "LIMIT_WS_SEND_TIMEOUT_S": "1.5", "KEY_PREFIX": "p:",
@@ -113,7 +113,20 @@ def test_config_reads_environment_variables_and_validates():
     with pytest.raises(ConfigError, match="ENGINE_ARGS"):
         config_from_env({"ENGINE_ARGS": "--dtype 'bf"})
     with pytest.raises(ConfigError):
-        Limits(max_frame_bytes=4096, hard_frame_bytes=4096)
+        Limits(max_frame_bytes=512)
+    with pytest.raises(ConfigError):
+        Limits(http_max_connections_per_address=0)
+    assert config_from_env({"LIMIT_HTTP_MAX_CONNECTIONS_PER_ADDRESS": "none"}).limits.http_max_connections_per_address \
+        is None
+    with pytest.raises(ConfigError, match="LIMIT_WS_MAX_INFLIGHT"):
+        config_from_env({"LIMIT_WS_MAX_INFLIGHT": "none"})
+    shared = tmp_path / "shared.json"
+    shared.write_text('["Read the museum guide.", "You are a helpful assistant."]')
+    assert config_from_env({"SHARED_PROMPTS_FILE": str(shared)}).shared_prompts == (
+        "Read the museum guide.", "You are a helpful assistant.")
+    shared.write_text('{"not": "a list"}')
+    with pytest.raises(ConfigError, match="SHARED_PROMPTS_FILE"):
+        config_from_env({"SHARED_PROMPTS_FILE": str(shared)})
     with pytest.raises(ConfigError):
         GatewayConfig(allowed_origins=("x.example",))
 

@@ -1,6 +1,6 @@
 """A Redis restart is invisible to users: after ``kill -9`` and a restart, every pooled
 connection is stale, and each command that meets one is retried on a fresh connection
-(gateway/redis_client.py), so requests succeed as soon as Redis answers and
+(gateway/store/connection.py), so requests succeed as soon as Redis answers and
 ``/readyz`` says Redis is down only while it is."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The routing rules (gateway/routing.py) as pure functions of fake snapshots: cache_aware
+"""The routing rules (gateway/engines/routing.py) as pure functions of fake snapshots: cache_aware
 (matched share of the prompt against load), and sticky (home by placement or rendezvous
 hashing, shedding by SGLang's imbalance test)."""
 
@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing import EngineLoad, RoutingPolicy, choose, choose_cache_aware, rendezvous_rank, snapshot_load
+from gateway.engines.routing import (
+    EngineLoad,
+    RoutingPolicy,
+    choose,
+    choose_cache_aware,
+    rendezvous_rank,
+    snapshot_load,
+)
 
 URLS = ["ws://a:1", "ws://b:2", "ws://c:3"]
 POLICY = RoutingPolicy(abs_threshold=4, rel_threshold=1.5)

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.routing import rendezvous_rank
+from gateway.engines.routing import rendezvous_rank
 from tests.engine_gate import EngineGate, of_type, text_delta
 from tests.fixtures_servers import gate_in_front_of
 from tests.gateway_helpers import Reply, chat, read_reply, recv, send, wait_for

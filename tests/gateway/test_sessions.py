@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import GatewayError
-from gateway.sessions import Keys, SessionStore, plan_prefix, title_from
+from gateway.store.sessions import Keys, SessionStore, plan_prefix, title_from
 
 ALICE, BOB = "a" * 32, "b" * 32
 

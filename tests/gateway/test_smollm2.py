@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import UserIds
+from gateway.api.auth import UserIds
 from tests.gateway_helpers import chat
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""OpenAI-compatible servers as engines (``gateway/upstream.py``; docs/scaling.md,
+"""OpenAI-compatible servers as engines (``gateway/engines/upstream.py``; docs/scaling.md,
 "Existing engines as upstreams"). Real processes only: the upstream is another gateway
 of this project (its ``/v1``, on the tiny-model engine) or llama.cpp's ``llama-server``
 on SmolLM2's GGUF (skipped when it is not built); the browser chat runs through a
@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig
-from gateway.engines import EngineClient, EngineRouter
-from gateway.replies import EngineRun
-from gateway.upstream import UpstreamClient, engine_client, shown_model_name, upstream_body, upstream_error
+from gateway.engines.client import EngineClient, EngineRouter
+from gateway.engines.run import EngineRun
+from gateway.engines.upstream import UpstreamClient, engine_client, shown_model_name, upstream_body, upstream_error
 from tests.engine_gate import of_type, text_delta
 from tests.gateway_helpers import chat, openai_client, read_reply, recv, send, wait_for
 
@@ -38,7 +38,7 @@ async def engine_entry(gw) -> dict:
 
 
 def uid_of(gw, cookie: str) -> str:
-    from gateway.auth import UserIds
+    from gateway.api.auth import UserIds
 
     uid = UserIds(gw.config.secret_key).verify(cookie)
     assert uid is not None
@@ -81,7 +81,10 @@ def test_a_model_path_is_shown_by_its_last_part_and_other_ids_as_they_are():
     (401, '{"error": {"message": "bad key"}}', "engine_unavailable"),
     (404, '{"error": {"message": "model gone"}}', "engine_unavailable"),
     (503, "overloaded", "engine_unavailable"),
-    (302, "", "engine_error"),
+    (429, '{"error": {"message": "x", "type": "rate_limit_error", "code": "rate_limit_exceeded"}}',
+     "rate_limit_exceeded"),  # the upstream's own, tried on another engine first
+    (429, "slow down", "rate_limit_exceeded"),
+    (302, "", "upstream_error"),
 ])
 def test_upstream_errors_map_to_our_codes_and_keep_the_message(status, body, code):
     err = upstream_error(status, body, "r1")

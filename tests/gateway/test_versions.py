@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import GatewayError
-from gateway.sessions import full_prefix
+from gateway.store.sessions import full_prefix
 from tests.gateway.test_sessions import ALICE, finish_ok, make_store
 
 

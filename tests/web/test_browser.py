@@ -250,8 +250,9 @@ def test_reply_streams_in_and_history_returns_after_reload(new_page: Callable[..
     seen = [f["length"] for f in frames if f["length"] > 0]
     assert len(set(seen)) >= 2 and min(seen) < len(final), f"the reply did not grow on screen: {seen}"
     assert page.is_hidden("#stop") and page.is_visible("#send")
-    stats = page.locator(".msg.assistant .stats").text_content() or ""
-    assert re.fullmatch(r"TTFT \d+ ms · \d+\.\d tok/s · \d+ cached", stats), stats
+    stats = page.locator(".msg.assistant .stats-line").text_content() or ""
+    # the prefix cache may hold the chat template's opening from other chats
+    assert re.fullmatch(r"\d+ tokens · \d+(\.\d)? tok/s( · [\d,]+ from cache)?", stats), stats
 
     m = re.search(r"#/c/([A-Za-z0-9_-]+)$", page.url)
     assert m, page.url

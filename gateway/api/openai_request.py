@@ -1,0 +1,280 @@
+"""The OpenAI chat-completions request: validation into engine terms, and OpenAI errors.
+
+``parse_chat_request`` turns a decoded ``POST /v1/chat/completions`` body into a
+``ChatRequest``: text-only messages with the engine's roles and the engine
+``SamplingParams`` keys the client set. What it accepts (docs/protocol.md section 4):
+
+* supported: ``messages``, ``model``, ``temperature``, ``top_p``, ``max_tokens``,
+  ``max_completion_tokens``, ``stop``, ``seed``, ``frequency_penalty``,
+  ``presence_penalty``, ``n`` (1 only), ``stream``, ``stream_options``;
+  extensions (as vLLM names them): ``top_k``, ``min_p``, ``repetition_penalty``,
+  ``ignore_eos``; the session link field ``session_id``.
+* ignored as harmless: ``IGNORED_FIELDS`` (``user``, ``metadata``, ...), and
+  feature fields at their "off" value (``tools: []``, ``response_format: {"type": "text"}``...).
+* refused with 400: any other field, a feature we do not serve (tools, images,
+  logprobs), a value out of the engine's range (``engine.sampling_params.RANGES``, the
+  same text as every other entry point), or text that is not valid Unicode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, STOP_ERROR, SamplingParams, param_error
+from engine.text_checks import text_error
+from gateway.errors import GatewayError
+
+# OpenAI fields with no effect on a text reply here; accepted and dropped.
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
+    "prompt_cache_key", "safety_identifier", "verbosity", "web_search_options",
+})
+NEW_SESSION = "new"
+
+
+class OpenAIError(Exception):
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+    Attributes:
+        status: the HTTP status (400, 401, 404, 409, 413, 429, 500, 503).
+        message: a sentence for people.
+        type: OpenAI's error type (``invalid_request_error``, ``rate_limit_error``, ``server_error``).
+        param: the request field at fault, or None.
+        code: a machine-readable code (``context_length_exceeded``, ``invalid_api_key``...) or None.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI clients parse."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# gateway/engine code -> (HTTP status, OpenAI type, OpenAI code)
+_CODE_MAP: dict[str, tuple[int, str, str | None]] = {
+    "invalid_request": (400, "invalid_request_error", None),
+    "bad_frame": (400, "invalid_request_error", None),
+    "context_length_exceeded": (400, "invalid_request_error", "context_length_exceeded"),
+    "not_found": (404, "invalid_request_error", "not_found"),
+    "busy": (409, "invalid_request_error", "busy"),
+    "frame_too_large": (413, "invalid_request_error", "request_too_large"),
+    "rate_limited": (429, "rate_limit_error", "rate_limit_exceeded"),
+    "too_many_generations": (429, "rate_limit_error", "too_many_generations"),
+    "too_many_sessions": (429, "rate_limit_error", "too_many_sessions"),
+    "engine_unavailable": (503, "server_error", "engine_unavailable"),
+    "store_unavailable": (503, "server_error", "store_unavailable"),
+}
+
+
+def openai_error_from(code: str, message: str, param: str | None = None, status: int = 0) -> OpenAIError:
+    """The OpenAI error for a gateway or engine error ``code`` (unknown codes: 500), or,
+    with ``status``, for an OpenAI-compatible upstream's own error: its code, with that
+    HTTP status (429: ``rate_limit_error``, another 4xx: ``invalid_request_error``, else
+    ``server_error``)."""
+    if status and code not in _CODE_MAP:
+        kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+        return OpenAIError(status, message, kind, param, code)
+    status, kind, oa_code = _CODE_MAP.get(code, (500, "server_error", "internal_error"))
+    if code == "context_length_exceeded" and param is None:
+        param = "messages"
+    return OpenAIError(status, message, kind, param, oa_code)
+
+
+def from_gateway_error(e: GatewayError) -> OpenAIError:
+    """``openai_error_from`` for a raised ``GatewayError``."""
+    return openai_error_from(e.code, e.message)
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 ``invalid_request_error``."""
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat-completions request.
+
+    Attributes:
+        messages: ``[{"role": "system"|"user"|"assistant", "content": str}]`` (``developer``
+            is folded into ``system``; text parts joined with newlines).
+        model: the requested model name, or None when omitted.
+        params: engine ``SamplingParams`` keys the client set (validated); unset keys
+            take the gateway's defaults later.
+        stream: answer with Server-Sent Events.
+        include_usage: with ``stream``, send a final chunk holding ``usage``.
+        session_id: the body's session link (an id or ``"new"``), or None.
+    """
+
+    messages: list[dict[str, str]]
+    model: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+
+
+def _text(value: Any, field: str, param: str | None = None) -> None:
+    """Refuse a string that is not valid Unicode (``engine.text_checks``)."""
+    message = text_error(value, field)
+    if message is not None:
+        raise bad(message, param or field)
+
+
+def _content(i: int, role: str, content: Any) -> str:
+    """A message's text: a string, or a list of ``{"type": "text", "text"}`` parts."""
+    param = f"messages[{i}].content"
+    if isinstance(content, str):
+        _text(content, param)
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"only text content parts are supported; {param}[{j}] is {kind!r}", param)
+            _text(part["text"], f"{param}[{j}].text", param)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"{param} must be a string or a list of text parts", param)
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"  # OpenAI's newer name for the system role
+        if role not in ("system", "user", "assistant"):
+            raise bad(f"messages[{i}].role must be system, developer, user or assistant, got {role!r}"
+                      " (tool and function messages are not supported)", f"messages[{i}].role")
+        if m.get("tool_calls") or m.get("function_call") or m.get("audio"):
+            raise bad(f"messages[{i}]: tool calls and audio are not supported", f"messages[{i}]")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"messages[{i}].name must be a string", f"messages[{i}].name")
+        _text(name, f"messages[{i}].name")
+        out.append({"role": role, "content": _content(i, role, m.get("content"))})
+    return out
+
+
+def _off_features(body: dict[str, Any]) -> None:
+    """Refuse features we do not serve unless they are set to their "off" value."""
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad(f"'{name}' is not supported by this server", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise bad(f"'{name}' is not supported by this server", name)
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+    if body.get("logit_bias"):
+        raise bad("'logit_bias' is not supported by this server", "logit_bias")
+    if body.get("modalities") not in (None, ["text"]) or body.get("audio") is not None:
+        raise bad("only text output is supported", "modalities")
+    if body.get("prediction") is not None:
+        raise bad("'prediction' is not supported by this server", "prediction")
+    if body.get("logprobs") not in (None, False):
+        raise bad("logprobs are not supported by this server", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise bad("'top_logprobs' needs logprobs, which this server does not support", "top_logprobs")
+
+
+KNOWN_FIELDS = frozenset({
+    "messages", "model", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed",
+    "frequency_penalty", "presence_penalty", "n", "stream", "stream_options", "session_id",
+    "top_k", "min_p", "repetition_penalty", "ignore_eos",
+    "tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "modalities",
+    "audio", "prediction", "logprobs", "top_logprobs",
+}) | IGNORED_FIELDS
+
+
+# OpenAI field -> engine parameter (its range and error text come from RANGES)
+NUMERIC_FIELDS: dict[str, str] = {
+    "temperature": "temperature", "top_p": "top_p", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",  # the newer name wins when both are set
+    "top_k": "top_k", "seed": "seed",
+}
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The engine parameters the client set, each checked against the engine's own
+    ranges (``RANGES``) with the engine's error text, naming the OpenAI field."""
+    p: dict[str, Any] = {}
+    for name, engine_name in NUMERIC_FIELDS.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        message = param_error(engine_name, v, label=name)
+        if message is not None:
+            raise bad(message, name)
+        p[engine_name] = v
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise bad("'ignore_eos' must be a boolean", "ignore_eos")
+        p["ignore_eos"] = body["ignore_eos"]
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
+                or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops)):
+            raise bad(STOP_ERROR, "stop")
+        for i, s in enumerate(stops):
+            _text(s, f"stop[{i}]", "stop")
+        if stops:
+            p["stop"] = stops
+    try:  # the engine's own rules, so that nothing it would refuse is sent
+        SamplingParams.from_dict(p)
+    except InvalidRequestError as e:
+        raise bad(e.message) from None
+    return p
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a decoded request body.
+
+    Raises:
+        OpenAIError: 400 naming the first bad or unsupported field.
+    """
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in KNOWN_FIELDS)
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    messages = _messages(body.get("messages"))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    _text(model, "model")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad(f"only n=1 is supported (one choice per request), got {n!r}", "n")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+        raise bad("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
+    sid = body.get("session_id")
+    if sid is not None and not isinstance(sid, str):
+        raise bad("'session_id' must be a string", "session_id")
+    _text(sid, "session_id")
+    _off_features(body)
+    return ChatRequest(messages=messages, model=model, params=_sampling(body), stream=bool(stream),
+                       include_usage=bool((opts or {}).get("include_usage", False)), session_id=sid)

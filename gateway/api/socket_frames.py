@@ -1,0 +1,238 @@
+"""Browser frames (docs/protocol.md section 2): parsing and validation of what the
+client sends, and builders for what the server sends.
+
+A frame that does not validate raises ``ProtocolError`` (code ``bad_frame``); the
+socket answers with an error frame and stays open.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.text_checks import text_error
+from gateway.api.validation import BadJson, loads_json
+from gateway.errors import GatewayError
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_CLIENT_MSG_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+class ProtocolError(GatewayError):
+    """A client frame that is not JSON, has an unknown type, or a missing/ill-typed field
+    (code ``bad_frame``), or a text field that is not valid Unicode (``invalid_request``).
+
+    Attributes:
+        request_id, session_id: echoed in the error frame when the bad frame named them.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None, session_id: str | None = None,
+                 code: str = "bad_frame") -> None:
+        super().__init__(code, message)
+        self.request_id = request_id
+        self.session_id = session_id
+
+
+@dataclass(frozen=True)
+class ChatFrame:
+    """``chat``: a user message; no ``session_id`` starts a new chat."""
+
+    content: str
+    session_id: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    client_msg_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CancelFrame:
+    """``cancel``: stop the reply ``request_id``."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RegenerateFrame:
+    """``regenerate``: replace the chat's last assistant reply; ``message_id`` (when
+    given) names the reply the client shows, and the server refuses (``conflict``) when
+    the chat's last reply is another one."""
+
+    session_id: str
+    params: dict[str, Any] = field(default_factory=dict)
+    message_id: str | None = None
+
+
+@dataclass(frozen=True)
+class EditFrame:
+    """``edit``: replace the user message ``message_id`` and everything after it with
+    ``content`` and reply to it; the old branch is kept as a version."""
+
+    session_id: str
+    message_id: str
+    content: str
+    params: dict[str, Any] = field(default_factory=dict)
+    client_msg_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ContinueFrame:
+    """``continue``: extend the chat's last reply ``message_id``, cut at max_tokens."""
+
+    session_id: str
+    message_id: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResumeFrame:
+    """``resume``: (re)attach to a reply; deltas with ``seq > last_seq`` follow."""
+
+    request_id: str
+    last_seq: int = 0
+
+
+@dataclass(frozen=True)
+class EventsFrame:
+    """``events``: start (``on`` true) or stop sending this socket ``event`` frames about
+    changes to the user's chats (live tabs). Off by default, so clients that read replies
+    frame by frame see no other frames."""
+
+    on: bool = True
+
+
+@dataclass(frozen=True)
+class PingFrame:
+    """``ping``: answered by ``pong``."""
+
+
+ClientFrame = (ChatFrame | CancelFrame | RegenerateFrame | ResumeFrame | PingFrame | EditFrame | ContinueFrame
+               | EventsFrame)
+
+
+def is_valid_id(value: Any) -> bool:
+    """True for a session/request id: 1-64 characters of ``[A-Za-z0-9_-]``."""
+    return isinstance(value, str) and bool(_ID_RE.match(value))
+
+
+def _id(obj: dict[str, Any], key: str, *, required: bool, ctx: dict[str, Any]) -> str | None:
+    value = obj.get(key)
+    if value is None and not required:
+        return None
+    if not is_valid_id(value):
+        raise ProtocolError(f"'{key}' must be an id string of 1-64 characters [A-Za-z0-9_-]", **ctx)
+    return value
+
+
+def _params(obj: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+    params = obj.get("params")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ProtocolError("'params' must be an object", **ctx)
+    return params
+
+
+def _context(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ids worth echoing in an error about this frame (only well-formed ones)."""
+    ctx: dict[str, Any] = {}
+    for key in ("request_id", "session_id"):
+        if is_valid_id(obj.get(key)):
+            ctx[key] = obj[key]
+    return ctx
+
+
+def decode_json(text: str) -> Any:
+    """``json.loads`` (with the nesting limit of ``gateway.api.validation``) that reports
+    failure as a ``ProtocolError``.
+
+    Raises:
+        ProtocolError: the text is not JSON or nests too deeply.
+    """
+    try:
+        return loads_json(text)
+    except BadJson as e:
+        raise ProtocolError(f"frame is {e}" if "nests" not in str(e) else f"frame {e}") from None
+
+
+def parse_client_frame(obj: Any) -> ClientFrame:
+    """Validate a decoded JSON frame into one of the ``ClientFrame`` dataclasses.
+
+    Unknown extra fields are ignored (so clients may add their own).
+
+    Raises:
+        ProtocolError: not an object, unknown ``type``, or a missing/ill-typed field.
+    """
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame must be a JSON object")
+    ctx = _context(obj)
+    kind = obj.get("type")
+    if kind == "ping":
+        return PingFrame()
+    if kind == "events":
+        on = obj.get("on", True)
+        if not isinstance(on, bool):
+            raise ProtocolError("'on' must be a boolean", **ctx)
+        return EventsFrame(on=on)
+    if kind in ("chat", "edit"):
+        content = obj.get("content")
+        if not isinstance(content, str) or not content.strip():
+            raise ProtocolError("'content' must be a non-empty string", **ctx)
+        bad_text = text_error(content, "content")
+        if bad_text is not None:
+            raise ProtocolError(bad_text, code="invalid_request", **ctx)
+        cmid = obj.get("client_msg_id")
+        if cmid is not None and not (isinstance(cmid, str) and _CLIENT_MSG_ID_RE.match(cmid)):
+            raise ProtocolError("'client_msg_id' must be 1-128 characters [A-Za-z0-9_.:-]", **ctx)
+        if kind == "edit":
+            return EditFrame(session_id=_id(obj, "session_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             message_id=_id(obj, "message_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             content=content, params=_params(obj, ctx), client_msg_id=cmid)
+        return ChatFrame(
+            content=content,
+            session_id=_id(obj, "session_id", required=False, ctx=ctx),
+            params=_params(obj, ctx),
+            client_msg_id=cmid,
+        )
+    if kind == "cancel":
+        return CancelFrame(request_id=_id(obj, "request_id", required=True, ctx=ctx))  # type: ignore[arg-type]
+    if kind == "regenerate":
+        sid = _id(obj, "session_id", required=True, ctx=ctx)
+        mid = _id(obj, "message_id", required=False, ctx=ctx)
+        return RegenerateFrame(session_id=sid, params=_params(obj, ctx), message_id=mid)  # type: ignore[arg-type]
+    if kind == "continue":
+        return ContinueFrame(session_id=_id(obj, "session_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             message_id=_id(obj, "message_id", required=True, ctx=ctx),  # type: ignore[arg-type]
+                             params=_params(obj, ctx))
+    if kind == "resume":
+        rid = _id(obj, "request_id", required=True, ctx=ctx)
+        last_seq = obj.get("last_seq", 0)
+        if not isinstance(last_seq, int) or isinstance(last_seq, bool) or last_seq < 0:
+            raise ProtocolError("'last_seq' must be an integer >= 0", **ctx)
+        return ResumeFrame(request_id=rid, last_seq=last_seq)  # type: ignore[arg-type]
+    if not isinstance(kind, str):
+        raise ProtocolError("frame needs a string 'type'", **ctx)
+    raise ProtocolError(f"unknown frame type {kind[:40]!r}", **ctx)
+
+
+# ---- server -> client ------------------------------------------------------
+
+
+def error_frame(code: str, message: str, request_id: str | None = None,
+                session_id: str | None = None) -> dict[str, Any]:
+    """``{"type": "error", "code", "message", "request_id"?, "session_id"?}``."""
+    frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if request_id is not None:
+        frame["request_id"] = request_id
+    if session_id is not None:
+        frame["session_id"] = session_id
+    return frame
+
+
+def error_from(exc: GatewayError, request_id: str | None = None, session_id: str | None = None) -> dict[str, Any]:
+    """An error frame for ``exc``, echoing the ids it or the caller knows."""
+    rid = getattr(exc, "request_id", None) or request_id
+    sid = getattr(exc, "session_id", None) or session_id
+    return error_frame(exc.code, exc.message, rid, sid)
+
+
+PONG: dict[str, Any] = {"type": "pong"}

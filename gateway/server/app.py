@@ -1,0 +1,244 @@
+"""The Starlette application factory (no globals: everything hangs off ``app.state``).
+
+Routes: ``GET /`` (the chat page from ``web/index.html``), ``/static``, ``/sw.js`` and
+``/manifest.webmanifest`` (the page's service worker and manifest, from ``static/``), ``WS /ws``,
+``/api/...`` (http_api), ``/healthz``, ``/readyz``, plus any ``extra_routes`` (the
+OpenAI API and ``/metrics`` plug in there) and ``events`` hooks on every reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+from markupsafe import Markup
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.api.access_tokens import TokenAuthMiddleware, TokenStore
+from gateway.api.auth import UserCookieMiddleware, UserIds
+from gateway.api.chat_export import export_routes
+from gateway.api.http import api_routes, config_body
+from gateway.api.revocation import Revocations
+from gateway.api.socket import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not_found
+from gateway.api.user_api import user_routes
+from gateway.config import GatewayConfig
+from gateway.engines.cache_scope import CacheIsolation
+from gateway.engines.client import EngineRouter
+from gateway.engines.routing import Placements
+from gateway.engines.upstream import engine_client
+from gateway.replies.hooks import GenerationEvents
+from gateway.replies.manager import GenerationManager
+from gateway.server.disconnects import ClientDisconnects, DisconnectMiddleware
+from gateway.store.connection import resilience_options
+from gateway.store.live_events import LiveHub
+from gateway.store.reply_streams import ReplyStreams
+from gateway.store.sessions import Keys, SessionStore
+from gateway.store.user_defaults import UserDefaultsStore
+
+log = logging.getLogger("gateway")
+
+# The page's CSP, as a header (a <meta> tag cannot carry frame-ancestors, and a header
+# covers every response): only our own scripts and styles, nothing fetched from
+# elsewhere, sockets only to this origin (connect-src 'self' covers ws: and wss: of it).
+CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                           "font-src 'self'; connect-src 'self'; object-src 'none'; base-uri 'none'; "
+                           "form-action 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+]
+
+
+class SecurityHeadersMiddleware:
+    """Adds ``SECURITY_HEADERS`` to every HTTP response."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = list(message.get("headers", [])) + SECURITY_HEADERS
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class RevalidatedStaticFiles(StaticFiles):
+    """``/static``, which browsers revalidate at each use (``Cache-Control: no-cache``;
+    unchanged files answer 304 by their ETag). Without it a browser keeps a file it
+    guesses is fresh (heuristic caching from Last-Modified), so after an upgrade a page
+    could run new modules beside old ones."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        """The file (or 304), with ``Cache-Control: no-cache``."""
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
+def script_safe_json(obj: Any) -> Markup:
+    """JSON that can sit inside a ``<script>`` element as is: ``<``, ``>`` and ``&``
+    are escaped as ``\\u003c`` etc. (valid JSON, and no ``</script>`` can appear)."""
+    text = json.dumps(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return Markup(text)
+
+
+FALLBACK_PAGE = """<!doctype html><meta charset="utf-8"><title>chat</title>
+<p>The chat UI (web/index.html) is not installed. The API is at /api and the socket at /ws.</p>"""
+
+
+def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
+               events: Sequence[GenerationEvents] = ()) -> Starlette:
+    """Build the gateway application.
+
+    Args:
+        config: settings (``engine_urls`` must name at least one engine for replies: our
+            engines' ``ws://`` urls and OpenAI-compatible ``http(s)://`` upstreams).
+        extra_routes: more routes (e.g. ``/v1/...``, ``/metrics``); they see the same
+            ``app.state`` (config, store, streams, router, generations, ws_stats).
+        events: hooks called on every reply (see ``gateway.replies.hooks``).
+    Raises:
+        OSError: the cookie secret cannot be read or created under ``data_dir``.
+    """
+    secret = config.resolve_secret()
+    ids = UserIds(secret)
+    isolation = CacheIsolation.of(secret, (config.defaults.system_prompt, *config.shared_prompts))
+    templates = Jinja2Templates(directory=str(config.web_dir))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        """Open Redis and the engine connections; close them (stopping replies) at exit."""
+        # a bounded pool whose callers wait for a free connection (redis-py's default pool
+        # raises MaxConnectionsError at once when all are busy, a 503 under mere latency);
+        # a command that meets a stale connection retries on a fresh one (resilience_options)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, decode_responses=True, socket_connect_timeout=2, socket_timeout=10,
+            max_connections=config.redis_max_connections, timeout=config.redis_pool_timeout_s,
+            **resilience_options())
+        redis = aioredis.Redis(connection_pool=pool)
+        # blocking stream reads hold a connection each while they wait
+        tail_pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, decode_responses=True, socket_connect_timeout=2,
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10, max_connections=4096, timeout=30, **resilience_options())
+        tail_redis = aioredis.Redis(connection_pool=tail_pool)
+        keys = Keys(config.key_prefix)
+        lim = config.limits
+        store = SessionStore(redis, keys, config.session_ttl_s, config.lock_lease_ms,
+                             lim.max_sessions_per_user, lim.max_generations_per_user)
+        streams = ReplyStreams(redis, tail_redis, keys, config.stream_ttl_s, config.stream_maxlen)
+        router = EngineRouter((engine_client(u, config) for u in config.engine_urls),
+                              config.routing, Placements(redis, config.key_prefix, config.session_ttl_s))
+        gens = GenerationManager(config, store, streams, router, redis, list(events), isolation)
+        s = app.state
+        s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
+        s.ws_stats = WsStats()
+        s.tokens = TokenStore(redis, config.key_prefix)
+        s.user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
+        s.live = LiveHub(redis, keys)
+        s.revocations = Revocations(redis, s.tokens, config.key_prefix)
+        await router.start()
+        await gens.start()
+        await s.live.start()
+        await s.revocations.start()
+        try:
+            yield
+        finally:
+            await s.revocations.close()
+            await s.live.close()
+            await gens.close()
+            await router.close()
+            await redis.aclose()
+            await pool.aclose()
+            await tail_redis.aclose()
+            await tail_pool.aclose()  # a pool passed in is not closed by its client
+
+    async def index(request: Request) -> Response:
+        """GET /: the chat page (web/index.html with model_name, model_format, config_json, static_url)."""
+        body = config_body(request.app)
+        if not (config.web_dir / "index.html").exists():
+            return HTMLResponse(FALLBACK_PAGE)
+        return templates.TemplateResponse(request, "index.html", {
+            "model_name": body["model"], "model_format": body.get("format"), "config_json": script_safe_json(body),
+            "static_url": "/static", "ranges": body["ranges"]})  # the settings form's min/max: the engine's RANGES
+
+    def static_file(name: str, media_type: str) -> Any:
+        """A route serving ``static/{name}`` at the root, uncached by the browser (404 when absent)."""
+        async def serve(request: Request) -> Response:
+            path = config.static_dir / name
+            if not path.is_file():
+                return JSONResponse({"error": {"code": "not_found", "message": f"no {name}"}}, status_code=404)
+            return FileResponse(path, media_type=media_type, headers={"Cache-Control": "no-cache"})
+        return serve
+
+    async def healthz(request: Request) -> Response:
+        """GET /healthz: 200 while the process serves."""
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        """GET /readyz: 200 when Redis answers and an engine is connected, else 503."""
+        state = request.app.state
+        try:
+            redis_ok = bool(await asyncio.wait_for(state.redis.ping(), 2.0))
+        except Exception:
+            redis_ok = False
+        engines = len(state.router.healthy)
+        ok = redis_ok and engines > 0
+        return JSONResponse({"status": "ready" if ok else "unavailable", "redis": redis_ok, "engines": engines},
+                            status_code=200 if ok else 503)
+
+    routes: list[BaseRoute] = [
+        Route("/", index, methods=["GET"]),
+        # installable (docs/ui.md): a service worker's scope is its own path's folder, so it
+        # is served from the root; the manifest beside it
+        Route("/sw.js", static_file("sw.js", "text/javascript"), methods=["GET"]),
+        Route("/manifest.webmanifest", static_file("manifest.webmanifest", "application/manifest+json"),
+              methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        WebSocketRoute("/ws", websocket_endpoint),
+        *api_routes(),
+        *user_routes(),
+        *export_routes(),
+        *extra_routes,
+        WebSocketRoute("/{path:path}", websocket_not_found),
+        Mount("/static", app=RevalidatedStaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
+    ]
+    # outermost first: hosts (a request for another host name, DNS rebinding, gets 400
+    # before anything else), then headers; a personal token names the user before the
+    # cookie is looked at
+    # a client that hangs up is counted, not logged as an error (gateway/server/disconnects.py)
+    disconnects = ClientDisconnects()
+    middleware = [Middleware(DisconnectMiddleware, stats=disconnects),
+                  Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
+                  Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
+                  Middleware(UserCookieMiddleware, ids=ids)]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.disconnects = disconnects
+    return app
+
+
+def new_secret() -> str:
+    """A random cookie secret (for tests and throwaway gateways)."""
+    return secrets.token_urlsafe(32)

@@ -1,0 +1,154 @@
+"""Running the app under uvicorn with the gateway's socket limits.
+
+* ``ws_max_size`` is the documented ``max_frame_bytes``: a bigger frame is refused by
+  the WebSocket layer from its header, before its payload is read, and a socket that
+  does not read its pongs stops being read (``gateway/server/ws_protocol.py``).
+* Request heads are bounded in size, field count and time, bodies in time, connections
+  per address and in total (``gateway/server/http_limits.py``): 431, 408, 429 or 503, then the
+  connection is closed. The counters of both are ``app.state.connection_stats``.
+* The listening socket is ours, with ``SO_SNDBUF`` set (``limits.ws_socket_sndbuf_bytes``):
+  Linux copies it to every accepted connection, bounding the kernel's share of a slow
+  reader's outbound bytes (autotuning would allow several MiB per connection).
+* A refused WebSocket handshake is answered with a JSON reason (``gateway.api.socket``, the ASGI
+  denial response); uvicorn's sans-I/O protocol then logs "ASGI callable returned
+  without completing handshake." at ERROR although the answer was sent. That one line
+  is filtered out (``DeniedHandshakeFilter``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+
+from gateway.config import GatewayConfig
+from gateway.server.http_limits import ConnectionStats, bounded_http_protocol
+from gateway.server.ws_protocol import bounded_ws_protocol
+
+
+def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket.socket:
+    """A bound, listening TCP socket; ``port`` 0 picks a free one. It listens at once:
+    a socket only bound (SO_REUSEADDR) while the gateway starts its engine and Redis
+    could see one of them bind and listen on the same port first (both reuse-enabled,
+    neither listening yet), and then fail with "address in use". Connections that
+    arrive before the app serves wait in the backlog.
+
+    Raises:
+        OSError: the address is in use or not available.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class DeniedHandshakeFilter(logging.Filter):
+    """Drops uvicorn's false alarm after a WebSocket denial response (see module doc)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for that one message, True for every other record."""
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
+_DENIED_FILTER = DeniedHandshakeFilter()
+
+
+def uvicorn_config(app: Any, config: GatewayConfig, log_level: str = "info") -> uvicorn.Config:
+    """The uvicorn settings for ``app`` under ``config`` (see module doc); the connection
+    counters go to ``app.state.connection_stats`` (for ``/metrics``)."""
+    logging.getLogger("uvicorn.error").addFilter(_DENIED_FILTER)  # the same object: added once
+    lim = config.limits
+    stats = ConnectionStats()
+    if hasattr(app, "state"):
+        app.state.connection_stats = stats
+    return uvicorn.Config(
+        app, host=config.host, port=config.port, lifespan="on", log_level=log_level,
+        # a socket whose writes stay paused is aborted after twice the app's stall timeout
+        # (the app closes a stalled socket first, and counts it; the abort frees the rest)
+        ws=bounded_ws_protocol(lim.max_frame_bytes, 2 * lim.ws_send_timeout_s, stats), ws_max_size=lim.max_frame_bytes,
+        ws_per_message_deflate=config.ws_per_message_deflate,
+        ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=10,
+        http=bounded_http_protocol(lim, stats),
+    )
+
+
+def bound_port(server: uvicorn.Server) -> int:
+    """The port a started server listens on."""
+    port: int = server.servers[0].sockets[0].getsockname()[1]
+    return port
+
+
+class ThreadedServer:
+    """A uvicorn server on its own thread and event loop (tests, embedding).
+
+    ``start()`` returns once the app's startup finished and the socket listens.
+    """
+
+    def __init__(self, app: Any, config: GatewayConfig, log_level: str = "warning") -> None:
+        self.app = app
+        self.config = config
+        self.server = uvicorn.Server(uvicorn_config(app, config, log_level))
+        self.sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        try:
+            self.loop = asyncio.new_event_loop()
+            self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+        except BaseException as e:  # reported by start()
+            self.error = e
+        finally:
+            if self.loop is not None:
+                self.loop.close()
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Start serving; returns the port.
+
+        Raises:
+            RuntimeError: the server did not start within ``timeout`` seconds.
+        """
+        self.thread = threading.Thread(target=self._main, name="gateway-server", daemon=True)
+        self.thread.start()
+        pause = threading.Event()  # never set: a sleep that reads as one
+        for _ in range(int(timeout * 50)):
+            if self.server.started or self.error is not None or not self.thread.is_alive():
+                break
+            pause.wait(0.02)
+        if not self.server.started:
+            raise RuntimeError(f"gateway did not start: {self.error!r}")
+        port: int = self.sock.getsockname()[1]
+        return port
+
+    def run_coro(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the server's loop and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down (closing sockets, stopping replies) and join the thread."""
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout)
+        self.sock.close()
+
+
+async def serve_and_announce(server: uvicorn.Server, sock: socket.socket, ready_line: str) -> None:
+    """Serve ``server`` on ``sock`` until it stops; print ``ready_line`` (flushed) once it
+    accepts connections, so a parent process or a user knows when to connect."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(ready_line, flush=True)
+    await task
