@@ -213,6 +213,8 @@ class AsyncEngine:
         shared then), and the request's compiled constraint and tool stream (grammars
         compile here, never on the step loop)."""
         self.core.check_params(request.params)
+        if request.params.logprobs is not None or request.params.prompt_logprobs is not None:
+            self.core.vocab.warm()  # the server names the tokens of logprobs on its event loop
         ids, reused = self.prompts.build(request)
         shared = self.prompts.shared_length(ids, request.shared_messages) if request.cache_salt else 0
         return ids, reused, shared, self.core.prepare_decoding(request.params, request.tools)

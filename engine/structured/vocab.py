@@ -35,7 +35,6 @@ class Vocabulary:
         self._lock = threading.Lock()
         self._ll: Any = None
         self._bytes: list[bytes] | None = None
-        self._special: frozenset[int] = frozenset()
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -57,18 +56,26 @@ class Vocabulary:
     def _table(self) -> list[bytes]:
         if self._bytes is None:
             ll = self.ll_tokenizer
-            table = []
-            special = set()
-            for i in range(self.vocab_size):
-                if ll.is_special_token(i):
-                    special.add(i)
-                    name = self.tokenizer.convert_ids_to_tokens(i)
-                    table.append(name.encode() if isinstance(name, str) else b"")
-                else:
-                    table.append(ll.decode_bytes([i]))
-            self._special = frozenset(special)
-            self._bytes = table
+            with self._lock:
+                if self._bytes is None:
+                    self._bytes = self._build_table(ll)
         return self._bytes
+
+    def _build_table(self, ll: Any) -> list[bytes]:
+        """Every token's bytes; a special token's are its name's."""
+        table = []
+        for i in range(self.vocab_size):
+            if ll.is_special_token(i):
+                name = self.tokenizer.convert_ids_to_tokens(i)
+                table.append(name.encode() if isinstance(name, str) else b"")
+            else:
+                table.append(ll.decode_bytes([i]))
+        return table
+
+    def warm(self) -> None:
+        """Build what ``token_bytes`` needs now (call it off the event loop and the step
+        loop, before a request that asks for logprobs needs its tokens named)."""
+        self._table()
 
 
 def token_text(data: bytes) -> str:
