@@ -76,6 +76,9 @@ export class ChatController {
     this.limits = { maxFrameBytes: Number((deps.config.limits || {}).max_frame_bytes) || 0 };
     /** Chats renamed on this page (a later `done` title must not undo that). */
     this.renamed = new Set();
+    /** Chats this page is deleting: their reply's end, their "deleted" event and a failed
+     * re-read may arrive before the server's answer, and say nothing the user needs. */
+    this.deleting = new Set();
     /** Settings of the last new chat created here (restored if its first message fails). */
     this.createdDraft = null;
   }
@@ -117,7 +120,7 @@ export class ChatController {
       if (token !== this.loadToken) return;
       if (err instanceof ApiError && err.code === "not_found") {
         this.sidebar.remove(id);
-        this.notify("That chat no longer exists.");
+        if (!this.deleting.has(id)) this.notify("That chat no longer exists.");
         this.navigate(null, { replace: true });
       } else {
         this.notify(this.apiErrorText(err));
@@ -258,9 +261,8 @@ export class ChatController {
     this.notify("");
     const frame = { type: "edit", session_id: id, message_id: messageId, content, client_msg_id: randomId() };
     if (files.length) frame.attachments = files;
-    const retitle = this.titleAfterFirstChange(messageId, content);
     this.book.pending.set(id, { sessionId: id, kind: "edit", frame, sent: false, content, userEl: null, cancelRequested: false,
-      editedId: messageId, retitle });
+      editedId: messageId });
     this.flushPending();
     this.changed();
     return true;
@@ -281,8 +283,9 @@ export class ChatController {
   }
 
   /**
-   * Show another version of the chat from a user message on; the scroll position stays.
-   * @param {string} messageId  the user message shown at that point
+   * Show another version of the chat from a message on (an edited user message, a
+   * regenerated reply); the scroll position stays.
+   * @param {string} messageId  the message shown at that point
    * @param {number} index  0-based version
    */
   async switchVersion(messageId, index) {
@@ -299,50 +302,12 @@ export class ChatController {
       return;
     }
     if (id !== this.currentId) return;
-    const first = (s.messages || []).find((m) => m.role === "user");
-    const retitle = first ? this.titleAfterFirstChange(this.view.firstUserId(), first.content) : null;
     const top = this.view.scrollEl.scrollTop;
     this.showSession(s);
     this.view.scrollEl.scrollTop = top;
-    if (retitle) this.retitle(id, retitle);
-  }
-
-  /**
-   * The gateway names a chat after its first message once, when it is sent. When that
-   * message is edited (or another version of it is shown), a title still derived from
-   * the old text would name a message no longer there: this is the title to give the
-   * chat instead, or null when the chat keeps its title (renamed by its user, or the
-   * message changed is not the first).
-   * @private
-   * @param {string|null} messageId  the user message that changes
-   * @param {string} content  its new text
-   * @returns {string|null}
-   */
-  titleAfterFirstChange(messageId, content) {
-    const first = this.view.listEl.querySelector(".msg.user");
-    if (!first || !messageId || first.dataset.messageId !== messageId || !this.currentId) return null;
-    const title = this.sidebar.get(this.currentId)?.title ?? this.session?.title ?? "";
-    const before = titleFrom(this.view.userText(first));
-    const after = titleFrom(content);
-    return title === before && after !== before && !this.renamed.has(this.currentId) ? after : null;
-  }
-
-  /**
-   * Give a chat the title derived from its (new) first message; best effort.
-   * @private
-   * @param {string} id
-   * @param {string} title
-   */
-  async retitle(id, title) {
-    try {
-      markOwnChange(this, id);
-      const s = await this.api.patchSession(id, { title });
-      this.sidebar.upsert({ id, title: s.title ?? title, updated_at: s.updated_at });
-      if (id === this.currentId && this.session) this.session.title = s.title ?? title;
-      this.changed();
-    } catch {
-      // the chat keeps its old title: nothing is lost
-    }
+    // the gateway retitles a chat named after its first message when another version of it is shown
+    this.sidebar.upsert({ id, title: s.title, updated_at: s.updated_at });
+    this.changed();
   }
 
   /** Stop the open chat's reply (`cancel`); its partial text is kept. */
@@ -384,13 +349,20 @@ export class ChatController {
    * @returns {Promise<boolean>} whether it is gone (false: the server refused, a notice says why)
    */
   async remove(id) {
+    this.deleting.add(id);
     try {
       await this.api.deleteSession(id);
     } catch (err) {
       if (!(err instanceof ApiError && err.code === "not_found")) {
+        this.deleting.delete(id);
         this.notify(this.apiErrorText(err));
+        if (id === this.currentId) this.openChat(id); // re-attach a reply whose end was dropped meanwhile
         return false;
       }
+    } finally {
+      // its late frames and events are dropped while the delete is in flight; a little after
+      // it, nothing more about it can come
+      setTimeout(() => this.deleting.delete(id), 2000);
     }
     this.sidebar.remove(id);
     this.book.pending.delete(id);
@@ -528,16 +500,22 @@ export class ChatController {
     if (!p) return;
     this.book.pending.delete(f.session_id);
     const r = this.book.attach(f.request_id, f.session_id, f.message_id);
-    Object.assign(r, { kind: p.kind, content: p.content, attachments: p.attachments, userEl: p.userEl, createdHere: !!p.createdHere, retitle: p.retitle });
+    Object.assign(r, { kind: p.kind, content: p.content, attachments: p.attachments, userEl: p.userEl, createdHere: !!p.createdHere });
     if (p.userEl && f.user_message_id) p.userEl.dataset.messageId = f.user_message_id;
     if (f.session_id === this.currentId) {
+      let regenerated = null;
       if (p.kind === "regenerate") {
+        // the old reply stays as a version: the new one is the newest of them
         const old = this.view.lastAssistant();
+        const known = old ? (old.dataset.versions || "").split("/") : [];
+        const count = known.length === 2 ? Number(known[1]) + 1 : old ? 2 : 1;
+        if (count > 1) regenerated = { index: count - 1, count };
         if (old) old.remove();
       }
       if (p.kind === "edit") r.userEl = this.showEdited(p, f);
       const continued = p.kind === "continue" ? this.view.lastAssistant() : null;
       r.el = continued && continued.dataset.messageId === f.message_id ? continued : this.view.addAssistant(f.message_id);
+      if (regenerated) this.view.setReplyVersions(r.el, regenerated);
       this.view.startStreaming(r.el);
       this.announce("The assistant is replying.");
     }
@@ -584,6 +562,7 @@ export class ChatController {
     const r = this.book.replies.get(f.request_id);
     if (!r) return;
     this.book.replies.delete(f.request_id);
+    if (this.deleting.has(r.sessionId)) return;
     if (r.sessionId === this.currentId) this.notify("", { onlyBusy: true }); // the reply it was about ended
     if (r.sessionId === this.currentId && f.usage && f.usage.prompt_tokens > 0) {
       this.meter?.set(f.usage.prompt_tokens + (f.usage.completion_tokens || 0));
@@ -603,7 +582,6 @@ export class ChatController {
       const end = f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply was interrupted." : "Reply finished.";
       this.announce(said ? `${end} ${said}` : end);
     }
-    if (r.kind === "edit" && r.retitle && f.finish_reason !== "error") this.retitle(r.sessionId, r.retitle);
     const summary = { id: r.sessionId, updated_at: Date.now() / 1000 };
     // A title from `done` names a new chat, unless the user renamed it meanwhile.
     const title = f.title && !this.renamed.has(r.sessionId) ? f.title : undefined;
@@ -619,6 +597,7 @@ export class ChatController {
     const r = f.request_id ? this.book.replies.get(f.request_id) : undefined;
     if (r) {
       this.book.replies.delete(r.requestId);
+      if (this.deleting.has(r.sessionId)) return;
       if (r.sessionId === this.currentId) {
         if (f.code === "store_unavailable") {
           // The store stayed down longer than the gateway waits: keep what was
