@@ -252,10 +252,12 @@ class GenerationManager:
     # ---- starting a reply ------------------------------------------------------------
 
     async def chat(self, owner: str, session_id: str | None, content: str, params: dict[str, Any],
-                   client_msg_id: str | None, clamp_max_tokens: bool = True) -> StartedTurn:
+                   client_msg_id: str | None, clamp_max_tokens: bool = True,
+                   attachments: list[dict[str, Any]] | None = None) -> StartedTurn:
         """Append a user message (creating the chat when ``session_id`` is None) and
         start its reply. ``clamp_max_tokens`` lets the engine lower ``max_tokens`` to the
         context left (the browser chat); the OpenAI API passes False (strict check).
+        ``attachments`` (checked ``gateway.attachments`` dicts) are stored with the message.
 
         Raises:
             GatewayError: ``not_found``, ``busy``, ``rate_limited``, ``too_many_*``,
@@ -275,7 +277,7 @@ class GenerationManager:
             self._require_engine()
         try:
             begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
-                                                client_msg_id=client_msg_id)
+                                                client_msg_id=client_msg_id, attachments=attachments)
             return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
                                       clamp_max_tokens, created_chat=session_id is None)
         except Exception:
@@ -303,7 +305,7 @@ class GenerationManager:
         turn = self.running.get(request_id)
         return turn.log if turn is not None else None
     async def edit(self, owner: str, session_id: str, message_id: str, content: str, params: dict[str, Any],
-                   client_msg_id: str | None) -> StartedTurn:
+                   client_msg_id: str | None, attachments: list[dict[str, Any]] | None = None) -> StartedTurn:
         """Replace the user message ``message_id`` (and everything after it) with
         ``content`` and start its reply; the old branch stays as a version the user can
         switch back to (``SessionStore.switch_version``). Same errors as ``chat``, and
@@ -313,7 +315,8 @@ class GenerationManager:
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
         self._require_engine()
         begun = await self.store.begin_turn(owner, info.id, mode="edit", content=content,
-                                            client_msg_id=client_msg_id, replaces=message_id)
+                                            client_msg_id=client_msg_id, replaces=message_id,
+                                            attachments=attachments)
         return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id)
 
     async def continue_reply(self, owner: str, session_id: str, message_id: str,

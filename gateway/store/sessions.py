@@ -35,6 +35,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
+from gateway.attachments import prompt_content
 from gateway.errors import GatewayError, not_found, store_unavailable
 from gateway.store import scripts as store_scripts
 
@@ -390,7 +391,7 @@ class SessionStore:
         """The chat as engine input: ``messages`` and ``prefix_token_ids``."""
         stored, segments = await self._read_messages(sid, owner, True)
         msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        msgs += [{"role": m["role"], "content": m["content"]} for m in stored]
+        msgs += [{"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))} for m in stored]
         prefix, split = plan_prefix(stored, segments)
         return History(msgs, prefix, split, stored, full_prefix(stored, segments))
 
@@ -398,13 +399,15 @@ class SessionStore:
 
     async def begin_turn(self, owner: str, sid: str, *, mode: str, content: str = "",
                          client_msg_id: str | None = None, title_chars: int = 60,
-                         replaces: str | None = None) -> TurnBegun:
+                         replaces: str | None = None, attachments: list[dict[str, Any]] | None = None
+                         ) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
         message (``mode="chat"``), replace the user message ``replaces`` and everything
         after it with ``content``, keeping the old branch as a version (``mode="edit"``),
         or take the last reply off the list (``mode="regenerate"``, and ``"continue"``,
         which keeps the reply's id; with ``replaces``, only when the last reply is the
-        message of that id; the reply comes back in ``popped_json``).
+        message of that id; the reply comes back in ``popped_json``). ``attachments``
+        (``gateway.attachments`` dicts) are stored in the user message.
 
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
@@ -417,9 +420,13 @@ class SessionStore:
         uid_msg = new_id() if mode in ("chat", "edit") else ""
         user_json = ""
         if mode in ("chat", "edit"):
-            user_json = dumps({"role": "user", "id": uid_msg, "content": content, "status": "complete",
-                               "created_at": now, "client_msg_id": client_msg_id})
-        title = title_from(content, title_chars) if mode in ("chat", "edit") else ""
+            user: dict[str, Any] = {"role": "user", "id": uid_msg, "content": content, "status": "complete",
+                                    "created_at": now, "client_msg_id": client_msg_id}
+            if attachments:
+                user["attachments"] = attachments
+            user_json = dumps(user)
+        named = content if content.strip() or not attachments else attachments[0]["name"]
+        title = title_from(named, title_chars) if mode in ("chat", "edit") else ""
         async with redis_errors():
             old_title = await self._first_title(sid, owner, title_chars) if mode == "edit" else ""
             res = await self._begin(
