@@ -469,8 +469,12 @@ def _completion_id(source: ReplySource) -> str:
 def _usage(done: Finished) -> dict[str, Any]:
     u = done.usage
     prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    cached, disk = u.get("cached_tokens", 0), u.get("cached_disk_tokens", 0)
+    # cached_tokens stays OpenAI's total; the split says where those tokens' KV came from
+    # (the engine's pool, or its disk tier: docs/kv_tiers.md)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+            "prompt_tokens_details": {"cached_tokens": cached,
+                                      "cached_tokens_by_tier": {"pool": cached - disk, "disk": disk}}}
 
 
 def _completion(source: ReplySource, text: str, done: Finished) -> dict[str, Any]:
