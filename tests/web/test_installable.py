@@ -15,13 +15,9 @@ from typing import Any
 import pytest
 from playwright.sync_api import Browser, Page
 
-from tests.web import test_browser as tb
-from tests.web.test_browser import DESKTOP, WAIT_MS, PageWatch, shot
+from tests.web.page import DESKTOP, WAIT_MS, PageWatch, shot
 
-# the browser fixtures of tests/web/test_browser.py, used here by name
-browser, watch = tb.browser, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
