@@ -74,6 +74,9 @@ export class ChatController {
     this.limits = { maxFrameBytes: Number((deps.config.limits || {}).max_frame_bytes) || 0 };
     /** Chats renamed on this page (a later `done` title must not undo that). */
     this.renamed = new Set();
+    /** Chats this page is deleting: their reply's end, their "deleted" event and a failed
+     * re-read may arrive before the server's answer, and say nothing the user needs. */
+    this.deleting = new Set();
     /** Settings of the last new chat created here (restored if its first message fails). */
     this.createdDraft = null;
   }
@@ -115,7 +118,7 @@ export class ChatController {
       if (token !== this.loadToken) return;
       if (err instanceof ApiError && err.code === "not_found") {
         this.sidebar.remove(id);
-        this.notify("That chat no longer exists.");
+        if (!this.deleting.has(id)) this.notify("That chat no longer exists.");
         this.navigate(null, { replace: true });
       } else {
         this.notify(this.apiErrorText(err));
@@ -376,13 +379,20 @@ export class ChatController {
    * @returns {Promise<boolean>} whether it is gone (false: the server refused, a notice says why)
    */
   async remove(id) {
+    this.deleting.add(id);
     try {
       await this.api.deleteSession(id);
     } catch (err) {
       if (!(err instanceof ApiError && err.code === "not_found")) {
+        this.deleting.delete(id);
         this.notify(this.apiErrorText(err));
+        if (id === this.currentId) this.openChat(id); // re-attach a reply whose end was dropped meanwhile
         return false;
       }
+    } finally {
+      // its late frames and events are dropped while the delete is in flight; a little after
+      // it, nothing more about it can come
+      setTimeout(() => this.deleting.delete(id), 2000);
     }
     this.sidebar.remove(id);
     this.book.pending.delete(id);
@@ -576,6 +586,7 @@ export class ChatController {
     const r = this.book.replies.get(f.request_id);
     if (!r) return;
     this.book.replies.delete(f.request_id);
+    if (this.deleting.has(r.sessionId)) return;
     if (r.sessionId === this.currentId) this.notify("", { onlyBusy: true }); // the reply it was about ended
     if (r.sessionId === this.currentId && f.usage && f.usage.prompt_tokens > 0) {
       this.meter?.set(f.usage.prompt_tokens + (f.usage.completion_tokens || 0));
@@ -611,6 +622,7 @@ export class ChatController {
     const r = f.request_id ? this.book.replies.get(f.request_id) : undefined;
     if (r) {
       this.book.replies.delete(r.requestId);
+      if (this.deleting.has(r.sessionId)) return;
       if (r.sessionId === this.currentId) {
         if (f.code === "store_unavailable") {
           // The store stayed down longer than the gateway waits: keep what was
