@@ -1,5 +1,5 @@
 """The chat installs as an app, in a real Chromium (the fixtures of
-tests/web/test_browser.py): a web app manifest with its icons, and a service worker that
+tests/web/conftest.py): a web app manifest with its icons, and a service worker that
 keeps the app shell for starting without the server, whose cached shell is replaced as
 soon as the server serves a new version, and that never caches the API. The gateway here
 serves a copy of web/ and static/ that the test changes, as an upgrade would.

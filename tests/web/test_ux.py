@@ -1,5 +1,5 @@
 """The chat UI's identity, settings, export/search and small-fault flows in a real
-Chromium (the fixtures and helpers of tests/web/test_browser.py): access tokens created
+Chromium (the fixtures of tests/web/conftest.py, helpers of tests/web/page.py): access tokens created
 in the page continue its chats from the terminal client and the OpenAI API, the extra
 sampling settings and per-user defaults, export links and sidebar search, and the small
 faults of a first session (repeated advice, a blank pane, unexplained Enter, a notice
