@@ -1,5 +1,5 @@
-"""Import, export and share in a real Chromium (the fixtures and helpers of
-tests/web/test_browser.py): ChatGPT's export imported from the sidebar with its branches
+"""Import, export and share in a real Chromium (the fixtures of tests/web/conftest.py,
+helpers of tests/web/page.py): ChatGPT's export imported from the sidebar with its branches
 and never twice, every chat exported from there, and a chat shared as a read-only page
 that shows nothing else, runs no markup, and stops when revoked. Screenshots go to
 artifacts/screenshots/."""
@@ -13,13 +13,10 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page
 
-from tests.gateway.test_import_export import chatgpt_conversation
-from tests.web import test_browser as tb
-from tests.web.test_browser import DESKTOP, HOSTILE, PHONE, WAIT_MS, open_chat, shot
+from tests.gateway.api.test_import_export import chatgpt_conversation
+from tests.web.page import DESKTOP, HOSTILE, PHONE, WAIT_MS, PageWatch, open_chat, shot
 
-browser, gateway, new_page, watch = tb.browser, tb.gateway, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 
 def import_files(page: Page, files: list[dict[str, Any]]) -> str:
@@ -98,7 +95,7 @@ def test_a_shared_chat_is_a_read_only_page_that_runs_nothing_and_ends_when_revok
         # someone else, with no cookie of the sharer
         ctx = browser.new_context(base_url=gateway.base_url, viewport=viewport)
         try:
-            seen = tb.PageWatch()
+            seen = PageWatch()
             viewer = seen.attach(ctx.new_page())
             viewer.goto(url)
             viewer.wait_for_selector("#messages .msg.assistant .msg-body strong", timeout=WAIT_MS)
