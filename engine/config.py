@@ -127,6 +127,12 @@ class EngineConfig:
         num_draft_tokens: most draft tokens verified per request per step.
         spec_ngram_min, spec_ngram_max: n-gram sizes matched against the request's tokens.
         spec_max_batch: speculate only while at most this many requests decode in a step.
+        kv_disk_dir: the disk KV tier's store directory (``engine.tiers``): pages of the
+            prefix cache are written there and restored from it, across evictions and
+            restarts; None turns the tier off (``python -m engine serve`` defaults it on,
+            to ``engine.tiers.disk.default_disk_dir()``).
+        kv_disk_bytes: the most bytes the disk tier keeps; None follows
+            ``engine.tiers.disk.default_disk_bytes`` (8 GiB, at most half the free disk).
 
     Raises:
         ConfigError: a setting is out of range or unknown (from ``__post_init__``).
@@ -158,6 +164,8 @@ class EngineConfig:
     spec_ngram_min: int = 2
     spec_ngram_max: int = 3
     spec_max_batch: int = 4
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -189,6 +197,8 @@ class EngineConfig:
         if self.num_draft_tokens < 1 or self.spec_max_batch < 1 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ConfigError("num_draft_tokens and spec_max_batch must be >= 1, and "
                               "1 <= spec_ngram_min <= spec_ngram_max")
+        if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
+            raise ConfigError("kv_disk_bytes must be >= 1")
         if not (0 < self.gpu_memory_fraction <= 1):
             raise ConfigError("gpu_memory_fraction must be in (0, 1]")
 

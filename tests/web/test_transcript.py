@@ -1,5 +1,5 @@
-"""The transcript as a user reads it, in a real Chromium (the fixtures and helpers of
-tests/web/test_browser.py): a long paste collapsed with "Show more" / "Show less", a
+"""The transcript as a user reads it, in a real Chromium (the fixtures of
+tests/web/conftest.py, the helpers of tests/web/page.py): a long paste collapsed with "Show more" / "Show less", a
 notice about a busy chat that goes when the reply ends or the chat is deleted, focus
 kept on something useful after a delete, and a chat named after its first message that
 follows an edit of that message. Screenshots go to artifacts/screenshots/transcript-*.png."""
@@ -7,14 +7,14 @@ follows an edit of that message. Screenshots go to artifacts/screenshots/transcr
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 
 import pytest
-from playwright.sync_api import Page
+from playwright.sync_api import Page, Route
 
 from tests.engine_gate import EngineGate, text_delta
-from tests.web import test_browser as tb
-from tests.web.test_browser import (
+from tests.web.page import (
     LONG,
     PHONE,
     SHORT,
@@ -29,10 +29,7 @@ from tests.web.test_browser import (
     wait_streaming_text,
 )
 
-# the browser fixtures of tests/web/test_browser.py, used here by name
-browser, gateway, new_page, watch = tb.browser, tb.gateway, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 # A 10,000-character paste of 123 lines (a log or a table): about 370 tokens of the
 # tiny model's tokenizer, so the chat fits its context.
@@ -107,6 +104,19 @@ def test_the_busy_notice_goes_when_the_reply_ends_or_its_chat_is_deleted(
     wait_streaming_text(page, 0)
     send(page, "And one more thing")
     page.wait_for_selector("#notice:not([hidden]) >> text=still being written")
+
+    # The server's answer to the delete is held back, so that the reply's end, the chat's
+    # "deleted" event and any re-read of the chat all reach the page before it: none of
+    # them may leave a notice about a chat the user just deleted.
+    def answer_late(route: Route) -> None:
+        if route.request.method != "DELETE":
+            route.continue_()
+            return
+        answer = route.fetch()
+        time.sleep(1.0)  # the browser goes on meanwhile; only this answer waits
+        route.fulfill(response=answer)
+
+    page.route(f"**/api/sessions/{sid}", answer_late)
     page.click(f".chat-item[data-id='{sid}'] .delete")
     page.click("#confirm-dialog .btn.danger")
     page.wait_for_selector(f".chat-item[data-id='{sid}']", state="detached")
