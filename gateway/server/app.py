@@ -35,6 +35,7 @@ from gateway.api.chat_export import export_routes
 from gateway.api.cors import ApiCorsMiddleware
 from gateway.api.http import api_routes, config_body
 from gateway.api.revocation import Revocations
+from gateway.api.shares import share_routes
 from gateway.api.socket import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not_found
 from gateway.api.user_api import user_routes
 from gateway.config import GatewayConfig
@@ -224,6 +225,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         *user_routes(),
         *export_routes(),
         *attachment_routes(),
+        *share_routes(),
         *extra_routes,
         WebSocketRoute("/{path:path}", websocket_not_found),
         Mount("/static", app=RevalidatedStaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
