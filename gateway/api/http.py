@@ -219,7 +219,7 @@ def _is_operator(request: Request) -> bool:
 @api
 async def engine_stats(request: Request) -> Response:
     """GET /api/engine/stats: each engine's name, health and counters (KV blocks,
-    requests), for operators and tests (stop frees the engine (docs/acceptance.md)
+    requests), for operators and tests (stop frees the engine (docs/acceptance.md#stop-frees-the-engine)
     checks that a cancel frees blocks); its ``url`` only with the API key."""
     out = []
     operator = _is_operator(request)

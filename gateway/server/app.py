@@ -45,9 +45,10 @@ from gateway.replies.hooks import GenerationEvents
 from gateway.replies.manager import GenerationManager
 from gateway.server.disconnects import ClientDisconnects, DisconnectMiddleware
 from gateway.store.connection import resilience_options
+from gateway.store.keys import Keys
 from gateway.store.live_events import LiveHub
 from gateway.store.reply_streams import ReplyStreams
-from gateway.store.sessions import Keys, SessionStore
+from gateway.store.sessions import SessionStore
 from gateway.store.user_defaults import UserDefaultsStore
 
 log = logging.getLogger("gateway")
