@@ -42,7 +42,8 @@ from gateway.store.reply_streams import ReplyStreams, done_payload
 log = logging.getLogger("gateway.openai")
 
 T = TypeVar("T")
-USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+# cached_disk_tokens: of cached_tokens, those our engine restored from its disk KV tier
+USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cached_disk_tokens")
 TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
