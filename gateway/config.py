@@ -203,7 +203,8 @@ class GatewayConfig:
         defaults: per-chat defaults.
         limits: documented limits.
         routing: which engine serves a request (``gateway/engines/routing.py``; env
-            ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``).
+            ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``,
+            ``ROUTING_LOCAL_PREFILL_TOKENS``).
         shared_prompts: message texts declared shared across users' cache namespaces
             besides ``defaults.system_prompt`` (``gateway/engines/cache_scope.py``; env
             ``SHARED_PROMPTS_FILE``: a JSON array of strings).
@@ -336,7 +337,8 @@ ENV_VARS: dict[str, str] = {
     "shared_prompts": "SHARED_PROMPTS_FILE",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
-ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER"}
+ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER",
+               "local_prefill_tokens": "ROUTING_LOCAL_PREFILL_TOKENS"}
 
 
 def read_shared_prompts(path: Path) -> tuple[str, ...]:
@@ -401,7 +403,8 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
         for name, var in ROUTING_ENV.items():
             raw = env.get(var)
             if raw:
-                routing[name] = float(raw) if name == "load_tokens" else raw.strip()
+                routing[name] = (float(raw) if name == "load_tokens" else int(raw) if name == "local_prefill_tokens"
+                                 else raw.strip())
                 replace(cfg.routing, **{name: routing[name]})  # checks it (ValueError) while var names it
         if routing:
             changes["routing"] = routing

@@ -101,6 +101,10 @@ class RoutingPolicy:
         max_stats_age_s: a stats snapshot older than this (seconds) is not trusted.
         stats_interval_s: how often the gateway asks each engine for its stats while
             it has more than one (seconds; 0 turns the refresh off).
+        local_prefill_tokens: with prefill and decode engines (docs/scaling.md), a turn
+            whose decode engine holds all but at most this many of its prompt tokens is
+            prefilled there instead of on a prefill engine (tokens; a short next message
+            of a chat costs less to compute than to move).
     """
 
     abs_threshold: int = 8
@@ -111,6 +115,7 @@ class RoutingPolicy:
     load_tokens: float = 16.0
     max_index_pages: int = 2_000_000
     tokenizer: str | None = None
+    local_prefill_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -392,10 +392,12 @@ class UpstreamClient(EngineClient):
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
-                       shared_messages: list[dict[str, str]] | None = None) -> EngineRequest:
+                       shared_messages: list[dict[str, str]] | None = None,
+                       prefill: EngineClient | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
-        ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens`` and
-        ``clamp_max_tokens`` are ignored (the upstream tokenizes the text itself and keeps its own cache, and
+        ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens``,
+        ``prefill`` (an upstream has no engine role) and ``clamp_max_tokens`` are ignored (the
+        upstream tokenizes the text itself and keeps its own cache, and
         refuses a too-long request instead of lowering ``max_tokens``).
 
         Raises:
