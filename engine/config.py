@@ -133,6 +133,12 @@ class EngineConfig:
             (a corrupt page, a cut link, pages gone at the source): "local" computes the
             missing pages itself, "fail" ends the request with error ``kv_transfer_failed``.
         kv_pull_timeout_s: the longest one pull of pages may take (seconds).
+        kv_disk_dir: the disk KV tier's store directory (``engine.tiers``): pages of the
+            prefix cache are written there and restored from it, across evictions and
+            restarts; None turns the tier off (``python -m engine serve`` defaults it on,
+            to ``engine.tiers.disk.default_disk_dir()``).
+        kv_disk_bytes: the most bytes the disk tier keeps; None follows
+            ``engine.tiers.disk.default_disk_bytes`` (8 GiB, at most half the free disk).
 
     Raises:
         ConfigError: a setting is out of range or unknown (from ``__post_init__``).
@@ -166,6 +172,8 @@ class EngineConfig:
     role: str = "both"
     kv_pull_failure: str = "local"
     kv_pull_timeout_s: float = 30.0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -199,6 +207,8 @@ class EngineConfig:
             raise ConfigError(f"kv_pull_failure must be 'local' or 'fail', got {self.kv_pull_failure!r}")
         if not self.kv_pull_timeout_s > 0:
             raise ConfigError("kv_pull_timeout_s must be > 0")
+        if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
+            raise ConfigError("kv_disk_bytes must be >= 1")
         if not (0 < self.gpu_memory_fraction <= 1):
             raise ConfigError("gpu_memory_fraction must be in (0, 1]")
 

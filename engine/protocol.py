@@ -53,6 +53,7 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     completion_tokens: int = 0
+    cached_disk_tokens: int = 0  # of cached_tokens, those restored from the disk KV tier (the rest: the pool)
 
 
 @dataclass
@@ -520,7 +521,8 @@ def _item(d: dict[str, Any]) -> ReplyItem:
         return DeltaFrame(rid, text, ids, logprobs, trim, tool_calls, prompt_logprobs)
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
-        u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
+        u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens",
+                                                               "cached_disk_tokens")})
         t = Timings(ttft_ms=float(timings.get("ttft_ms", 0.0)), tpot_ms=float(timings.get("tpot_ms", 0.0)),
                     e2e_ms=float(timings.get("e2e_ms", 0.0)), queue_ms=float(timings.get("queue_ms", 0.0)),
                     draft_tokens=int(timings.get("draft_tokens", 0)),

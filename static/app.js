@@ -15,6 +15,7 @@ import { TokensDialog } from "./js/tokens.js";
 import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
 import { ContextMeter } from "./js/progress.js";
+import { AttachmentTray } from "./js/attachments.js";
 
 import { wireBranches } from "./js/branches.js";
 import { fillShortcutRows, isMac, wireShortcuts } from "./js/shortcuts.js";
@@ -172,8 +173,10 @@ async function main(win) {
     input.style.height = `${Math.min(input.scrollHeight, 240)}px`;
   };
   let busy = false;
+  let tray = null;
   const refreshSend = () => {
-    sendBtn.disabled = busy || !input.value.trim();
+    const files = tray ? tray.files.length : 0;
+    sendBtn.disabled = busy || (tray && tray.busy()) || (!input.value.trim() && !files);
   };
   const onChange = (st) => {
     busy = st.busy;
@@ -189,6 +192,7 @@ async function main(win) {
       input.value = st.restore;
       autosize();
     }
+    if (st.restoreFiles) tray.restore(st.restoreFiles);
     refreshSend();
   };
 
@@ -210,6 +214,12 @@ async function main(win) {
     onDelete: (id) => confirmDelete(id),
   });
   const meter = new ContextMeter($("context-meter"), Number(config.max_model_len) || 0);
+  tray = new AttachmentTray({ doc, list: $("attachment-chips"), fileInput: $("file-input"), button: $("attach"),
+    dropZone: $("main"), overlay: $("drop-overlay"), textarea: input, limits, notify, announce,
+    onChange: () => {
+      meter.setPending(tray.tokens());
+      refreshSend();
+    } });
   controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange, meter });
   config.defaults = config.defaults || {};
   wireBranches({ doc, listEl: $("messages"), controller, announce });
@@ -251,7 +261,11 @@ async function main(win) {
 
   const submit = async () => {
     const text = input.value;
-    if (!text.trim()) return;
+    if (!text.trim() && !tray.files.length) return;
+    if (tray.busy()) {
+      notify("A file is still being read; send once its chip shows its size.");
+      return;
+    }
     // Enter that cannot send says why (the text stays in the box).
     if (controller.isBusy()) {
       notify(BUSY_TEXT);
@@ -261,14 +275,17 @@ async function main(win) {
       notify(OFFLINE_TEXT);
       return;
     }
+    if (!controller.fitsContext(tray.tokens())) return;
     input.value = "";
     autosize();
+    const files = tray.take();
     refreshSend();
-    const sent = await controller.send(text);
+    const sent = await controller.send(text, files);
     if (!sent && !input.value) {
       input.value = text;
       autosize();
     }
+    if (!sent) tray.restore(files);
     refreshSend();
   };
 

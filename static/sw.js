@@ -25,6 +25,7 @@ const SHELL = [
   "/static/icons/icon-maskable-512.png",
   "/static/icons/apple-touch-icon-180.png",
   "/static/js/api.js",
+  "/static/js/attachments.js",
   "/static/js/branches.js",
   "/static/js/controller.js",
   "/static/js/format.js",

@@ -15,6 +15,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# engines started as processes keep no disk KV tier unless a test gives them one: pages
+# left by one test (or an earlier run) would turn another's cold prompt into a hit
+os.environ.setdefault("KV_DISK", "off")
 
 pytest_plugins = ["tests.fixtures_models", "tests.fixtures_redis", "tests.fixtures_servers"]
 

@@ -3,8 +3,10 @@ r"""The two step-thread verbs of moving KV between engines, and how pages are na
 A prompt's whole pages are named as the prefix cache names them (``engine.block_hash``):
 page ``i`` by its chained hash ``h(i)``, which covers the namespace (the weights), the
 cache salt and every token up to the end of the page. A page travels in the one page
-serialization of the engine (``engine.kv_page``), whose header carries that hash, the
-parent's hash, the page's tokens and the format, and whose digest is checked on read.
+serialization of the engine (``engine.kv_page``), named as the KV tiers name it
+(``engine.tiers.manager.page_refs``, ``page_key``): its header carries that hash, the
+parent's hash, the page's tokens, its scope and the format, and its digest is checked
+on read.
 
 ::
 
@@ -29,63 +31,28 @@ pool and tree operation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from engine.block_hash import chain_hashes, namespace_of, namespace_seed, salt_seed
+from engine.block_hash import namespace_of
 from engine.engine_core import EngineCore
-from engine.kv_page import PageHeader, PageKey, gather_block, scatter_block, scope_digest
+from engine.kv_page import PageHeader, PageKey, gather_block, scatter_block
 from engine.radix_cache import CacheScope
+from engine.tiers.manager import page_key as tier_page_key
+from engine.tiers.manager import page_refs
 
-__all__ = ["PageNames", "adopt_pages", "page_key", "page_names", "read_pages", "scope_of"]
+__all__ = ["adopt_pages", "page_key", "read_pages", "scope_of"]
 
 
 def page_key(core: EngineCore) -> PageKey:
     """The ``PageKey`` of ``core``'s pages: its weights id, weight format, KV dtype, block
     size and KV shape (two engines exchange pages only when these agree)."""
-    c, mc = core.config, core.model_config
-    kv_dtype = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else c.dtype
-    return PageKey(model_id=core.namespace, weight_format=c.quantization or c.dtype, kv_dtype=kv_dtype,
-                   block_size=c.block_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                   head_dim=mc.head_dim)
+    return tier_page_key(core.config, core.model_config, core.namespace)
 
 
 def scope_of(core: EngineCore, cache_salt: str = "", shared_tokens: int = 0) -> CacheScope:
     """The cache scope a request of ``core`` with this salt runs in (as ``add_request``)."""
     return CacheScope(namespace_of(core.namespace), cache_salt, shared_tokens if cache_salt else 0)
-
-
-@dataclass(frozen=True)
-class PageNames:
-    """The names of a prompt's whole pages in one scope.
-
-    Attributes:
-        hashes: chained hash of each page (unsigned 64-bit ints, ``engine.block_hash``).
-        parents: the hash each page's chain continues from: the previous page's hash, the
-            namespace's seed for page 0, the salt's seed for the first salted page.
-        scope: ``engine.kv_page.scope_digest`` of the namespace and salt.
-    """
-
-    hashes: list[int]
-    parents: list[int]
-    scope: str
-
-
-def page_names(token_ids: Sequence[int], block_size: int, scope: CacheScope) -> PageNames:
-    """Name every whole page of ``token_ids`` in ``scope`` (the chain of
-    ``engine.block_hash.prompt_block_hashes``, with each page's parent)."""
-    seed = namespace_seed(scope.namespace)
-    pages = len(token_ids) // block_size
-    shared = pages if not scope.salt else min(max(0, scope.shared_tokens) // block_size, pages)
-    hashes = chain_hashes(seed, token_ids[:shared * block_size], block_size)
-    parents = [seed] + hashes[:-1] if hashes else []
-    if shared < pages:
-        salted = salt_seed(hashes[-1] if hashes else seed, scope.salt)
-        more = chain_hashes(salted, token_ids[shared * block_size:pages * block_size], block_size)
-        parents += [salted] + more[:-1]
-        hashes += more
-    return PageNames(hashes, parents, scope_digest(scope.namespace, scope.salt))
 
 
 def read_pages(core: EngineCore, token_ids: Sequence[int], scope: CacheScope, first_page: int,
@@ -107,15 +74,11 @@ def read_pages(core: EngineCore, token_ids: Sequence[int], scope: CacheScope, fi
     end = min(end, len(match.blocks))
     if end <= first_page:
         return []
-    names = page_names(token_ids[:end * bs], bs, scope)
     key = page_key(core)
     kv = core.runner.kv
-    out = []
-    for i in range(first_page, end):
-        header = PageHeader(key, names.scope, names.hashes[i], names.parents[i],
-                            tuple(token_ids[i * bs:(i + 1) * bs]))
-        out.append((header, gather_block(kv.k_caches, kv.v_caches, match.blocks[i])))
-    return out
+    return [(PageHeader(key, ref.scope, ref.chain_hash, ref.parent_hash, ref.token_ids),
+             gather_block(kv.k_caches, kv.v_caches, match.blocks[ref.index]))
+            for ref in page_refs(token_ids, scope, bs, first_page, end)]
 
 
 def adopt_pages(core: EngineCore, token_ids: Sequence[int], scope: CacheScope, first_page: int,

@@ -26,12 +26,13 @@ import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
-from engine.disagg.pages import adopt_pages, page_key, page_names, scope_of
+from engine.disagg.pages import adopt_pages, page_key, scope_of
 from engine.errors import EngineError
 from engine.kv_page import PageError, decode_page
 from engine.protocol import ErrorFrame, FrameError, KvFetchDoneFrame, KvFetchFrame, decode_engine_frame, encode
 from engine.radix_cache import CacheScope
 from engine.server import MAX_FRAME_BYTES, SECRET_ENV, SECRET_HEADER
+from engine.tiers.manager import page_refs
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -164,14 +165,12 @@ def _check_pages(engine: AsyncEngine, raw: list[bytes], token_ids: list[int], sc
     core = engine.core
     bs = core.config.block_size
     key = page_key(core)
-    names = page_names(token_ids[:(first + len(raw)) * bs], bs, scope)
     kvs: list[torch.Tensor] = []
-    for n, data in enumerate(raw):
-        i = first + n
+    for ref, data in zip(page_refs(token_ids, scope, bs, first, first + len(raw)), raw):
         try:
-            page = decode_page(data, key, scope=names.scope, chain_hash=names.hashes[i],
-                               parent_hash=names.parents[i], token_ids=token_ids[i * bs:(i + 1) * bs])
+            page = decode_page(data, key, scope=ref.scope, chain_hash=ref.chain_hash, parent_hash=ref.parent_hash,
+                               token_ids=ref.token_ids)
         except PageError as e:
-            return kvs, f"page {i} failed its check: {e}"
+            return kvs, f"page {ref.index} failed its check: {e}"
         kvs.append(page.kv)
     return kvs, ""

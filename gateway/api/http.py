@@ -18,6 +18,7 @@ from starlette.routing import Route
 from gateway.api.auth import request_user
 from gateway.api.socket_frames import is_valid_id
 from gateway.api.validation import BadJson, check_text, loads_json, printable, sampling_ranges
+from gateway.attachments import ATTACHMENT_LIMITS
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.replies.manager import merge_params
@@ -117,7 +118,7 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     d = config.defaults
     return {"model": model, "max_model_len": info.max_model_len if info else None,
             "format": info.format if info and info.format else None,
-            "limits": config.limits.public(), "ranges": sampling_ranges(),
+            "limits": {**config.limits.public(), **ATTACHMENT_LIMITS.public()}, "ranges": sampling_ranges(),
             "defaults": {**d.sampling(), "system_prompt": d.system_prompt}}
 
 
@@ -148,8 +149,8 @@ async def create_session(request: Request) -> Response:
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 
-PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "cut_reason", "usage", "timings", "error",
-                         "created_at", "versions")
+PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "attachments", "status", "finish_reason", "cut_reason", "usage",
+                         "timings", "error", "created_at", "versions")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:

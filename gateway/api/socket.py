@@ -208,7 +208,8 @@ class Connection:
             if isinstance(frame, ChatFrame):
                 # shielded: a socket that goes away must not cut a turn half-begun
                 started = await asyncio.shield(self.gens.chat(self.uid, frame.session_id, frame.content,
-                                                              frame.params, frame.client_msg_id))
+                                                              frame.params, frame.client_msg_id,
+                                                              attachments=frame.attachments))
                 await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, RegenerateFrame):
                 started = await asyncio.shield(self.gens.regenerate(self.uid, frame.session_id, frame.params,
@@ -230,7 +231,7 @@ class Connection:
         """``edit`` and ``continue``: start the turn (shielded, as ``chat``) and follow it."""
         if isinstance(frame, EditFrame):
             turn = self.gens.edit(self.uid, frame.session_id, frame.message_id, frame.content, frame.params,
-                                  frame.client_msg_id)
+                                  frame.client_msg_id, attachments=frame.attachments)
         else:
             turn = self.gens.continue_reply(self.uid, frame.session_id, frame.message_id, frame.params)
         started = await asyncio.shield(turn)

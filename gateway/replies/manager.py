@@ -68,6 +68,10 @@ STORE_BACKOFF_S = (0.2, 5.0)  # first and longest wait between store retries (se
 CUT_REASONS = ("user_stop", "gateway_shutdown", "engine_lost", "upstream_error", "error")
 NO_IDS_TO_CONTINUE = ("this reply cannot be continued: its token ids are not stored (a reply written by an "
                       "OpenAI-compatible upstream engine has none); regenerate it with a higher max tokens instead")
+# the finish reasons of a reply Continue extends: cut at its max tokens, or stopped (a
+# Stop, a shutdown: the engine's abort flushes the text of every sampled token, so the
+# stored ids and text agree and the continuation is exact)
+CONTINUABLE = ("length", "abort")
 LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
 
 
@@ -248,10 +252,12 @@ class GenerationManager:
     # ---- starting a reply ------------------------------------------------------------
 
     async def chat(self, owner: str, session_id: str | None, content: str, params: dict[str, Any],
-                   client_msg_id: str | None, clamp_max_tokens: bool = True) -> StartedTurn:
+                   client_msg_id: str | None, clamp_max_tokens: bool = True,
+                   attachments: list[dict[str, Any]] | None = None) -> StartedTurn:
         """Append a user message (creating the chat when ``session_id`` is None) and
         start its reply. ``clamp_max_tokens`` lets the engine lower ``max_tokens`` to the
         context left (the browser chat); the OpenAI API passes False (strict check).
+        ``attachments`` (checked ``gateway.attachments`` dicts) are stored with the message.
 
         Raises:
             GatewayError: ``not_found``, ``busy``, ``rate_limited``, ``too_many_*``,
@@ -271,7 +277,7 @@ class GenerationManager:
             self._require_engine()
         try:
             begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
-                                                client_msg_id=client_msg_id)
+                                                client_msg_id=client_msg_id, attachments=attachments)
             return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
                                       clamp_max_tokens, created_chat=session_id is None)
         except Exception:
@@ -284,8 +290,9 @@ class GenerationManager:
 
     async def regenerate(self, owner: str, session_id: str, params: dict[str, Any],
                          replaces: str | None = None) -> StartedTurn:
-        """Drop the chat's last reply and generate a new one (same errors as ``chat``,
-        and ``conflict`` when ``replaces`` is given and is not the last reply's id)."""
+        """Generate a new reply to the chat's last user message; the last reply is kept
+        as a version (``SessionStore.switch_version`` shows it again). Same errors as
+        ``chat``, and ``conflict`` when ``replaces`` is given and is not the last reply's id."""
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         info = await self.store.get_session(owner, session_id)
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
@@ -298,7 +305,7 @@ class GenerationManager:
         turn = self.running.get(request_id)
         return turn.log if turn is not None else None
     async def edit(self, owner: str, session_id: str, message_id: str, content: str, params: dict[str, Any],
-                   client_msg_id: str | None) -> StartedTurn:
+                   client_msg_id: str | None, attachments: list[dict[str, Any]] | None = None) -> StartedTurn:
         """Replace the user message ``message_id`` (and everything after it) with
         ``content`` and start its reply; the old branch stays as a version the user can
         switch back to (``SessionStore.switch_version``). Same errors as ``chat``, and
@@ -308,19 +315,21 @@ class GenerationManager:
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
         self._require_engine()
         begun = await self.store.begin_turn(owner, info.id, mode="edit", content=content,
-                                            client_msg_id=client_msg_id, replaces=message_id)
+                                            client_msg_id=client_msg_id, replaces=message_id,
+                                            attachments=attachments)
         return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id)
 
     async def continue_reply(self, owner: str, session_id: str, message_id: str,
                              params: dict[str, Any]) -> StartedTurn:
-        """Extend the chat's last reply ``message_id``, cut at ``max_tokens``: the engine's
+        """Extend the chat's last reply ``message_id``, cut at ``max_tokens`` or stopped by
+        its user (a partial reply whose token ids are stored): the engine's
         prompt is the chat's exact token ids up to the end of that reply (no end-of-turn
         token), so the prefix cache serves all of it and the model writes on where it
         stopped. The reply keeps its id; its stream starts with the text it had.
 
         Raises:
             GatewayError: as ``regenerate``; ``invalid_request`` when the reply did not
-                stop at max_tokens or its token ids are not stored.
+                stop at max_tokens or by a Stop, or its token ids are not stored.
         """
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         info = await self.store.get_session(owner, session_id)
@@ -329,11 +338,12 @@ class GenerationManager:
         begun = await self.store.begin_turn(owner, info.id, mode="continue", replaces=message_id)
         popped = json.loads(begun.popped_json) if begun.popped_json else {}
         seg = json.loads(begun.popped_tokens) if begun.popped_tokens else None
-        if popped.get("finish_reason") != "length" or not seg or seg.get("base"):
+        cut = popped.get("finish_reason") in CONTINUABLE
+        if not cut or not seg or seg.get("base"):
             await self.store.fail_turn(owner, info.id, begun, None)
-            if popped.get("finish_reason") == "length" and not seg:
+            if cut and not seg:
                 raise GatewayError("invalid_request", NO_IDS_TO_CONTINUE)
-            raise GatewayError("invalid_request", "only a reply cut at its max tokens can be continued")
+            raise GatewayError("invalid_request", "only a reply cut at its max tokens or stopped can be continued")
         started = await self._launch(owner, info.id, begun, merged, info.system_prompt, None,
                                      continued=popped, continued_ids=list(seg["ids"]))
         return started

@@ -29,6 +29,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.access_tokens import TokenAuthMiddleware, TokenStore
+from gateway.api.attachments_api import attachment_routes
 from gateway.api.auth import UserCookieMiddleware, UserIds
 from gateway.api.chat_export import export_routes
 from gateway.api.http import api_routes, config_body
@@ -221,6 +222,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         *api_routes(),
         *user_routes(),
         *export_routes(),
+        *attachment_routes(),
         *extra_routes,
         WebSocketRoute("/{path:path}", websocket_not_found),
         Mount("/static", app=RevalidatedStaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),

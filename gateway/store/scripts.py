@@ -11,8 +11,9 @@ Every script takes the same KEYS, in this order (``SessionKeys.all()``):
     KEYS[7] chat:user:{uid}:gens          sorted set: request id by lease expiry (ms)
     KEYS[8] chat:session:{sid}:versions   hash: anchor -> the versions of the chat after it (JSON)
 
-Versions (edit a user message and resend, keeping the old branch): editing the user
-message at list position i cuts the list from i on; that tail (its messages and their
+Versions (edit a user message and resend, or regenerate a reply, keeping the old branch):
+editing the user message at list position i (or regenerating the reply at i) cuts the list
+from i on; that tail (its messages and their
 token segments) is kept under the *anchor*, the id of the message before position i
 (``^`` for the first). ``versions[anchor]`` is a JSON array in creation order whose
 entries are ``{"m": [message JSON...], "t": {message id: segment JSON}}`` for stored
@@ -64,17 +65,31 @@ local function current_of(versions)
   for i = 1, #versions do if versions[i].cur then return i end end
   return nil
 end
--- The 1-based list position of the user message `id` and its anchor, or nil.
-local function find_user(id)
+-- The 1-based list position of the message `id` (a user message when `role` is 'user',
+-- any message for '%a+') and its anchor, or nil.
+local function find_msg(id, role)
   local msgs = redis.call('LRANGE', KEYS[2], 0, -1)
   for i = 1, #msgs do
-    if string.match(msgs[i], '^{"role":"user","id":"([%w_%-]+)"') == id then
+    if string.match(msgs[i], '^{"role":"' .. role .. '","id":"([%w_%-]+)"') == id then
       local anchor = '^'
       if i > 1 then anchor = msg_id(msgs[i - 1]) or '^' end
       return i, anchor
     end
   end
   return nil, nil
+end
+local function find_user(id) return find_msg(id, 'user') end
+-- Keep the list's tail from position `pos` on as a version of the chat after `anchor`
+-- and make a new current version (filled by what the list gets next); returns the
+-- undo record FAIL takes ({"anchor", "index"}, JSON).
+local function branch(pos, anchor)
+  local raw = redis.call('HGET', KEYS[8], anchor)
+  local versions = raw and cjson.decode(raw) or {{cur = true}}
+  local c = current_of(versions) or (#versions + 1)
+  versions[c] = cut_tail(pos)
+  versions[#versions + 1] = {cur = true}
+  redis.call('HSET', KEYS[8], anchor, cjson.encode(versions))
+  return cjson.encode({anchor = anchor, index = c})
 end
 local function release(rid)
   if redis.call('GET', KEYS[6]) == rid then redis.call('DEL', KEYS[6]) end
@@ -123,12 +138,16 @@ return {'ok', active}
 # ARGV: 1 owner, 2 sid, 3 request_id, 4 mode ('chat'|'edit'|'regenerate'|'continue'),
 #       5 user_msg_json, 6 user_msg_id, 7 client_msg_id, 8 assistant_msg_id, 9 title, 10 now,
 #       11 now_ms, 12 lease_ms, 13 max_generations, 14 ttl, 15 for regenerate/continue the
-#       expected last reply id ('' = any), for edit the id of the user message edited
+#       expected last reply id ('' = any), for edit the id of the user message edited,
+#       16 for an edit of the first message, the title its old text gave ('' = none)
 # Returns {'ok', user_msg_id, popped_json, popped_tokens, title_set, edit_undo} or
 # {code[, previous]}; 'conflict' when a regenerate/continue names a reply that is not the
 # chat's last one, or an edit names no user message of the chat. An edit keeps the cut
-# tail as a version (see the module doc); edit_undo ({"anchor", "index"}) lets FAIL put
-# it back.
+# tail as a version (see the module doc), and so does a regenerate (the old reply, a
+# version of the chat after its user message); edit_undo ({"anchor", "index"}) lets
+# FAIL put it back. A continue takes the reply off (popped_json) to store it extended.
+# An edit of the first message retitles the chat when its title is still the one the
+# old text gave (ARGV[16]: a title the user gave is kept).
 BEGIN = _PRELUDE + r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {'not_found'} end
 if ARGV[7] ~= '' then
@@ -145,14 +164,11 @@ if ARGV[4] == 'chat' then
 elseif ARGV[4] == 'edit' then
   local pos, anchor = find_user(ARGV[15])
   if not pos then return {'conflict'} end
-  local raw = redis.call('HGET', KEYS[8], anchor)
-  local versions = raw and cjson.decode(raw) or {{cur = true}}
-  local c = current_of(versions) or (#versions + 1)
-  versions[c] = cut_tail(pos)
-  versions[#versions + 1] = {cur = true}
-  redis.call('HSET', KEYS[8], anchor, cjson.encode(versions))
+  edit_undo = branch(pos, anchor)
   redis.call('RPUSH', KEYS[2], ARGV[5])
-  edit_undo = cjson.encode({anchor = anchor, index = c})
+  if anchor == '^' and ARGV[16] ~= '' and (redis.call('HGET', KEYS[1], 'title') or '') == ARGV[16] then
+    redis.call('HSET', KEYS[1], 'title', '')  -- the title named the old first message: set anew below
+  end
 else
   local last = redis.call('LINDEX', KEYS[2], -1)
   if not last then return {'empty'} end
@@ -162,7 +178,10 @@ else
   if aid then before = redis.call('LINDEX', KEYS[2], -2) or '' end
   user_id = string.match(before, '^{"role":"user","id":"([%w_%-]+)"')
   if not user_id then return {'empty'} end
-  if aid then
+  if aid and ARGV[4] == 'regenerate' then
+    -- the old reply is kept as a version of the chat after its user message
+    edit_undo = branch(redis.call('LLEN', KEYS[2]), user_id)
+  elseif aid then
     redis.call('RPOP', KEYS[2])
     popped = last
     popped_tokens = redis.call('HGET', KEYS[3], aid) or ''
@@ -220,8 +239,9 @@ return status
 # A refused turn (nothing generated): take back what BEGIN did.
 # ARGV: 1 request_id, 2 user_json ('' for regenerate), 3 client_msg_id, 4 restore_json,
 #       5 restore_id, 6 restore_tokens, 7 ttl, 8 title BEGIN set ('' = none; taken back
-#       unless the chat was renamed since), 9 edit_undo from BEGIN ('' = not an edit: the
-#       branch the edit cut is put back and the edit's version dropped)
+#       unless the chat was renamed since), 9 edit_undo from BEGIN ('' = none; else the
+#       branch the edit or regenerate cut is put back and the new version dropped),
+#       10 the title to put back in place of ARGV[8] ('' = none: a new chat's)
 FAIL = _PRELUDE + r"""
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if ARGV[2] ~= '' then redis.call('LREM', KEYS[2], -1, ARGV[2]) end
@@ -241,7 +261,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
     end
   end
   if ARGV[8] and ARGV[8] ~= '' and redis.call('HGET', KEYS[1], 'title') == ARGV[8] then
-    redis.call('HSET', KEYS[1], 'title', '')
+    redis.call('HSET', KEYS[1], 'title', ARGV[10] or '')
   end
   if ARGV[3] ~= '' then redis.call('HDEL', KEYS[4], ARGV[3]) end
   if ARGV[4] ~= '' then
@@ -258,14 +278,17 @@ return 'ok'
 
 # Show another version of the chat after a user message (docs/protocol.md, versions).
 # ARGV: 1 owner, 2 sid, 3 id of the user message shown at the branch point, 4 version
-# index (1-based), 5 now, 6 ttl. The list's tail from that message on is stored in its
-# version slot and the chosen version's tail takes its place (with token segments).
+# index (1-based), 5 now, 6 ttl, 7 and 8 for the first message: the title its text
+# shown now gives and the title of the version chosen (the chat is retitled when its title
+# is the first: a title the user gave is kept). The message is a user message (an edit's
+# versions) or a reply (a regenerate's). The list's tail from that message on is stored
+# in its version slot and the chosen version's tail takes its place (with token segments).
 # Returns 'ok', 'not_found', 'busy' (a reply is in progress), 'conflict' (no such user
 # message now) or 'invalid' (no such version).
 SWITCH = _PRELUDE + r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 'not_found' end
 if redis.call('EXISTS', KEYS[6]) == 1 then return 'busy' end
-local pos, anchor = find_user(ARGV[3])
+local pos, anchor = find_msg(ARGV[3], '%a+')
 if not pos then return 'conflict' end
 local raw = redis.call('HGET', KEYS[8], anchor)
 if not raw then return 'invalid' end
@@ -278,6 +301,9 @@ if want ~= c then
   put_tail(versions[want])
   versions[want] = {cur = true}
   redis.call('HSET', KEYS[8], anchor, cjson.encode(versions))
+  if anchor == '^' and ARGV[7] and ARGV[7] ~= '' and (redis.call('HGET', KEYS[1], 'title') or '') == ARGV[7] then
+    redis.call('HSET', KEYS[1], 'title', ARGV[8])
+  end
 end
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
 redis.call('ZADD', KEYS[5], ARGV[5], ARGV[2])

@@ -35,6 +35,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
+from gateway.attachments import prompt_content
 from gateway.errors import GatewayError, not_found, store_unavailable
 from gateway.store import scripts as store_scripts
 
@@ -134,6 +135,7 @@ class TurnBegun:
     title: str = ""
     duplicate: bool = False
     edit_undo: str = ""
+    title_before: str = ""  # the title ``title`` replaced (an edit of the first message)
 
 
 @dataclass
@@ -200,14 +202,13 @@ def plan_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]
 
 
 def mark_versions(stored: list[dict[str, Any]], versions: dict[str, str]) -> None:
-    """Give each user message that starts a branch point ``versions``: ``{"index",
-    "count"}`` (0-based index of the version shown among ``count``), from the
-    ``:versions`` hash (anchor id -> JSON array; see ``store_scripts``)."""
+    """Give each message that starts a branch point ``versions``: ``{"index", "count"}``
+    (0-based index of the version shown among ``count``), from the ``:versions`` hash
+    (anchor id -> JSON array; see ``store_scripts``). A user message has versions when it
+    was edited, a reply when it was regenerated."""
     if not versions:
         return
     for i, m in enumerate(stored):
-        if m.get("role") != "user":
-            continue
         raw = versions.get(stored[i - 1]["id"] if i else "^")
         if raw is None:
             continue
@@ -390,7 +391,7 @@ class SessionStore:
         """The chat as engine input: ``messages`` and ``prefix_token_ids``."""
         stored, segments = await self._read_messages(sid, owner, True)
         msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        msgs += [{"role": m["role"], "content": m["content"]} for m in stored]
+        msgs += [{"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))} for m in stored]
         prefix, split = plan_prefix(stored, segments)
         return History(msgs, prefix, split, stored, full_prefix(stored, segments))
 
@@ -398,13 +399,15 @@ class SessionStore:
 
     async def begin_turn(self, owner: str, sid: str, *, mode: str, content: str = "",
                          client_msg_id: str | None = None, title_chars: int = 60,
-                         replaces: str | None = None) -> TurnBegun:
+                         replaces: str | None = None, attachments: list[dict[str, Any]] | None = None
+                         ) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
         message (``mode="chat"``), replace the user message ``replaces`` and everything
         after it with ``content``, keeping the old branch as a version (``mode="edit"``),
         or take the last reply off the list (``mode="regenerate"``, and ``"continue"``,
         which keeps the reply's id; with ``replaces``, only when the last reply is the
-        message of that id; the reply comes back in ``popped_json``).
+        message of that id; the reply comes back in ``popped_json``). ``attachments``
+        (``gateway.attachments`` dicts) are stored in the user message.
 
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
@@ -417,14 +420,19 @@ class SessionStore:
         uid_msg = new_id() if mode in ("chat", "edit") else ""
         user_json = ""
         if mode in ("chat", "edit"):
-            user_json = dumps({"role": "user", "id": uid_msg, "content": content, "status": "complete",
-                               "created_at": now, "client_msg_id": client_msg_id})
-        title = title_from(content, title_chars) if mode in ("chat", "edit") else ""
+            user: dict[str, Any] = {"role": "user", "id": uid_msg, "content": content, "status": "complete",
+                                    "created_at": now, "client_msg_id": client_msg_id}
+            if attachments:
+                user["attachments"] = attachments
+            user_json = dumps(user)
+        named = content if content.strip() or not attachments else attachments[0]["name"]
+        title = title_from(named, title_chars) if mode in ("chat", "edit") else ""
         async with redis_errors():
+            old_title = await self._first_title(sid, owner, title_chars) if mode == "edit" else ""
             res = await self._begin(
                 keys=self.keys.script_keys(sid, owner),
                 args=[owner, sid, rid, mode, user_json, uid_msg, client_msg_id or "", aid, title, now,
-                      int(now * 1000), self.lease_ms, self.max_generations, self.ttl, replaces or ""])
+                      int(now * 1000), self.lease_ms, self.max_generations, self.ttl, replaces or "", old_title])
         code = res[0]
         if code == "duplicate":
             prev = json.loads(res[1])
@@ -441,7 +449,14 @@ class SessionStore:
                                "as it is now; try again")
         if code == "empty":
             raise GatewayError("invalid_request", "nothing to regenerate: the chat has no user message")
-        return TurnBegun(rid, aid, res[1], user_json, res[2], res[3], res[4], edit_undo=res[5])
+        return TurnBegun(rid, aid, res[1], user_json, res[2], res[3], res[4], edit_undo=res[5],
+                         title_before=old_title if res[4] else "")
+
+    async def _first_title(self, sid: str, owner: str, title_chars: int) -> str:
+        """The title the chat's first message gives (``title_from``), or "" without one."""
+        raw = await self.redis.lindex(self.keys.script_keys(sid, owner)[1], 0)
+        first = json.loads(raw) if raw else None
+        return title_from(first["content"], title_chars) if first and first.get("role") == "user" else ""
 
     async def finish_turn(self, owner: str, sid: str, turn: TurnBegun, assistant: dict[str, Any] | None,
                           user_tokens: dict[str, Any] | None, assistant_tokens: dict[str, Any] | None) -> str:
@@ -469,19 +484,35 @@ class SessionStore:
         async with redis_errors():
             await self._fail(keys=self.keys.script_keys(sid, owner),
                              args=[turn.request_id, turn.user_json, client_msg_id or "", turn.popped_json,
-                                   popped_id, turn.popped_tokens, self.ttl, turn.title, turn.edit_undo])
+                                   popped_id, turn.popped_tokens, self.ttl, turn.title, turn.edit_undo,
+                                   turn.title_before])
 
-    async def switch_version(self, owner: str, sid: str, message_id: str, index: int) -> None:
-        """Show version ``index`` (0-based) of the chat from the user message
-        ``message_id`` on; the branch shown until now is kept as a version.
+    async def switch_version(self, owner: str, sid: str, message_id: str, index: int,
+                             title_chars: int = 60) -> None:
+        """Show version ``index`` (0-based) of the chat from the message ``message_id``
+        on (a user message that was edited, or a reply that was regenerated); the branch
+        shown until now is kept as a version. Switching the first message's versions
+        retitles a chat whose title is still the one the shown text gave.
 
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress), ``conflict``
-                (no such user message now), ``invalid_request`` (no such version).
+                (no such message now), ``invalid_request`` (no such version).
         """
+        k = self.keys.script_keys(sid, owner)
         async with redis_errors():
-            res = await self._switch(keys=self.keys.script_keys(sid, owner),
-                                     args=[owner, sid, message_id, index + 1, time.time(), self.ttl])
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.lindex(k[1], 0)
+            pipe.hget(k[7], "^")
+            first_raw, raw = await pipe.execute()
+            titles = ["", ""]
+            first = json.loads(first_raw) if first_raw else None
+            if first and first.get("id") == message_id and raw:
+                entries = json.loads(raw)
+                if 0 <= index < len(entries) and not entries[index].get("cur") and entries[index].get("m"):
+                    chosen = json.loads(entries[index]["m"][0])
+                    titles = [title_from(first.get("content", ""), title_chars),
+                              title_from(chosen.get("content", ""), title_chars)]
+            res = await self._switch(keys=k, args=[owner, sid, message_id, index + 1, time.time(), self.ttl, *titles])
         if res == "not_found":
             raise not_found()
         if res == "busy":

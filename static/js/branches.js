@@ -1,6 +1,7 @@
 // Editing and continuing (docs/ui.md, "Edit, versions, continue"): the row under a
 // user message (versions "< 1/2 >", time, Copy, Edit), the inline editor, the
-// Continue button of a reply cut at max tokens, and message timestamps.
+// Continue button of a reply cut at max tokens or stopped, and message timestamps.
+// Replies have versions too (regenerated); their arrows sit in the reply's meta row.
 // The controller does the talking (`edit`/`continue` frames, the versions API);
 // this module only builds DOM and routes clicks to it.
 
@@ -78,9 +79,9 @@ export function userMeta(doc, info) {
 }
 
 /**
- * Show "< i/n >" for a user message with versions (hidden for one version).
+ * Show "< i/n >" for a message with versions (hidden for one version).
  * @param {Document} doc
- * @param {HTMLElement} meta  the `.user-meta` row
+ * @param {HTMLElement} meta  the `.user-meta` row, or a reply's `.msg-meta`
  * @param {{index:number, count:number}|undefined} v  0-based index
  */
 export function setVersions(doc, meta, v) {
@@ -112,9 +113,12 @@ export function continueButton(doc) {
   return b;
 }
 
+/** The finish reasons of a reply that Continue extends: cut at max tokens, or stopped. */
+export const CONTINUABLE = ["length", "abort"];
+
 /**
  * Show Continue only on the chat's last message, when it is a reply cut at max
- * tokens and the chat is idle.
+ * tokens or stopped (a partial reply) and the chat is idle.
  * @param {HTMLElement} listEl
  * @param {boolean} idle
  */
@@ -122,7 +126,7 @@ export function updateContinue(listEl, idle) {
   const last = listEl.lastElementChild;
   for (const b of listEl.querySelectorAll(".continue-reply")) {
     const li = b.closest(".msg");
-    b.hidden = !(idle && li === last && li.dataset.finishReason === "length");
+    b.hidden = !(idle && li === last && CONTINUABLE.includes(li.dataset.finishReason));
   }
   for (const b of listEl.querySelectorAll(".edit-user, .version-prev, .version-next")) {
     b.classList.toggle("is-busy", !idle);

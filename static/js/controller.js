@@ -48,9 +48,9 @@ export function isBusyNotice(text) {
  *   it; with `onlyBusy` only a notice that says the chat is busy, see isBusyNotice)
  * @property {(message:string)=>void} announce  polite screen-reader announcement (the status region)
  * @property {import("./progress.js").ContextMeter} [meter]  how full the open chat's context is
- * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string,
+ * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string, restoreFiles?:object[],
  *   loaded:boolean})=>void} onChange
- *   refresh of the composer and header; `restore` is a refused message to put back in the
+ *   refresh of the composer and header; `restore` (and `restoreFiles`, its attachments) is a refused message to put back in the
  *   composer; `loaded` is false while the open chat's history is being fetched
  */
 
@@ -71,9 +71,14 @@ export class ChatController {
     this.creating = false;
     /** @type {string|undefined} see restoreInput */
     this.restoreText = undefined;
+    /** @type {object[]|undefined} see restoreInput */
+    this.restoreFiles = undefined;
     this.limits = { maxFrameBytes: Number((deps.config.limits || {}).max_frame_bytes) || 0 };
     /** Chats renamed on this page (a later `done` title must not undo that). */
     this.renamed = new Set();
+    /** Chats this page is deleting: their reply's end, their "deleted" event and a failed
+     * re-read may arrive before the server's answer, and say nothing the user needs. */
+    this.deleting = new Set();
     /** Settings of the last new chat created here (restored if its first message fails). */
     this.createdDraft = null;
   }
@@ -115,7 +120,7 @@ export class ChatController {
       if (token !== this.loadToken) return;
       if (err instanceof ApiError && err.code === "not_found") {
         this.sidebar.remove(id);
-        this.notify("That chat no longer exists.");
+        if (!this.deleting.has(id)) this.notify("That chat no longer exists.");
         this.navigate(null, { replace: true });
       } else {
         this.notify(this.apiErrorText(err));
@@ -174,11 +179,13 @@ export class ChatController {
   /**
    * Send a user message in the open chat, creating the chat first when it is new.
    * @param {string} content
+   * @param {Array<object>} [attachments]  files read by POST /api/attachments (static/js/attachments.js)
    * @returns {Promise<boolean>} false when nothing was sent (the caller keeps the text)
    */
-  async send(content) {
-    if (!content.trim() || this.isBusy() || this.creating) return false;
-    const bytes = new TextEncoder().encode(content).length;
+  async send(content, attachments = []) {
+    if ((!content.trim() && !attachments.length) || this.isBusy() || this.creating) return false;
+    const files = attachments.map(({ name, kind, text, size, pages }) => ({ name, kind, text, size, ...(pages ? { pages } : {}) }));
+    const bytes = new TextEncoder().encode(content + files.map((f) => f.text).join("")).length;
     if (this.limits.maxFrameBytes && bytes + 512 > this.limits.maxFrameBytes) {
       this.notify(errorText("frame_too_large", "", this.limits));
       return false;
@@ -205,7 +212,7 @@ export class ChatController {
       this.createdDraft = this.draft;
       this.draft = null;
       // Until `done` brings the server's title, the first line stands in for it.
-      const provisional = titleFrom(content);
+      const provisional = titleFrom(content.trim() ? content : files[0].name);
       this.sidebar.upsert({ id, title: s.title || provisional, created_at: s.created_at, updated_at: s.updated_at });
       if (token === this.loadToken) {
         this.currentId = id;
@@ -216,8 +223,9 @@ export class ChatController {
       } // else the user opened another chat meanwhile: the message still goes to the new one
     }
     const frame = { type: "chat", session_id: id, content, client_msg_id: randomId() };
-    const userEl = id === this.currentId ? this.view.addUser(content, null) : null;
-    this.book.pending.set(id, { sessionId: id, kind: "chat", frame, sent: false, content, userEl, cancelRequested: false, createdHere });
+    if (files.length) frame.attachments = files;
+    const userEl = id === this.currentId ? this.view.addUser(content, null, { attachments: attachments }) : null;
+    this.book.pending.set(id, { sessionId: id, kind: "chat", frame, sent: false, content, attachments, userEl, cancelRequested: false, createdHere });
     this.flushPending();
     this.changed();
     return true;
@@ -247,12 +255,14 @@ export class ChatController {
    */
   edit(messageId, content) {
     const id = this.currentId;
-    if (!id || !content.trim() || this.isBusy()) return false;
+    const li = [...this.view.listEl.querySelectorAll(".msg.user")].find((el) => el.dataset.messageId === messageId);
+    const files = (li && li.attachments) || []; // an edited message keeps its files
+    if (!id || (!content.trim() && !files.length) || this.isBusy()) return false;
     this.notify("");
     const frame = { type: "edit", session_id: id, message_id: messageId, content, client_msg_id: randomId() };
-    const retitle = this.titleAfterFirstChange(messageId, content);
+    if (files.length) frame.attachments = files;
     this.book.pending.set(id, { sessionId: id, kind: "edit", frame, sent: false, content, userEl: null, cancelRequested: false,
-      editedId: messageId, retitle });
+      editedId: messageId });
     this.flushPending();
     this.changed();
     return true;
@@ -273,8 +283,9 @@ export class ChatController {
   }
 
   /**
-   * Show another version of the chat from a user message on; the scroll position stays.
-   * @param {string} messageId  the user message shown at that point
+   * Show another version of the chat from a message on (an edited user message, a
+   * regenerated reply); the scroll position stays.
+   * @param {string} messageId  the message shown at that point
    * @param {number} index  0-based version
    */
   async switchVersion(messageId, index) {
@@ -291,50 +302,12 @@ export class ChatController {
       return;
     }
     if (id !== this.currentId) return;
-    const first = (s.messages || []).find((m) => m.role === "user");
-    const retitle = first ? this.titleAfterFirstChange(this.view.firstUserId(), first.content) : null;
     const top = this.view.scrollEl.scrollTop;
     this.showSession(s);
     this.view.scrollEl.scrollTop = top;
-    if (retitle) this.retitle(id, retitle);
-  }
-
-  /**
-   * The gateway names a chat after its first message once, when it is sent. When that
-   * message is edited (or another version of it is shown), a title still derived from
-   * the old text would name a message no longer there: this is the title to give the
-   * chat instead, or null when the chat keeps its title (renamed by its user, or the
-   * message changed is not the first).
-   * @private
-   * @param {string|null} messageId  the user message that changes
-   * @param {string} content  its new text
-   * @returns {string|null}
-   */
-  titleAfterFirstChange(messageId, content) {
-    const first = this.view.listEl.querySelector(".msg.user");
-    if (!first || !messageId || first.dataset.messageId !== messageId || !this.currentId) return null;
-    const title = this.sidebar.get(this.currentId)?.title ?? this.session?.title ?? "";
-    const before = titleFrom(this.view.userText(first));
-    const after = titleFrom(content);
-    return title === before && after !== before && !this.renamed.has(this.currentId) ? after : null;
-  }
-
-  /**
-   * Give a chat the title derived from its (new) first message; best effort.
-   * @private
-   * @param {string} id
-   * @param {string} title
-   */
-  async retitle(id, title) {
-    try {
-      markOwnChange(this, id);
-      const s = await this.api.patchSession(id, { title });
-      this.sidebar.upsert({ id, title: s.title ?? title, updated_at: s.updated_at });
-      if (id === this.currentId && this.session) this.session.title = s.title ?? title;
-      this.changed();
-    } catch {
-      // the chat keeps its old title: nothing is lost
-    }
+    // the gateway retitles a chat named after its first message when another version of it is shown
+    this.sidebar.upsert({ id, title: s.title, updated_at: s.updated_at });
+    this.changed();
   }
 
   /** Stop the open chat's reply (`cancel`); its partial text is kept. */
@@ -376,13 +349,20 @@ export class ChatController {
    * @returns {Promise<boolean>} whether it is gone (false: the server refused, a notice says why)
    */
   async remove(id) {
+    this.deleting.add(id);
     try {
       await this.api.deleteSession(id);
     } catch (err) {
       if (!(err instanceof ApiError && err.code === "not_found")) {
+        this.deleting.delete(id);
         this.notify(this.apiErrorText(err));
+        if (id === this.currentId) this.openChat(id); // re-attach a reply whose end was dropped meanwhile
         return false;
       }
+    } finally {
+      // its late frames and events are dropped while the delete is in flight; a little after
+      // it, nothing more about it can come
+      setTimeout(() => this.deleting.delete(id), 2000);
     }
     this.sidebar.remove(id);
     this.book.pending.delete(id);
@@ -520,16 +500,22 @@ export class ChatController {
     if (!p) return;
     this.book.pending.delete(f.session_id);
     const r = this.book.attach(f.request_id, f.session_id, f.message_id);
-    Object.assign(r, { kind: p.kind, content: p.content, userEl: p.userEl, createdHere: !!p.createdHere, retitle: p.retitle });
+    Object.assign(r, { kind: p.kind, content: p.content, attachments: p.attachments, userEl: p.userEl, createdHere: !!p.createdHere });
     if (p.userEl && f.user_message_id) p.userEl.dataset.messageId = f.user_message_id;
     if (f.session_id === this.currentId) {
+      let regenerated = null;
       if (p.kind === "regenerate") {
+        // the old reply stays as a version: the new one is the newest of them
         const old = this.view.lastAssistant();
+        const known = old ? (old.dataset.versions || "").split("/") : [];
+        const count = known.length === 2 ? Number(known[1]) + 1 : old ? 2 : 1;
+        if (count > 1) regenerated = { index: count - 1, count };
         if (old) old.remove();
       }
       if (p.kind === "edit") r.userEl = this.showEdited(p, f);
       const continued = p.kind === "continue" ? this.view.lastAssistant() : null;
       r.el = continued && continued.dataset.messageId === f.message_id ? continued : this.view.addAssistant(f.message_id);
+      if (regenerated) this.view.setReplyVersions(r.el, regenerated);
       this.view.startStreaming(r.el);
       this.announce("The assistant is replying.");
     }
@@ -576,6 +562,7 @@ export class ChatController {
     const r = this.book.replies.get(f.request_id);
     if (!r) return;
     this.book.replies.delete(f.request_id);
+    if (this.deleting.has(r.sessionId)) return;
     if (r.sessionId === this.currentId) this.notify("", { onlyBusy: true }); // the reply it was about ended
     if (r.sessionId === this.currentId && f.usage && f.usage.prompt_tokens > 0) {
       this.meter?.set(f.usage.prompt_tokens + (f.usage.completion_tokens || 0));
@@ -595,7 +582,6 @@ export class ChatController {
       const end = f.finish_reason === "abort" ? "Reply stopped." : f.finish_reason === "error" ? "The reply was interrupted." : "Reply finished.";
       this.announce(said ? `${end} ${said}` : end);
     }
-    if (r.kind === "edit" && r.retitle && f.finish_reason !== "error") this.retitle(r.sessionId, r.retitle);
     const summary = { id: r.sessionId, updated_at: Date.now() / 1000 };
     // A title from `done` names a new chat, unless the user renamed it meanwhile.
     const title = f.title && !this.renamed.has(r.sessionId) ? f.title : undefined;
@@ -611,6 +597,7 @@ export class ChatController {
     const r = f.request_id ? this.book.replies.get(f.request_id) : undefined;
     if (r) {
       this.book.replies.delete(r.requestId);
+      if (this.deleting.has(r.sessionId)) return;
       if (r.sessionId === this.currentId) {
         if (f.code === "store_unavailable") {
           // The store stayed down longer than the gateway waits: keep what was
@@ -627,7 +614,7 @@ export class ChatController {
         if (r.el) r.el.remove();
         if (r.userEl) r.userEl.remove();
         if (f.code !== "not_found") {
-          if (r.kind === "chat" || r.kind === "edit") this.restoreInput(r.content);
+          if (r.kind === "chat" || r.kind === "edit") this.restoreInput(r.content, r.kind === "chat" ? r.attachments : null);
           this.notify(text);
         }
         if (r.createdHere && f.code !== "not_found" && this.view.isEmpty()) this.dropNewChat(r.sessionId);
@@ -643,7 +630,7 @@ export class ChatController {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
       if (p.sessionId === this.currentId) {
-        if (p.kind === "chat" || p.kind === "edit") this.restoreInput(p.content);
+        if (p.kind === "chat" || p.kind === "edit") this.restoreInput(p.content, p.kind === "chat" ? p.attachments : null);
         this.notify(f.code === "busy" ? "This chat is still writing a reply (started in another tab); it is shown below, where you can stop it." : text);
         this.openChat(this.currentId);
       }
@@ -653,7 +640,9 @@ export class ChatController {
     if (p) {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
-      if ((p.kind === "chat" || p.kind === "edit") && p.sessionId === this.currentId) this.restoreInput(p.content);
+      if ((p.kind === "chat" || p.kind === "edit") && p.sessionId === this.currentId) {
+        this.restoreInput(p.content, p.kind === "chat" ? p.attachments : null);
+      }
       this.view.updateRegenerate(true);
       if (p.sessionId === this.currentId || !this.currentId) this.notify(text);
       if (p.createdHere && p.sessionId === this.currentId && this.view.isEmpty()) this.dropNewChat(p.sessionId);
@@ -707,8 +696,25 @@ export class ChatController {
    * (the page does so only if nothing new was typed).
    * @private
    */
-  restoreInput(content) {
+  restoreInput(content, files = null) {
     this.restoreText = content;
+    this.restoreFiles = files && files.length ? files : undefined;
+  }
+
+  /**
+   * Whether a message whose files take `pendingTokens` fits the model's context after
+   * the open chat's; says why not (nothing is sent) when it does not.
+   * @param {number} pendingTokens
+   * @returns {boolean}
+   */
+  fitsContext(pendingTokens) {
+    const max = Number(this.config.max_model_len) || 0;
+    const used = this.meter ? this.meter.tokens : 0;
+    if (!max || !pendingTokens || used + pendingTokens < max) return true;
+    const fmt = (n) => new Intl.NumberFormat("en-US").format(n);
+    this.notify(`The attached files take ${fmt(pendingTokens)} tokens${used ? ` and this chat already ${fmt(used)}` : ""}; `
+      + `the model's context holds ${fmt(max)}. Remove a file${used ? " or start a new chat" : ""}.`);
+    return false;
   }
 
   /** Tell the page to refresh its composer and header. */
@@ -720,8 +726,9 @@ export class ChatController {
     const title = this.currentId ? (this.sidebar.get(this.currentId)?.title || (this.session && this.session.title) || "New chat") : "New chat";
     this.view.updateRegenerate(!busy);
     const restore = this.restoreText;
-    this.restoreText = undefined;
+    const restoreFiles = this.restoreFiles;
+    this.restoreText = this.restoreFiles = undefined;
     const loaded = !this.currentId || (!!this.session && this.session.id === this.currentId);
-    this.onChange({ id: this.currentId, busy, stopping, title, restore, loaded });
+    this.onChange({ id: this.currentId, busy, stopping, title, restore, restoreFiles, loaded });
   }
 }

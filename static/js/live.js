@@ -52,7 +52,7 @@ export function onLiveEvent(c, f) {
   if (!sid) return;
   if (f.kind === "deleted") {
     c.sidebar.remove(sid);
-    if (sid === c.currentId) {
+    if (sid === c.currentId && !c.deleting.has(sid)) {
       c.notify("This chat was deleted in another tab or window.");
       c.navigate(null, { replace: true });
     }

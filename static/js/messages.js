@@ -2,8 +2,9 @@
 // (re-rendered at most once per animation frame), and per-reply stats.
 
 import { replyStats, formatStats, formatStatDetails, formatRate, liveRate } from "./format.js";
-import { userMeta, continueButton, timeElement, setTime, updateContinue } from "./branches.js";
+import { userMeta, continueButton, timeElement, setTime, setVersions, updateContinue } from "./branches.js";
 import { icon, ICONS } from "./icons.js";
+import { chipElement } from "./attachments.js";
 
 // Why a partial reply stopped, when it was not the user's Stop (the gateway stores
 // `cut_reason` with it: docs/protocol.md).
@@ -95,8 +96,9 @@ export class MessageView {
   /**
    * @param {string} content  shown as plain text
    * @param {string|null} [id]  the stored message id, once known
-   * @param {{created_at?:number, versions?:{index:number, count:number}, deferFit?:boolean}} [info]  time
-   *   and versions; `deferFit`: the caller collapses a long message itself (`collapseLong`, once for many)
+   * @param {{created_at?:number, versions?:{index:number, count:number}, deferFit?:boolean,
+   *   attachments?:Array<object>}} [info]  time and versions; `deferFit`: the caller collapses a long
+   *   message itself (`collapseLong`, once for many); `attachments`: its files, shown as chips
    * @returns {HTMLLIElement}
    */
   addUser(content, id, info = {}) {
@@ -109,7 +111,17 @@ export class MessageView {
     body.className = "msg-body";
     body.id = `msg-body-${++this.bodyIds}`;
     body.textContent = content;
-    li.append(sr, body, userMeta(this.doc, info));
+    li.append(sr);
+    if (info.attachments && info.attachments.length) {
+      li.attachments = info.attachments; // an edit resends them
+      const chips = this.doc.createElement("ul");
+      chips.className = "attachment-chips in-message";
+      chips.setAttribute("aria-label", "Attached files");
+      for (const a of info.attachments) chips.append(chipElement(this.doc, a));
+      li.append(chips);
+      if (!content) body.hidden = true;
+    }
+    li.append(body, userMeta(this.doc, info));
     this.listEl.append(li);
     if (!info.deferFit) this.collapseLong([li]);
     this.updateEmpty();
@@ -165,19 +177,6 @@ export class MessageView {
     return text.length <= SPOKEN_CHARS ? text : `${text.slice(0, SPOKEN_CHARS)}… The rest is in the conversation.`;
   }
 
-  /** @returns {string|null} the first user message's stored id */
-  firstUserId() {
-    return this.listEl.querySelector(".msg.user")?.dataset.messageId || null;
-  }
-
-  /**
-   * @param {HTMLLIElement} li  a user message
-   * @returns {string} its text, whole (also when shown collapsed)
-   */
-  userText(li) {
-    return li.querySelector(".msg-body")?.textContent || "";
-  }
-
   /**
    * An empty assistant message, ready to stream into or to finish at once.
    * @param {string|null} id
@@ -225,7 +224,11 @@ export class MessageView {
       this.iconButton("regenerate", "Regenerate reply", ICONS.regenerate),
       continueButton(d),
     );
-    meta.append(badge, stats, actions, timeElement(d, undefined));
+    // "< 1/2 >": the replies regenerated for the same message (hidden for one)
+    const versions = d.createElement("span");
+    versions.className = "versions";
+    versions.hidden = true;
+    meta.append(versions, badge, stats, actions, timeElement(d, undefined));
     main.append(this.srLabel("Assistant said:"), body, typing, live, meta);
     li.append(avatar, main);
     this.listEl.append(li);
@@ -296,7 +299,8 @@ export class MessageView {
    * Finish an assistant message: final text, badge, stats line.
    * @param {HTMLLIElement} li
    * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object,
-   *   error?:{code:string, message:string}, cut_reason?:string, created_at?:number}} info  `error`
+   *   error?:{code:string, message:string}, cut_reason?:string, created_at?:number,
+   *   versions?:{index:number, count:number}}} info  `error`
    *   (or the stored `cut_reason` of a partial reply) says why a reply was interrupted;
    *   `created_at` (Unix seconds) is the time shown on hover (now when missing)
    */
@@ -315,6 +319,7 @@ export class MessageView {
     li.querySelector(".typing").hidden = true;
     const reason = info.finish_reason;
     li.dataset.finishReason = reason || "";
+    if (info.versions) this.setReplyVersions(li, info.versions);
     const time = li.querySelector(".msg-time");
     if (time) setTime(time, info.created_at);
     const status = info.status || (reason === "abort" ? "partial" : reason === "error" ? "error" : "complete");
@@ -354,6 +359,16 @@ export class MessageView {
       body.replaceChildren(p);
     }
     if (stick) this.scrollToBottom();
+  }
+
+  /**
+   * Show "< i/n >" under a reply that was regenerated (its versions, 0-based index).
+   * @param {HTMLLIElement} li
+   * @param {{index:number, count:number}} versions
+   */
+  setReplyVersions(li, versions) {
+    li.dataset.versions = `${versions.index}/${versions.count}`;
+    setVersions(this.doc, li.querySelector(".msg-meta"), versions);
   }
 
   /** @private the live rate's estimate of characters per token, from a finished reply */

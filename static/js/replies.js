@@ -12,12 +12,10 @@
  * A reply this page is attached to (after `start`, before `done`).
  * `lastSeq` is the highest delta `seq` applied; `text` the concatenated deltas.
  * `kind`/`content`/`userEl` come from the request that started it (null when
- * this page only re-attached to it); `retitle` is the title an edit of the chat's first
- * message gives the chat once its reply is stored (controller.js titleAfterFirstChange).
+ * this page only re-attached to it).
  * @typedef {{requestId:string, sessionId:string, messageId:string, lastSeq:number,
  *            text:string, el:HTMLElement|null, stopRequested:boolean,
- *            kind:"chat"|"regenerate"|"edit"|"continue"|null, content:string, userEl:HTMLElement|null,
- *            retitle?:string|null}} Reply
+ *            kind:"chat"|"regenerate"|"edit"|"continue"|null, content:string, userEl:HTMLElement|null}} Reply
  */
 
 /** Pending requests by chat id and attached replies by request id. */

@@ -136,3 +136,68 @@ async def test_deleting_a_chat_deletes_its_versions(rds, key_prefix):
     assert await rds.exists(f"{key_prefix}chat:session:{chat.id}:versions")
     await store.delete_session(ALICE, chat.id)
     assert not await rds.keys(f"{key_prefix}chat:session:{chat.id}*")
+
+
+async def test_a_regenerate_keeps_the_old_reply_as_a_version_that_can_be_shown_again(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    r = await store.begin_turn(ALICE, chat.id, mode="regenerate", replaces=t2.message_id)
+    assert r.user_message_id == t2.user_message_id and not r.popped_json
+    assert await finish_ok(store, ALICE, chat.id, r, "a2 again", [4], [8]) == "ok"
+    msgs = await store.messages(ALICE, chat.id, with_tokens=True)
+    assert contents(msgs) == ["q1", "a1", "q2", "a2 again"]
+    assert msgs[3]["versions"] == {"index": 1, "count": 2}
+    assert "versions" not in msgs[2]
+    # a third reply: three versions; the first comes back with its token ids
+    r3 = await store.begin_turn(ALICE, chat.id, mode="regenerate", replaces=r.message_id)
+    await finish_ok(store, ALICE, chat.id, r3, "a2 third", [4], [9])
+    assert (await store.messages(ALICE, chat.id))[3]["versions"] == {"index": 2, "count": 3}
+    await store.switch_version(ALICE, chat.id, r3.message_id, 0)
+    msgs = await store.messages(ALICE, chat.id, with_tokens=True)
+    assert contents(msgs) == ["q1", "a1", "q2", "a2"]
+    assert msgs[3]["versions"] == {"index": 0, "count": 3}
+    assert msgs[3]["token_ids"] == [5]
+    # an edit above keeps the replies' versions with the branch it cuts
+    e = await store.begin_turn(ALICE, chat.id, mode="edit", content="q2b", replaces=t2.user_message_id)
+    await finish_ok(store, ALICE, chat.id, e, "a2b", [6], [7])
+    await store.switch_version(ALICE, chat.id, e.user_message_id, 0)
+    msgs = await store.messages(ALICE, chat.id)
+    assert contents(msgs) == ["q1", "a1", "q2", "a2"] and msgs[3]["versions"] == {"index": 0, "count": 3}
+
+
+async def test_a_refused_regenerate_puts_the_old_reply_back_without_a_version(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    r = await store.begin_turn(ALICE, chat.id, mode="regenerate", replaces=t2.message_id)
+    assert contents(await store.messages(ALICE, chat.id)) == ["q1", "a1", "q2"]
+    await store.fail_turn(ALICE, chat.id, r, None)
+    msgs = await store.messages(ALICE, chat.id, with_tokens=True)
+    assert contents(msgs) == ["q1", "a1", "q2", "a2"]
+    assert [m["token_ids"] for m in msgs] == [[1, 2], [3], [4], [5]]
+    assert not any("versions" in m for m in msgs)
+
+
+async def test_editing_the_first_message_retitles_a_chat_whose_title_came_from_it(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    assert (await store.get_session(ALICE, chat.id)).title == "q1"
+    e = await store.begin_turn(ALICE, chat.id, mode="edit", content="What is a rainbow?", replaces=t1.user_message_id)
+    assert e.title == "What is a rainbow?"
+    await finish_ok(store, ALICE, chat.id, e, "light", [6], [7], base=True)
+    assert (await store.get_session(ALICE, chat.id)).title == "What is a rainbow?"
+    # showing the old version brings its title back; a refused edit keeps the old title
+    await store.switch_version(ALICE, chat.id, e.user_message_id, 0)
+    assert (await store.get_session(ALICE, chat.id)).title == "q1"
+    bad = await store.begin_turn(ALICE, chat.id, mode="edit", content="refused", replaces=t1.user_message_id)
+    await store.fail_turn(ALICE, chat.id, bad, None)
+    assert (await store.get_session(ALICE, chat.id)).title == "q1"
+    # a title the user gave stays, whatever the first message becomes
+    await store.update_session(ALICE, chat.id, title="Mine")
+    e2 = await store.begin_turn(ALICE, chat.id, mode="edit", content="Other", replaces=t1.user_message_id)
+    await finish_ok(store, ALICE, chat.id, e2, "x", [8], [9], base=True)
+    assert (await store.get_session(ALICE, chat.id)).title == "Mine" and not e2.title
+    await store.switch_version(ALICE, chat.id, e2.user_message_id, 0)
+    assert (await store.get_session(ALICE, chat.id)).title == "Mine"

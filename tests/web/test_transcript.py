@@ -7,10 +7,11 @@ follows an edit of that message. Screenshots go to artifacts/screenshots/transcr
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 
 import pytest
-from playwright.sync_api import Page
+from playwright.sync_api import Page, Route
 
 from tests.engine_gate import EngineGate, text_delta
 from tests.web import test_browser as tb
@@ -107,6 +108,19 @@ def test_the_busy_notice_goes_when_the_reply_ends_or_its_chat_is_deleted(
     wait_streaming_text(page, 0)
     send(page, "And one more thing")
     page.wait_for_selector("#notice:not([hidden]) >> text=still being written")
+
+    # The server's answer to the delete is held back, so that the reply's end, the chat's
+    # "deleted" event and any re-read of the chat all reach the page before it: none of
+    # them may leave a notice about a chat the user just deleted.
+    def answer_late(route: Route) -> None:
+        if route.request.method != "DELETE":
+            route.continue_()
+            return
+        answer = route.fetch()
+        time.sleep(1.0)  # the browser goes on meanwhile; only this answer waits
+        route.fulfill(response=answer)
+
+    page.route(f"**/api/sessions/{sid}", answer_late)
     page.click(f".chat-item[data-id='{sid}'] .delete")
     page.click("#confirm-dialog .btn.danger")
     page.wait_for_selector(f".chat-item[data-id='{sid}']", state="detached")
