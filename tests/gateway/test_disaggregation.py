@@ -123,3 +123,30 @@ async def test_with_the_prefill_engine_down_the_decode_engine_prefills_itself(ga
     finally:
         p.stop()
         d.stop()
+
+
+@pytest.mark.parametrize("files", [
+    ("compose.yaml", "compose.pd.yaml"),
+    ("compose.yaml", "compose.cpu.yaml", "compose.pd.yaml", "compose.pd.cpu.yaml"),
+])
+def test_the_compose_override_runs_a_prefill_and_a_decode_engine_behind_the_gateway(files):
+    from tests.gateway.test_deploy import _env, compose_services
+
+    services = compose_services(*files)
+    assert set(services) == {"redis", "engine", "engine-prefill", "gateway"}
+    assert _env(services["engine"])["ENGINE_ROLE"] == "decode"
+    assert _env(services["engine-prefill"])["ENGINE_ROLE"] == "prefill"
+    for name in ("engine", "engine-prefill"):
+        e = services[name]
+        assert e["build"]["target"] == "engine" and "healthcheck" in e and "--port 9000" in " ".join(e["command"])
+        assert "ENGINE_SECRET" in _env(e)  # one link secret: the decode engine pulls from the prefill engine
+    g = services["gateway"]
+    assert "--engine" not in " ".join(g["command"])
+    assert _env(g)["ENGINE_URLS"].split() == ["ws://engine-prefill:9000", "ws://engine:9000"]
+    assert {"engine", "engine-prefill"} <= set(g["depends_on"])
+    if "compose.cpu.yaml" in files:
+        for name in ("engine", "engine-prefill"):
+            assert "deploy" not in services[name] and "--threads 1" in _env(services[name])["ENGINE_ARGS"]
+    else:
+        gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"] for n in ("engine", "engine-prefill")]
+        assert [d[0]["device_ids"] for d in gpus] == [["${DECODE_GPU:-0}"], ["${PREFILL_GPU:-1}"]]
