@@ -1,4 +1,4 @@
-"""Attachments in a real Chromium (the fixtures and helpers of tests/web/test_browser.py):
+"""Attachments in a real Chromium (the fixtures of tests/web/conftest.py, helpers of tests/web/page.py):
 files by the button, by drag-and-drop and by paste (a long paste becomes a chip), their
 tokens counted by the context meter before sending, refusals said in words, and the
 files shown with the message after a reload. Screenshots go to artifacts/screenshots/."""
@@ -11,12 +11,9 @@ import pytest
 from playwright.sync_api import Page
 
 from tests.pdf_maker import make_pdf
-from tests.web import test_browser as tb
-from tests.web.test_browser import PHONE, SHORT, WAIT_MS, create_chat, get_chat, open_chat, shot, wait_finished
+from tests.web.page import PHONE, SHORT, WAIT_MS, create_chat, get_chat, open_chat, shot, wait_finished
 
-browser, gateway, new_page, watch = tb.browser, tb.gateway, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 PDF = make_pdf(["Quarterly report (page one)\nRevenue grew.", "Page two\nCosts fell."])
 

@@ -5,38 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import GatewayError
-from gateway.store.sessions import Keys, SessionStore, plan_prefix, title_from
-
-ALICE, BOB = "a" * 32, "b" * 32
-
-
-@pytest.fixture
-async def rds(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
-
-
-def make_store(rds: aioredis.Redis, prefix: str, ttl: int | None = None, **kw: int) -> SessionStore:
-    args = dict(lock_lease_ms=30_000, max_sessions_per_user=50, max_generations_per_user=4)
-    args.update(kw)
-    return SessionStore(rds, Keys(prefix), ttl, **args)
-
-
-async def finish_ok(store: SessionStore, owner: str, sid: str, turn, text: str, user_ids: list[int],
-                    out_ids: list[int], base: bool = False) -> str:
-    return await store.finish_turn(
-        owner, sid, turn,
-        {"content": text, "status": "complete", "finish_reason": "stop",
-         "usage": {"prompt_tokens": len(user_ids), "cached_tokens": 0, "completion_tokens": len(out_ids)},
-         "timings": {"ttft_ms": 1.0, "tpot_ms": 1.0, "e2e_ms": 2.0}, "created_at": 0.0},
-        {"ids": user_ids, "base": base}, {"ids": out_ids, "base": False})
+from gateway.store.sessions import plan_prefix, title_from
+from tests.gateway.store.store_helpers import ALICE, BOB, finish_ok, make_store
 
 
 async def test_chats_are_listed_newest_first_and_renamed_and_deleted(rds, key_prefix):

@@ -13,31 +13,10 @@ import pytest
 import redis.asyncio as aioredis
 from websockets.exceptions import InvalidStatus
 
-from gateway.api.auth import UserIds
 from gateway.engines.routing import rendezvous_rank
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import gate_in_front_of
-from tests.gateway_helpers import Reply, chat, read_reply, recv, send, wait_for
-
-BLOCK = 16  # the engine fixture's --block-size
-
-
-async def stored(gw, cookie: str, sid: str) -> dict:
-    async with gw.http(cookie) as c:
-        r = await c.get(f"/api/sessions/{sid}")
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def token_messages(gw, owner: str, sid: str) -> list[dict]:
-    """The stored messages with their token segments, read on the gateway's own loop."""
-    return gw.run(gw.app.state.store.messages(owner, sid, with_tokens=True))
-
-
-def uid_of(gw, cookie: str) -> str:
-    uid = UserIds(gw.config.secret_key).verify(cookie)
-    assert uid is not None
-    return uid
+from tests.gateway_helpers import BLOCK, Reply, chat, read_reply, recv, send, stored, token_messages, uid_of, wait_for
 
 
 async def test_three_turn_chat_streams_in_order_and_stores_history_with_token_ids(gateway_factory):

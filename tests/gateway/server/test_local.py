@@ -21,7 +21,7 @@ import redis
 from gateway.api.auth import COOKIE_NAME
 from gateway.server.local import LocalStartError, ensure_redis
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
