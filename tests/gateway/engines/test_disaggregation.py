@@ -130,7 +130,7 @@ async def test_with_the_prefill_engine_down_the_decode_engine_prefills_itself(ga
     ("compose.yaml", "compose.cpu.yaml", "compose.pd.yaml", "compose.pd.cpu.yaml"),
 ])
 def test_the_compose_override_runs_a_prefill_and_a_decode_engine_behind_the_gateway(files):
-    from tests.gateway.test_deploy import _env, compose_services
+    from tests.gateway.server.test_deploy import _env, compose_services
 
     services = compose_services(*files)
     assert set(services) == {"redis", "engine", "engine-prefill", "gateway"}
