@@ -64,13 +64,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="requests running at once at most; more wait in line (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
-    p.add_argument("--kv-disk-dir", default=os.environ.get("KV_DISK_DIR") or None, metavar="DIR",
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
                    help="the disk KV tier's folder: cached prompt pages survive eviction and restarts "
                         "(KV_DISK_DIR; default: $CHATSERVE_CACHE/kv, else ~/.cache/chatserve/kv)")
     p.add_argument("--kv-disk-gib", type=float, default=None,
                    help="most GiB the disk KV tier keeps (default: 8, at most half the free disk)")
-    p.add_argument("--no-kv-disk", action="store_true", default=os.environ.get("KV_DISK", "").lower() == "off",
-                   help="turn the disk KV tier off (KV_DISK=off)")
+    p.add_argument("--no-kv-disk", action="store_true",
+                   help="turn the disk KV tier off (so does KV_DISK=off, unless --kv-disk-dir is given)")
     p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"],
                    help="waiting requests in arrival order (fcfs) or longest cached prefix first (lpm) "
                         "(default: %(default)s)")
@@ -111,9 +111,17 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         speculative=a.speculative, num_draft_tokens=a.num_draft_tokens, spec_ngram_min=ngram[0],
         spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch, role=a.role,
         kv_pull_failure=a.kv_pull_failure,
-        kv_disk_dir=None if a.no_kv_disk else str(a.kv_disk_dir or default_disk_dir()),
+        kv_disk_dir=_kv_disk_dir(a),
         kv_disk_bytes=int(a.kv_disk_gib * 2**30) if a.kv_disk_gib is not None else None,
     )
+
+
+def _kv_disk_dir(a: argparse.Namespace) -> str | None:
+    """The disk KV tier's folder: ``--kv-disk-dir``, else ``KV_DISK_DIR``, else the default;
+    None (off) with ``--no-kv-disk``, or with ``KV_DISK=off`` when no folder is named."""
+    if a.no_kv_disk or (a.kv_disk_dir is None and os.environ.get("KV_DISK", "").lower() == "off"):
+        return None
+    return str(a.kv_disk_dir or os.environ.get("KV_DISK_DIR") or default_disk_dir())
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -181,6 +181,8 @@ class GatewayConfig:
             address. Any other ``Host`` gets HTTP 400 (``trusted_hosts``).
         secret_key: signs the user cookie; None means read (or create) ``data_dir/secret_key``.
         api_key: when set, ``/v1`` requests must send ``Authorization: Bearer <key>``.
+        cors_origins: origins whose browser pages may call ``/v1`` (CORS, preflight
+            included; ``*`` allows any); empty (the default) sends no CORS headers.
         engine_secret: when set, sent to every engine on connect (``X-Engine-Secret``);
             an engine started with the same ``ENGINE_SECRET`` refuses connections without it.
             Never sent to an OpenAI-compatible upstream.
@@ -222,6 +224,7 @@ class GatewayConfig:
     allowed_hosts: tuple[str, ...] = ()
     secret_key: str | None = None
     api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
     engine_secret: str | None = None
     upstream_api_key: str | None = None
     upstream_max_model_len: int = 0
@@ -330,6 +333,7 @@ ENV_VARS: dict[str, str] = {
     "upstream_max_model_len": "UPSTREAM_MAX_MODEL_LEN",
     "secret_key": "SECRET_KEY",
     "api_key": "API_KEY",
+    "cors_origins": "CORS_ORIGINS",
     "data_dir": "DATA_DIR",
     "key_prefix": "KEY_PREFIX",
     "session_ttl_s": "SESSION_TTL_S",
@@ -381,7 +385,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = int(raw)
             elif name == "session_ttl_s":
                 changes[name] = int(raw) if int(raw) > 0 else None
-            elif name in ("engine_urls", "allowed_origins", "allowed_hosts"):
+            elif name in ("engine_urls", "allowed_origins", "allowed_hosts", "cors_origins"):
                 changes[name] = _split(raw)
             elif name == "engine_args":
                 changes[name] = tuple(shlex.split(raw))  # ValueError (bad quotes) -> ConfigError below

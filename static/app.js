@@ -16,6 +16,7 @@ import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
 import { ContextMeter } from "./js/progress.js";
 import { AttachmentTray } from "./js/attachments.js";
+import { ShareDialog, TransferDialog } from "./js/share_dialog.js";
 
 import { wireBranches } from "./js/branches.js";
 import { fillShortcutRows, isMac, wireShortcuts } from "./js/shortcuts.js";
@@ -182,6 +183,7 @@ async function main(win) {
     busy = st.busy;
     // "loading", or the open chat's id ("new" for an unsaved one) once its history is shown
     doc.body.dataset.chat = st.loaded ? st.id || "new" : "loading";
+    $("open-share").hidden = !st.id; // a chat not saved yet has nothing to share
     sendBtn.hidden = st.busy;
     stopBtn.hidden = !st.busy;
     stopBtn.disabled = st.stopping;
@@ -358,6 +360,13 @@ async function main(win) {
   narrow.addEventListener("change", () => setSidebarOpen(false));
   $("open-settings").addEventListener("click", () => settings.open(controller.currentSettings(), controller.currentId));
   $("open-tokens").addEventListener("click", () => tokens.open());
+  const share = new ShareDialog({ doc, dialog: $("share-dialog"), api, origin: win.location.origin, announce });
+  $("open-share").addEventListener("click", () => {
+    if (controller.currentId) share.open(controller.currentId);
+  });
+  const transfer = new TransferDialog({ doc, dialog: $("transfer-dialog"), api,
+    onImported: () => controller.refreshList() });
+  $("open-transfer").addEventListener("click", () => transfer.open());
   const shortcutsDialog = $("shortcuts-dialog");
   fillShortcutRows($("shortcut-rows"), isMac(win.navigator));
   const showShortcuts = () => {

@@ -297,6 +297,7 @@ class EngineClient:
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
+                       extra: dict[str, Any] | None = None,
                        prefill: EngineClient | None = None) -> EngineRequest:
         """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
@@ -304,9 +305,12 @@ class EngineClient:
         the last that many ``prompt_token_ids`` are a cut reply to continue (sent to
         engines of protocol 5 and later; an older one continues without the seam's text);
         ``cache_salt`` and ``shared_messages`` place its KV pages (``gateway/engines/cache_scope.py``;
-        the shared messages go to engines of protocol 6 and later). With ``prefill`` (a
-        prefill engine, for a decode engine: ``gateway/engines/disagg.py``) the prompt is
-        prefilled there first and this engine pulls its KV; the handle reads the same.
+        the shared messages go to engines of protocol 6 and later). ``extra``: protocol 7's
+        ``GenerateFrame`` fields (``prompt``, ``tools``, ``tool_choice``,
+        ``parallel_tool_calls``, ``continue_final_message``), for the APIs that use them.
+        With ``prefill`` (a prefill engine, for a decode engine: ``gateway/engines/disagg.py``)
+        the prompt is prefilled there first and this engine pulls its KV; the handle reads
+        the same.
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected.
@@ -316,8 +320,9 @@ class EngineClient:
         continued = continued_tokens if self.protocol_version >= 5 else 0
         frame = GenerateFrame(request_id, messages, prompt_token_ids, prefix_token_ids or None, params or None,
                               cache_salt or "", clamp_max_tokens, continued,
-                              shared_messages if cache_salt and self.protocol_version >= 6 else None)
-        size = sum(len(m.get("content", "")) for m in messages or []) + 8 * len(prefix_token_ids or [])
+                              shared_messages if cache_salt and self.protocol_version >= 6 else None,
+                              **(extra or {}))
+        size = sum(len(m.get("content") or "") for m in messages or []) + 8 * len(prefix_token_ids or [])
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
         if prefill is not None:

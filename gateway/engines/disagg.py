@@ -38,6 +38,8 @@ log = logging.getLogger("gateway.engines.disagg")
 
 __all__ = ["PrefillThenDecode", "prefill_engine"]
 
+# the generate fields EngineClient.generate takes as ``extra`` (protocol 7)
+EXTRA_FIELDS = ("prompt", "tools", "tool_choice", "parallel_tool_calls", "continue_final_message")
 # a refusal the decode engine would give as well: the turn ends with it
 REFUSALS = frozenset({"invalid_request", "context_length_exceeded"})
 
@@ -90,10 +92,11 @@ class PrefillThenDecode:
         f, handle = self.frame, self.handle
         source: str | None = self.prefill.url
         try:
+            extra = {k: getattr(f, k) for k in EXTRA_FIELDS if getattr(f, k) not in (None, False)}
             pre = await self.prefill.generate(
                 f.request_id, f.messages, f.prefix_token_ids, dict(f.params or {}, max_tokens=1),
                 prompt_token_ids=f.prompt_token_ids, cache_salt=f.cache_salt, clamp_max_tokens=f.clamp_max_tokens,
-                continued_tokens=f.continued_tokens, shared_messages=f.shared_messages)
+                continued_tokens=f.continued_tokens, shared_messages=f.shared_messages, extra=extra or None)
         except GatewayError as e:
             log.info("prefill engine %s unavailable (%s); %s prefills itself", self.prefill.url, e, f.request_id)
             source = None

@@ -393,12 +393,14 @@ class UpstreamClient(EngineClient):
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
+                       extra: dict[str, Any] | None = None,
                        prefill: EngineClient | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
         ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens``,
-        ``prefill`` (an upstream has no engine role) and ``clamp_max_tokens`` are ignored (the
-        upstream tokenizes the text itself and keeps its own cache, and
-        refuses a too-long request instead of lowering ``max_tokens``).
+        ``prefill`` (an upstream has no engine role) and
+        ``clamp_max_tokens`` are ignored (the upstream tokenizes the text itself and keeps its own cache, and
+        refuses a too-long request instead of lowering ``max_tokens``); ``extra`` (protocol 7's
+        fields) is refused.
 
         Raises:
             GatewayError: ``engine_unavailable`` when the upstream is down;
@@ -409,6 +411,9 @@ class UpstreamClient(EngineClient):
         if prompt_token_ids is not None or messages is None:
             raise GatewayError("invalid_request", "this engine is an OpenAI-compatible upstream: it takes the "
                                                   "chat's text, not token ids")
+        if extra:  # tools, raw prompts...: the protocol's own fields, not relayed
+            raise GatewayError("invalid_request", "this engine is an OpenAI-compatible upstream: it serves "
+                                                  f"plain chat replies here, not {', '.join(sorted(extra))}")
         assert self.info is not None  # healthy: a probe set it
         body = upstream_body(self.model_id, messages, params, self.flavor)
         req = EngineRequest(self, request_id)

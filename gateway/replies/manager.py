@@ -597,6 +597,8 @@ class GenerationManager:
         reason = end.finish_reason
         usage = {"prompt_tokens": end.usage.prompt_tokens, "cached_tokens": end.usage.cached_tokens,
                  "completion_tokens": end.usage.completion_tokens}
+        if end.usage.cached_disk_tokens:  # of cached_tokens, restored from the engine's disk KV tier
+            usage["cached_disk_tokens"] = end.usage.cached_disk_tokens
         t = end.timings
         # acceptance_rate / tokens_per_step: how speculative decoding went (0.0 / 1.0 without it)
         timings = {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms, "e2e_ms": t.e2e_ms,

@@ -32,8 +32,10 @@ from gateway.api.access_tokens import TokenAuthMiddleware, TokenStore
 from gateway.api.attachments_api import attachment_routes
 from gateway.api.auth import UserCookieMiddleware, UserIds
 from gateway.api.chat_export import export_routes
+from gateway.api.cors import ApiCorsMiddleware
 from gateway.api.http import api_routes, config_body
 from gateway.api.revocation import Revocations
+from gateway.api.shares import share_routes
 from gateway.api.socket import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not_found
 from gateway.api.user_api import user_routes
 from gateway.config import GatewayConfig
@@ -223,6 +225,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         *user_routes(),
         *export_routes(),
         *attachment_routes(),
+        *share_routes(),
         *extra_routes,
         WebSocketRoute("/{path:path}", websocket_not_found),
         Mount("/static", app=RevalidatedStaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
@@ -234,6 +237,8 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     disconnects = ClientDisconnects()
     middleware = [Middleware(DisconnectMiddleware, stats=disconnects),
                   Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
+                  # a browser page of an allowed origin may call /v1 (preflight answered here)
+                  *([Middleware(ApiCorsMiddleware, origins=config.cors_origins)] if config.cors_origins else []),
                   Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
                   Middleware(UserCookieMiddleware, ids=ids)]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

@@ -205,7 +205,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 @pytest.mark.parametrize("change, param", [
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -219,11 +219,13 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     ({"stop": ""}, "stop"),
     ({"stop": ["a"] * 17}, "stop"),
     ({"stream": "yes"}, "stream"),
-    ({"logprobs": True}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
 ])
@@ -245,11 +247,11 @@ def test_harmless_openai_fields_are_ignored(api_gateway):
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_n_above_one_and_a_too_long_prompt_are_refused_through_the_sdk(api_gateway):
+def test_n_above_eight_and_a_too_long_prompt_are_refused_through_the_sdk(api_gateway):
     gw = api_gateway()
     oa = client(gw)
     with pytest.raises(openai.BadRequestError) as e:
-        oa.chat.completions.create(model="default", messages=QUESTION, n=2)
+        oa.chat.completions.create(model="default", messages=QUESTION, n=9)
     assert e.value.status_code == 400 and e.value.param == "n"
     long = [{"role": "user", "content": "lighthouse keeper " * 1500}]  # beyond the 2048-token context
     for stream in (False, True):
