@@ -101,7 +101,7 @@ def test_int8_embedding_returns_the_dequantized_rows():
 
 def test_engine_config_refuses_an_unknown_quantization_and_float16_activations():
     with pytest.raises(ConfigError, match="quantization"):
-        EngineConfig(quantization="int4", dtype="bfloat16")
+        EngineConfig(quantization="int3", dtype="bfloat16")
     with pytest.raises(ConfigError, match="float16"):  # x @ Q^T could pass float16's range
         EngineConfig(quantization="int8", dtype="float16")
     for dtype in ("bfloat16", "float32"):  # float32 activations run on the CPU kernels
