@@ -62,8 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_bytes / 2**30,
                    help="KV cache budget in GiB on the CPU (default: %(default)s)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
-                   help="share of GPU memory the engine may use, weights and KV cache together "
-                        "(default: %(default)s)")
+                   help="share of the GPU memory free after the weights are loaded that the KV "
+                        "cache takes (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the model's own)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

@@ -31,6 +31,10 @@ from typing import Any
 # bias, named logprobs and prompt logprobs; 8: engine roles (hello's role), generate's
 # kv_source and the kv_fetch exchange of prefill/decode disaggregation
 PROTOCOL_VERSION = 8
+# The engine link's shared secret: an engine whose environment sets SECRET_ENV refuses a
+# connection that does not send the same value in SECRET_HEADER (HTTP 403).
+SECRET_ENV = "ENGINE_SECRET"
+SECRET_HEADER = "X-Engine-Secret"
 
 
 class FrameError(ValueError):

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from engine.protocol import DoneFrame, ErrorFrame, GenerateFrame, ProgressFrame, Timings, Usage, encode
+from gateway.config import BIG_FRAME_CHARS
 from gateway.engines.routing import choose_cache_aware
 from gateway.errors import GatewayError
 
@@ -149,7 +150,5 @@ class PrefillThenDecode:
 
 def _big(frame: GenerateFrame) -> bool:
     """A frame worth encoding off the event loop (as ``EngineClient.generate`` does)."""
-    from gateway.engines.client import BIG_FRAME_CHARS
-
     size = sum(len(str(m.get("content", ""))) for m in frame.messages or []) + 8 * len(frame.prefix_token_ids or [])
     return size > BIG_FRAME_CHARS
