@@ -41,7 +41,8 @@ import torch
 from engine.config import DTYPES
 
 __all__ = ["DIGEST_BYTES", "MAGIC", "PAGE_VERSION", "DecodedPage", "PageError", "PageHeader", "PageKey",
-           "StalePageError", "decode_page", "encode_page", "gather_block", "scatter_block", "scope_digest"]
+           "StalePageError", "decode_page", "encode_page", "gather_block", "gather_blocks", "scatter_block",
+           "scatter_blocks", "scope_digest"]
 
 MAGIC = b"CSKV"
 PAGE_VERSION = 1
@@ -287,3 +288,44 @@ def scatter_block(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], bl
     for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
         k[block].copy_(kv[layer, 0])
         v[block].copy_(kv[layer, 1])
+
+
+def gather_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], blocks: list[int]) -> torch.Tensor:
+    """Several blocks' K and V at once (one ``index_select`` per layer and K/V).
+
+    Returns:
+        [len(blocks), num_layers, 2, block_size, num_kv_heads, head_dim], the caches'
+        dtype and device (a copy); entry ``i`` is ``gather_block(..., blocks[i])``.
+    """
+    idx = torch.tensor(blocks, dtype=torch.long, device=k_caches[0].device)
+    per_layer = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                 for k, v in zip(k_caches, v_caches)]  # each [n, 2, block_size, heads, head_dim]
+    return torch.stack(per_layer, dim=1)
+
+
+def scatter_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], blocks: list[int],
+                   pages: list[torch.Tensor]) -> None:
+    """Write page tensors into blocks (one ``index_copy_`` per layer and K/V; the inverse of
+    ``gather_blocks``).
+
+    Args:
+        pages: one [num_layers, 2, block_size, num_kv_heads, head_dim] tensor per block, of
+            the caches' dtype (any device).
+
+    Raises:
+        ValueError: a page's shape or dtype disagrees with the caches, or the counts differ.
+    """
+    if len(pages) != len(blocks):
+        raise ValueError(f"{len(pages)} pages for {len(blocks)} blocks")
+    if not pages:
+        return
+    k0 = k_caches[0]
+    want = (len(k_caches), 2, *k0.shape[1:])
+    for kv in pages:
+        if tuple(kv.shape) != want or kv.dtype != k0.dtype:
+            raise ValueError(f"page tensor is {tuple(kv.shape)} {kv.dtype}, the cache wants {want} {k0.dtype}")
+    stacked = torch.stack(pages).to(k0.device)  # [n, layers, 2, block_size, heads, head_dim]
+    idx = torch.tensor(blocks, dtype=torch.long, device=k0.device)
+    for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
+        k.index_copy_(0, idx, stacked[:, layer, 0])
+        v.index_copy_(0, idx, stacked[:, layer, 1])

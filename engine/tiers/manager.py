@@ -45,8 +45,8 @@ from engine.kv_page import (
     PageKey,
     decode_page,
     encode_page,
-    gather_block,
-    scatter_block,
+    gather_blocks,
+    scatter_blocks,
     scope_digest,
 )
 from engine.radix_cache import CacheScope
@@ -221,7 +221,7 @@ class KVTiers:
     def store_pages(self, pages: Sequence[PageRef], blocks: Sequence[int]) -> None:
         """Queue pages that just entered the tree for writing (write-through); the ones the
         tier already holds or has queued are skipped. Copies each page's K and V out of
-        the pool now (``gather_block``).
+        the pool now (``gather_blocks``).
 
         Args:
             pages: the pages, in any order.
@@ -231,6 +231,7 @@ class KVTiers:
             return
         assert self.store is not None
         size = self.key.payload_bytes
+        todo: list[tuple[PageRef, int]] = []
         for p, b in zip(pages, blocks):
             if p.chain_hash in self._queued or p.chain_hash in self.store:
                 continue
@@ -240,7 +241,12 @@ class KVTiers:
                     continue
                 self._queued_bytes += size
                 self._queued.add(p.chain_hash)
-            self._writes.put((p, gather_block(self._k, self._v, b).to("cpu")))
+            todo.append((p, b))
+        if not todo:
+            return
+        kv = gather_blocks(self._k, self._v, [b for _, b in todo]).to("cpu")  # one copy per layer
+        for i, (p, _) in enumerate(todo):
+            self._writes.put((p, kv[i]))
 
     def load(self, request: Any, pages: list[PageRef], blocks: list[int]) -> LoadJob:
         """Queue a restore of ``pages`` into ``blocks`` (reserved by the caller); ``poll``
@@ -252,8 +258,8 @@ class KVTiers:
 
     def scatter(self, job: LoadJob) -> None:
         """Copy a finished job's pages into its blocks (step loop, between steps)."""
-        for kv, block in zip(job.pages_kv, job.blocks):
-            scatter_block(self._k, self._v, block, kv)
+        k = len(job.pages_kv)
+        scatter_blocks(self._k, self._v, job.blocks[:k], job.pages_kv)
 
     def poll(self) -> list[LoadJob]:
         """The restores the reader finished since the last call (cancelled ones dropped),

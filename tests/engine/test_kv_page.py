@@ -16,7 +16,9 @@ from engine.kv_page import (
     decode_page,
     encode_page,
     gather_block,
+    gather_blocks,
     scatter_block,
+    scatter_blocks,
     scope_digest,
 )
 
@@ -125,3 +127,17 @@ def test_gather_and_scatter_move_one_block_between_caches() -> None:
     for a, b, c, d in zip(k, k2, v, v2):
         assert torch.equal(a[3], b[1]) and torch.equal(c[3], d[1])
         assert not b[0].any() and not b[2].any()
+
+
+def test_batched_gather_and_scatter_equal_the_one_block_ones() -> None:
+    shape = (6, KEY.block_size, KEY.num_kv_heads, KEY.head_dim)
+    k = [torch.randn(shape).to(torch.bfloat16) for _ in range(KEY.num_layers)]
+    v = [torch.randn(shape).to(torch.bfloat16) for _ in range(KEY.num_layers)]
+    many = gather_blocks(k, v, [4, 1, 5])
+    assert all(torch.equal(many[i], gather_block(k, v, b)) for i, b in enumerate([4, 1, 5]))
+    k2 = [torch.zeros_like(t) for t in k]
+    v2 = [torch.zeros_like(t) for t in v]
+    scatter_blocks(k2, v2, [0, 3, 2], list(many))
+    for i, b in enumerate([0, 3, 2]):
+        assert torch.equal(gather_block(k2, v2, b), many[i])
+    assert not gather_block(k2, v2, 1).any()
