@@ -205,7 +205,10 @@ async def sequence(server: Server, tokens: int, noise: int, reply_tokens: int, s
     server restarts between the noise and the return."""
     maker = TextMaker(random.Random(seed))
     out: dict[str, Turn] = {}
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:  # one cookie: one user
+    # one client: one cookie, so one user (one cache salt) on our gateway; a new connection
+    # per request (llama-server closes idle keep-alive connections after 5 s)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=600,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
         first = chat(maker, tokens)
         out["cold"] = await one_turn(client, first, reply_tokens)
         hist = first + [{"role": "assistant", "content": out["cold"].text},
@@ -298,9 +301,14 @@ def main(argv: list[str] | None = None) -> int:
                 if s.label != "ours, tier off":
                     results[s.label]["restart"] = asyncio.run(
                         sequence(s, a.tokens, a.noise, a.reply_tokens, 2, True))
+            except Exception as e:  # keep the other systems' figures
+                print(f"{s.label}: failed: {type(e).__name__}: {e}", flush=True)
+                if isinstance(s, LlamaServer) and s.children:
+                    print("\n".join(list(s.children[0].tail)[-10:]), flush=True)
             finally:
                 s.stop()
             print(f"{s.label}: done", flush=True)
+            print(table({s.label: results.get(s.label, {})}), flush=True)
     finally:
         shutil.rmtree(kv_dir, ignore_errors=True)
     print(table(results))

@@ -144,7 +144,9 @@ class LoadJob:
         pages: the pages to read, in order.
         blocks: the pool blocks reserved for them (the step loop's; one per page).
         pages_kv: filled by the reader: one page tensor per page read and checked, the
-            longest contiguous prefix of ``pages``.
+            longest contiguous prefix of ``pages`` (views of ``buffer``).
+        buffer: [len(pages), num_layers, 2, block_size, num_kv_heads, head_dim] of the KV
+            dtype, CPU: where the reader decodes the pages (allocated by the reader).
         done: set by the reader when it is finished with the job.
         cancelled: set by the step loop (abort): the result is dropped.
         started_s: time.monotonic() when it was queued.
@@ -154,6 +156,7 @@ class LoadJob:
     pages: list[PageRef]
     blocks: list[int]
     pages_kv: list[torch.Tensor] = field(default_factory=list)
+    buffer: torch.Tensor | None = None
     done: bool = False
     cancelled: bool = False
     started_s: float = field(default_factory=time.monotonic)
@@ -259,7 +262,9 @@ class KVTiers:
     def scatter(self, job: LoadJob) -> None:
         """Copy a finished job's pages into its blocks (step loop, between steps)."""
         k = len(job.pages_kv)
-        scatter_blocks(self._k, self._v, job.blocks[:k], job.pages_kv)
+        if k:
+            assert job.buffer is not None
+            scatter_blocks(self._k, self._v, job.blocks[:k], job.buffer[:k])
 
     def poll(self) -> list[LoadJob]:
         """The restores the reader finished since the last call (cancelled ones dropped),
@@ -368,10 +373,11 @@ class KVTiers:
             if job is None:
                 return
             try:
-                for p in job.pages:
+                job.buffer = torch.empty((len(job.pages), *self.key.shape), dtype=self.key.torch_dtype)
+                for i, p in enumerate(job.pages):
                     if job.cancelled or self.disabled:
                         break
-                    kv = self._read(p)
+                    kv = self._read(p, job.buffer[i])
                     if kv is None:
                         break
                     job.pages_kv.append(kv)
@@ -382,9 +388,9 @@ class KVTiers:
                 if self.wake is not None:
                     self.wake()
 
-    def _read(self, p: PageRef) -> torch.Tensor | None:
-        """One page's K and V, checked; None (and the file deleted when it is bad) when it
-        cannot be served."""
+    def _read(self, p: PageRef, out: torch.Tensor) -> torch.Tensor | None:
+        """One page's K and V, checked, read into ``out``; None (and the file deleted when
+        it is bad) when it cannot be served."""
         assert self.store is not None
         try:
             data = self.store.get(p.chain_hash)
@@ -395,8 +401,8 @@ class KVTiers:
             return None
         try:
             page = decode_page(data, self.key, scope=p.scope, chain_hash=p.chain_hash,
-                               parent_hash=p.parent_hash, token_ids=p.token_ids)
-        except PageError as e:
+                               parent_hash=p.parent_hash, token_ids=p.token_ids, out=out)
+        except (PageError, ValueError) as e:
             self.counters.corrupt += 1
             self.store.discard(p.chain_hash)
             log.warning("KV tier page %016x refused (%s); recomputing it", p.chain_hash, e)
