@@ -111,12 +111,17 @@ class EngineConfig:
         cache_dir: where converted default-model weights are kept.
         threads: torch intra-op threads on CPU (None leaves torch's default).
         seed: seed of the engine's generator for unseeded sampled requests.
-        quantization: "auto", None (or "none": weights in ``dtype``) or "int8": weight-only
-            int8 with one scale per output row (``engine.models.quant``).
+        quantization: "auto", None (or "none": weights in ``dtype``), "int8": weight-only
+            int8 with one scale per output row, or "int4" / "int4-sym": 4-bit weights in
+            groups of 32 with a scale and an offset (a scale only) per group, on the CPU kernels
+            (``engine.models.quant``).
         kv_cache_dtype: "auto" or a dtype name: the KV cache's element type.
         cpu_kernels: use the engine's CPU kernels (``engine/cpu``) where the format allows
             (float32 activations over quantized weights); False keeps torch's ops (the
             reference the kernels are tested against).
+        cpu_isa: the instruction set the CPU kernels are built for: "auto" (the best the
+            CPU lists) or one of ``engine.cpu.build.ISAS`` ("avx2" runs the AVX2-only
+            machines' paths on an AVX-512 one).
         speculative: "auto" (n-gram speculation on the CPU, off elsewhere), "ngram" or
             "off" (``engine.spec``; it never changes the output, only the speed).
         num_draft_tokens: most draft tokens verified per request per step.
@@ -153,6 +158,7 @@ class EngineConfig:
     quantization: str | None = "auto"
     kv_cache_dtype: str = "auto"
     cpu_kernels: bool = True
+    cpu_isa: str = "auto"
     speculative: str = "auto"
     num_draft_tokens: int = 8
     spec_ngram_min: int = 2
@@ -177,11 +183,15 @@ class EngineConfig:
             raise ConfigError("schedule_policy must be 'fcfs' or 'lpm'")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ConfigError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu'")
-        if self.quantization not in (None, "none", "auto", "int8"):
-            raise ConfigError(f"quantization must be 'auto', 'int8' or 'none', got {self.quantization!r}")
-        if self.quantization == "int8" and self.dtype == "float16":
+        if self.quantization not in (None, "none", "auto", "int8", "int4", "int4-sym"):
+            raise ConfigError(f"quantization must be 'auto', 'int8', 'int4', 'int4-sym' or 'none', "
+                              f"got {self.quantization!r}")
+        if self.cpu_isa not in ("auto", "portable", "avx2", "avxvnni", "avx512"):
+            raise ConfigError(f"cpu_isa must be 'auto', 'portable', 'avx2', 'avxvnni' or 'avx512', "
+                              f"got {self.cpu_isa!r}")
+        if self.quantization in ("int8", "int4", "int4-sym") and self.dtype == "float16":
             # x @ Q^T over integer-valued weights can pass float16's 65504 before the scale.
-            raise ConfigError("int8 weights compute in bfloat16 or float32, not float16")
+            raise ConfigError(f"{self.quantization} weights compute in bfloat16 or float32, not float16")
         if self.speculative not in ("auto", "ngram", "off"):
             raise ConfigError(f"speculative must be 'auto', 'ngram' or 'off', got {self.speculative!r}")
         if self.num_draft_tokens < 1 or self.spec_max_batch < 1 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:

@@ -29,6 +29,10 @@ from typing import Any
 # 7: raw prompts, tools and tool calls, continue_final_message, output constraints, logit
 # bias, named logprobs and prompt logprobs
 PROTOCOL_VERSION = 7
+# The engine link's shared secret: an engine whose environment sets SECRET_ENV refuses a
+# connection that does not send the same value in SECRET_HEADER (HTTP 403).
+SECRET_ENV = "ENGINE_SECRET"
+SECRET_HEADER = "X-Engine-Secret"
 
 
 class FrameError(ValueError):

@@ -5,7 +5,7 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
 1. Running requests first, oldest first: a decode costs one token; an
    unfinished prefill takes the next chunk that fits. Running work is served
    before any new prompt, so a stream of arriving prompts can delay a decode by
-   at most one step of bounded size, never starve it (no decode starvation (docs/acceptance.md)).
+   at most one step of bounded size, never starve it (no decode starvation (docs/acceptance.md#no-decode-starvation)).
 2. Then waiting requests (FCFS, or longest prefix match first with "lpm"):
    match the prompt in the radix tree, lock the match, allocate blocks for the
    first chunk, and admit. A waiting request whose next uncached page is being
@@ -267,7 +267,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """free + evictable + held by running and restoring requests == total (block
-        accounting (docs/acceptance.md)); blocks that pages are being restored into count
+        accounting (docs/acceptance.md#block-accounting)); blocks that pages are being restored into count
         as held.
 
         Raises:

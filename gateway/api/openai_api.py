@@ -42,6 +42,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.api import api_to_engine as a2e
+from gateway.api.anthropic_api import (
+    CountWriter,
+    MessagesWriter,
+    anthropic_error_response,
+    new_message_id,
+    parse_messages_request,
+)
 from gateway.api.auth import UserIds, cookie_value, request_user
 from gateway.api.completions import CompletionWriter, parse_completion_request
 from gateway.api.openai_chat import ChatWriter
@@ -65,11 +72,12 @@ from gateway.api.openai_request import (
     openai_error_from,
     parse_chat_request,
 )
+from gateway.api.responses_api import ResponsesWriter, new_response_id, parse_responses_request
 from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
 from gateway.api.sse import SSE_HEADERS, SSEResponse, json_bytes
 from gateway.api.validation import BadJson, loads_json
-from gateway.config import GatewayConfig
+from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
@@ -80,7 +88,6 @@ MODEL_ALIASES = ("", "default")  # besides the served name; an omitted model is 
 SESSION_HEADER = "x-chat-session"
 IDEMPOTENCY_HEADER = "idempotency-key"
 _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop
 __all__ = ["SSE_HEADERS", "SSEResponse", "json_bytes", "openai_routes"]  # re-exported for older imports
 
 
@@ -159,7 +166,8 @@ class OpenAIApi:
     # ---- who is asking ------------------------------------------------------------------
 
     def authorize(self, request: Request) -> None:
-        """Check ``Authorization: Bearer`` against the configured key (if any).
+        """Check ``Authorization: Bearer`` (or Anthropic's ``x-api-key``) against the
+        configured key (if any).
 
         Raises:
             OpenAIError: 401 ``invalid_api_key``.
@@ -167,6 +175,8 @@ class OpenAIApi:
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not request.headers.get("authorization") and request.headers.get("x-api-key"):
+            scheme, token = "bearer", request.headers["x-api-key"]  # how Anthropic's clients send the key
         if scheme.lower() != "bearer" or not token.strip():
             raise OpenAIError(401, "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
                               "invalid_request_error", None, "invalid_api_key")
@@ -268,6 +278,38 @@ class OpenAIApi:
             return choices, CompletionWriter(creq, f"cmpl-{choices.request_id}", choices.model_name), creq.stream, {}
         return await self.serve(request, start)
 
+    # ---- Anthropic Messages, Responses ----------------------------------------------------
+
+    async def messages(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/messages`` (``gateway/api/anthropic_api.py``)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            mreq = parse_messages_request(await self._read_json(request))
+            choices = await self.start_engine_choices(request, mreq.messages, mreq.params, 1,
+                                                      resolve_model(request.app.state.router, mreq.model),
+                                                      extra=mreq.extra)
+            return choices, MessagesWriter(new_message_id(), choices.model_name), mreq.stream, {}
+        return await self.serve(request, start, anthropic_error_response)
+
+    async def count_tokens(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/messages/count_tokens``: the prompt's tokens, from a one-token run."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            mreq = parse_messages_request(await self._read_json(request), count_only=True)
+            choices = await self.start_engine_choices(request, mreq.messages, {**mreq.params, "max_tokens": 1}, 1,
+                                                      resolve_model(request.app.state.router, mreq.model),
+                                                      extra=mreq.extra)
+            return choices, CountWriter("", choices.model_name), False, {}
+        return await self.serve(request, start, anthropic_error_response)
+
+    async def responses(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/responses`` (``gateway/api/responses_api.py``)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            rreq = parse_responses_request(await self._read_json(request))
+            choices = await self.start_engine_choices(request, rreq.messages, rreq.params, 1,
+                                                      resolve_model(request.app.state.router, rreq.model),
+                                                      extra=rreq.extra)
+            return choices, ResponsesWriter(rreq, new_response_id(), choices.model_name), rreq.stream, {}
+        return await self.serve(request, start)
+
     async def serve(self, request: Request,
                     start: Callable[[], Awaitable[tuple[ChoiceSet, Writer, bool, dict[str, str]]]],
                     errors: Callable[[OpenAIError], Response] | None = None) -> Response | SSEResponse:
@@ -334,7 +376,7 @@ class OpenAIApi:
             if len(body) > limit:
                 raise openai_error_from("frame_too_large", f"request body over {limit} bytes")
         try:
-            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_BODY_BYTES \
+            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_FRAME_CHARS \
                 else loads_json(bytes(body))
         except BadJson as e:
             raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
@@ -538,12 +580,16 @@ def _completion_id(source: ReplySource) -> str:
 
 
 def openai_routes(api_key: str | None = None) -> list[Route]:
-    """The ``/v1`` routes (``chat/completions``, ``completions``, ``models``, and an
-    OpenAI error for any other ``/v1`` path); with ``api_key`` every request must send
+    """The ``/v1`` routes (``chat/completions``, ``completions``, Anthropic's
+    ``messages`` and ``messages/count_tokens``, ``responses``, ``models``, and an OpenAI
+    error for any other ``/v1`` path); with ``api_key`` every request must send
     ``Authorization: Bearer <api_key>``."""
     api = OpenAIApi(api_key)
     routes = [Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
+              Route("/v1/messages", api.messages, methods=["POST"]),
+              Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
+              Route("/v1/responses", api.responses, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"])]
     known = {r.path for r in routes}
 
