@@ -12,9 +12,9 @@ descriptions):
 - ``trim(req, num_tokens)``: give back blocks past ``num_tokens`` (rejected drafts);
 - ``release(req, cache_pages)``: drop everything it holds (finish, abort, preemption).
 
-Block accounting (docs/acceptance.md): every block is free, in the tree, or held by a
-running or restoring request; ``check_invariants`` recounts it, restores in flight
-included. Not thread-safe: the step loop is its only user (the tiers' threads never
+Block accounting (docs/acceptance.md#block-accounting): every block is free, in the tree,
+or held by a running or restoring request; ``check_invariants`` recounts it, restores in
+flight included. Not thread-safe: the step loop is its only user (the tiers' threads never
 touch the pool, ``engine.tiers.manager``).
 """
 
@@ -222,7 +222,7 @@ class KVManager:
 
     def check_invariants(self, holders: Iterable[Request]) -> None:
         """free + evictable + held by ``holders`` (every running and restoring request)
-        == total (block accounting (docs/acceptance.md)).
+        == total (block accounting (docs/acceptance.md#block-accounting)).
 
         Raises:
             InvariantError: with the four numbers, when the identity fails (or from the
