@@ -77,7 +77,7 @@ from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
 from gateway.api.sse import SSE_HEADERS, SSEResponse, json_bytes
 from gateway.api.validation import BadJson, loads_json
-from gateway.config import GatewayConfig
+from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
@@ -88,7 +88,6 @@ MODEL_ALIASES = ("", "default")  # besides the served name; an omitted model is 
 SESSION_HEADER = "x-chat-session"
 IDEMPOTENCY_HEADER = "idempotency-key"
 _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop
 __all__ = ["SSE_HEADERS", "SSEResponse", "json_bytes", "openai_routes"]  # re-exported for older imports
 
 
@@ -377,7 +376,7 @@ class OpenAIApi:
             if len(body) > limit:
                 raise openai_error_from("frame_too_large", f"request body over {limit} bytes")
         try:
-            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_BODY_BYTES \
+            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_FRAME_CHARS \
                 else loads_json(bytes(body))
         except BadJson as e:
             raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
