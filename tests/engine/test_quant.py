@@ -163,7 +163,8 @@ def test_quantized_model_replaces_every_projection_and_stays_close(which, tiny_m
 
 
 def test_quantization_gets_its_own_prefix_cache_namespace(tiny_model_dir):
-    """Cache namespaces (docs/acceptance.md): a quantized twin of the same files never shares KV with them."""
+    """Cache namespaces (docs/acceptance.md#cache-namespaces): a quantized twin of the same files never shares KV
+    with them."""
     base = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
     q8 = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16", quantization="int8"))
     assert base.weights_id != q8.weights_id
