@@ -34,8 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="activations (and unquantized weights); auto: the fastest sound format for the device "
                         "(docs/benchmarks.md); float32 alone is the exact mode, token for token as transformers "
                         "(default: %(default)s)")
-    p.add_argument("--quantization", default=d.quantization, choices=["auto", "int8", "none"],
-                   help="weight-only int8 with one scale per output row, or none (default: %(default)s)")
+    p.add_argument("--quantization", default=d.quantization,
+                   choices=["auto", "int8", "int4", "int4-sym", "none"],
+                   help="weight-only int8 with one scale per output row; int4: 4-bit in groups of 32 with a "
+                        "scale and an offset each (int4-sym: a scale only), on the CPU kernels; or none "
+                        "(default: %(default)s: docs/cpu_kernels.md)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache element type (default: %(default)s: bfloat16 on the CPU kernels, else the dtype)")
     p.add_argument("--speculative", default=d.speculative, choices=["auto", "ngram", "off"],
@@ -47,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="n-gram sizes looked up, longest first (default: %(default)s)")
     p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch,
                    help="speculate only while at most this many requests decode at once (default: %(default)s)")
+    p.add_argument("--cpu-isa", default=os.environ.get("CHATSERVE_CPU_ISA", d.cpu_isa),
+                   choices=["auto", "portable", "avx2", "avxvnni", "avx512"],
+                   help="instruction set the CPU kernels are built for (default: $CHATSERVE_CPU_ISA or %(default)s: "
+                        "the best the CPU has)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="run torch's ops instead of the engine's CPU kernels (slower; for comparisons)")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto (default: %(default)s)")
@@ -55,8 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_bytes / 2**30,
                    help="KV cache budget in GiB on the CPU (default: %(default)s)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
-                   help="share of GPU memory the engine may use, weights and KV cache together "
-                        "(default: %(default)s)")
+                   help="share of the GPU memory free after the weights are loaded that the KV "
+                        "cache takes (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the model's own)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -79,6 +86,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA (for debugging)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--role", default=os.environ.get("ENGINE_ROLE") or d.role, choices=["both", "prefill", "decode"],
+                   help="both, or prefill / decode for prefill-decode disaggregation (default: %(default)s)")
+    p.add_argument("--kv-pull-failure", default=d.kv_pull_failure, choices=["local", "fail"],
+                   help="when pulling a prompt's pages fails: compute them here (local) or end the request "
+                        "(fail) (default: %(default)s)")
     p.add_argument("--engine-seed", type=int, default=0,
                    help="seed of the shared generator for unseeded sampled requests (default: %(default)s)")
 
@@ -103,8 +115,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs, threads=a.threads, seed=a.engine_seed,
         quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=not a.no_cpu_kernels,
-        speculative=a.speculative, num_draft_tokens=a.num_draft_tokens, spec_ngram_min=ngram[0],
-        spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch,
+        cpu_isa=a.cpu_isa, speculative=a.speculative, num_draft_tokens=a.num_draft_tokens,
+        spec_ngram_min=ngram[0], spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch,
+        role=a.role, kv_pull_failure=a.kv_pull_failure,
         kv_disk_dir=_kv_disk_dir(a),
         kv_disk_bytes=int(a.kv_disk_gib * 2**30) if a.kv_disk_gib is not None else None,
     )

@@ -11,6 +11,9 @@ from engine.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
+# engine roles of prefill/decode disaggregation (docs/scaling.md)
+ROLES = ("both", "prefill", "decode")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -111,17 +114,30 @@ class EngineConfig:
         cache_dir: where converted default-model weights are kept.
         threads: torch intra-op threads on CPU (None leaves torch's default).
         seed: seed of the engine's generator for unseeded sampled requests.
-        quantization: "auto", None (or "none": weights in ``dtype``) or "int8": weight-only
-            int8 with one scale per output row (``engine.models.quant``).
+        quantization: "auto", None (or "none": weights in ``dtype``), "int8": weight-only
+            int8 with one scale per output row, or "int4" / "int4-sym": 4-bit weights in
+            groups of 32 with a scale and an offset (a scale only) per group, on the CPU kernels
+            (``engine.models.quant``).
         kv_cache_dtype: "auto" or a dtype name: the KV cache's element type.
         cpu_kernels: use the engine's CPU kernels (``engine/cpu``) where the format allows
             (float32 activations over quantized weights); False keeps torch's ops (the
             reference the kernels are tested against).
+        cpu_isa: the instruction set the CPU kernels are built for: "auto" (the best the
+            CPU lists) or one of ``engine.cpu.build.ISAS`` ("avx2" runs the AVX2-only
+            machines' paths on an AVX-512 one).
         speculative: "auto" (n-gram speculation on the CPU, off elsewhere), "ngram" or
             "off" (``engine.spec``; it never changes the output, only the speed).
         num_draft_tokens: most draft tokens verified per request per step.
         spec_ngram_min, spec_ngram_max: n-gram sizes matched against the request's tokens.
         spec_max_batch: speculate only while at most this many requests decode in a step.
+        role: "both" (prefill and decode, the default), "prefill" (every request stops
+            after its first token: the engine computes prompts' KV for a decode engine to
+            pull) or "decode" (serves replies; pulls a prompt's pages from the engine a
+            request names, ``engine.disagg``). Prefill/decode disaggregation, docs/scaling.md.
+        kv_pull_failure: what a request does when pulling its prompt's pages fails
+            (a corrupt page, a cut link, pages gone at the source): "local" computes the
+            missing pages itself, "fail" ends the request with error ``kv_transfer_failed``.
+        kv_pull_timeout_s: the longest one pull of pages may take (seconds).
         kv_disk_dir: the disk KV tier's store directory (``engine.tiers``): pages of the
             prefix cache are written there and restored from it, across evictions and
             restarts; None turns the tier off (``python -m engine serve`` defaults it on,
@@ -153,11 +169,15 @@ class EngineConfig:
     quantization: str | None = "auto"
     kv_cache_dtype: str = "auto"
     cpu_kernels: bool = True
+    cpu_isa: str = "auto"
     speculative: str = "auto"
     num_draft_tokens: int = 8
     spec_ngram_min: int = 2
     spec_ngram_max: int = 3
     spec_max_batch: int = 4
+    role: str = "both"
+    kv_pull_failure: str = "local"
+    kv_pull_timeout_s: float = 30.0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
 
@@ -177,16 +197,26 @@ class EngineConfig:
             raise ConfigError("schedule_policy must be 'fcfs' or 'lpm'")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ConfigError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu'")
-        if self.quantization not in (None, "none", "auto", "int8"):
-            raise ConfigError(f"quantization must be 'auto', 'int8' or 'none', got {self.quantization!r}")
-        if self.quantization == "int8" and self.dtype == "float16":
+        if self.quantization not in (None, "none", "auto", "int8", "int4", "int4-sym"):
+            raise ConfigError(f"quantization must be 'auto', 'int8', 'int4', 'int4-sym' or 'none', "
+                              f"got {self.quantization!r}")
+        if self.cpu_isa not in ("auto", "portable", "avx2", "avxvnni", "avx512"):
+            raise ConfigError(f"cpu_isa must be 'auto', 'portable', 'avx2', 'avxvnni' or 'avx512', "
+                              f"got {self.cpu_isa!r}")
+        if self.quantization in ("int8", "int4", "int4-sym") and self.dtype == "float16":
             # x @ Q^T over integer-valued weights can pass float16's 65504 before the scale.
-            raise ConfigError("int8 weights compute in bfloat16 or float32, not float16")
+            raise ConfigError(f"{self.quantization} weights compute in bfloat16 or float32, not float16")
         if self.speculative not in ("auto", "ngram", "off"):
             raise ConfigError(f"speculative must be 'auto', 'ngram' or 'off', got {self.speculative!r}")
         if self.num_draft_tokens < 1 or self.spec_max_batch < 1 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ConfigError("num_draft_tokens and spec_max_batch must be >= 1, and "
                               "1 <= spec_ngram_min <= spec_ngram_max")
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.kv_pull_failure not in ("local", "fail"):
+            raise ConfigError(f"kv_pull_failure must be 'local' or 'fail', got {self.kv_pull_failure!r}")
+        if not self.kv_pull_timeout_s > 0:
+            raise ConfigError("kv_pull_timeout_s must be > 0")
         if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
             raise ConfigError("kv_disk_bytes must be >= 1")
         if not (0 < self.gpu_memory_fraction <= 1):

@@ -56,6 +56,8 @@ class GenerateRequest:
             or None.
         continue_final_message: the last message is the assistant's, and the reply
             continues it (no end of turn, no new generation prompt) instead of answering.
+        kv_source: the URL of an engine holding this prompt's KV (a prefill engine that ran
+            it): the pages this engine lacks are pulled from there first (``engine.disagg``).
     """
 
     request_id: str
@@ -70,6 +72,7 @@ class GenerateRequest:
     prompt: str | None = None
     tools: ToolRequest | None = None
     continue_final_message: bool = False
+    kv_source: str | None = None
 
 
 @dataclass
@@ -97,7 +100,8 @@ class RequestOutput:
 
     A delta carries the new ``text`` and ``token_ids`` since the previous item
     (``finished`` False). The final item has ``finished`` True, may itself carry
-    text and tokens decoded in the finishing step (docs/acceptance.md), and holds
+    text and tokens decoded in the finishing step (docs/acceptance.md#the-finishing-steps-tokens-are-delivered), and
+    holds
     ``finish_reason`` ("stop", "length" or "abort"), ``usage``, ``timings``, the
     full ``output_text`` and ``output_token_ids`` and the ``prompt_token_ids``
     that were run.

@@ -149,6 +149,21 @@ def from_chatserve(chat: Any) -> ImportedChat:
 
 # ---- ChatGPT ----------------------------------------------------------------------------
 
+def _part_text(part: Any) -> str:
+    """A part of a ChatGPT message as text: a string as is, a voice message its
+    transcript, an uploaded image or file a placeholder (their bytes are not in
+    ``conversations.json``)."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict):
+        if part.get("content_type") == "audio_transcription":
+            return str(part.get("text") or "")
+        if "image" in str(part.get("content_type", "")):
+            return "[image]"
+        return "[attachment]"
+    return ""
+
+
 def _chatgpt_text(msg: dict[str, Any]) -> str | None:
     """The text a ChatGPT message shows, or None for one the UI hides."""
     author = (msg.get("author") or {}).get("role")
@@ -162,8 +177,8 @@ def _chatgpt_text(msg: dict[str, Any]) -> str | None:
     content = msg.get("content") or {}
     ctype = content.get("content_type", "text")
     if ctype in ("text", "multimodal_text"):
-        parts = [p for p in content.get("parts") or [] if isinstance(p, str)]
-        text = "\n".join(parts)
+        parts = [_part_text(p) for p in content.get("parts") or []]
+        text = "\n".join(p for p in parts if p)
     elif ctype == "code" and author == "assistant":
         text = str(content.get("text") or "")
     else:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine.errors import ConfigError as ConfigError  # re-exported: one error for every bad setting
 from engine.sampling_params import param_error
-from gateway.engines.routing import RoutingPolicy
 
 MIB = 1 << 20
 
@@ -28,8 +28,69 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-class ConfigError(ValueError):
-    """An option has an invalid value (raised on construction)."""
+# JSON longer than this (characters of a frame, bytes of a request body) is encoded or decoded
+# in a worker thread, so one huge frame does not hold up every other socket on the event loop.
+BIG_FRAME_CHARS = 256 * 1024
+
+
+POLICIES = ("cache_aware", "sticky", "hash", "round_robin", "random")
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """Which rule routes, and its weights (``gateway/engines/routing.py`` applies it).
+
+    Attributes:
+        policy: one of ``POLICIES``: ``cache_aware`` (the default), ``sticky`` (home
+            unless overloaded), ``hash`` (rendezvous hashing of the chat id alone),
+            ``round_robin`` or ``random`` (baselines for the routing benchmark).
+        load_tokens: in ``cache_aware``, what one request of load (running or waiting)
+            weighs against prompt tokens still to compute (tokens). 0 ignores load (the
+            longest match wins, a new chat goes to its rendezvous home); with 16 a
+            chat's turn leaves an engine holding 160 more of its tokens only when that
+            engine carries 10 more requests (the shed test usually acts first). Chosen
+            with bench/routing_sim.py (64 engines, 10,000 users, loads 0.6-1.2: 16 and 64
+            within a point of each other, both ahead of hashing) and bench/routing.py
+            (two 1-thread CPU engines: 64 moved a busy user's later turns off their
+            history, hit ratio 0.42 against 0.65 at 16; docs/benchmarks.md).
+        max_index_pages: the most KV page hashes the gateway's prefix index keeps.
+        tokenizer: a folder with the engines' tokenizer and chat template, read by the
+            gateway to compute prompt ids for ``cache_aware`` (``gateway/engines/prompt_ids.py``);
+            None uses the folder the engines name in their hello when it is readable
+            here, else prompts are matched only by the chat's stored ids.
+        abs_threshold: requests (running + waiting) the chosen engine must carry beyond
+            the least-loaded engine before a request sheds. SGLang's router defaults are
+            sized for GPUs that batch hundreds of requests; 8 and 2.0 were chosen with
+            bench/routing_sim.py on CPU engines (4 and 1.5 shed so eagerly at 90% load
+            that moved chats re-read their histories and TTFT p99 doubled).
+        rel_threshold: and the home's load must exceed ``rel_threshold`` times the
+            least-loaded engine's.
+        max_stats_age_s: a stats snapshot older than this (seconds) is not trusted.
+        stats_interval_s: how often the gateway asks each engine for its stats while
+            it has more than one (seconds; 0 turns the refresh off).
+        local_prefill_tokens: with prefill and decode engines (docs/scaling.md), a turn
+            whose decode engine holds all but at most this many of its prompt tokens is
+            prefilled there instead of on a prefill engine (tokens; a short next message
+            of a chat costs less to compute than to move).
+    """
+
+    abs_threshold: int = 8
+    rel_threshold: float = 2.0
+    max_stats_age_s: float = 10.0
+    stats_interval_s: float = 1.0
+    policy: str = "cache_aware"
+    load_tokens: float = 16.0
+    max_index_pages: int = 2_000_000
+    tokenizer: str | None = None
+    local_prefill_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.load_tokens < 0:
+            raise ValueError(f"routing load_tokens must be >= 0, got {self.load_tokens}")
+        if self.max_index_pages < 1:
+            raise ValueError(f"max_index_pages must be >= 1, got {self.max_index_pages}")
 
 
 # limits that may be None (no cap, or a derived default)
@@ -205,7 +266,8 @@ class GatewayConfig:
         defaults: per-chat defaults.
         limits: documented limits.
         routing: which engine serves a request (``gateway/engines/routing.py``; env
-            ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``).
+            ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``,
+            ``ROUTING_LOCAL_PREFILL_TOKENS``).
         shared_prompts: message texts declared shared across users' cache namespaces
             besides ``defaults.system_prompt`` (``gateway/engines/cache_scope.py``; env
             ``SHARED_PROMPTS_FILE``: a JSON array of strings).
@@ -340,7 +402,8 @@ ENV_VARS: dict[str, str] = {
     "shared_prompts": "SHARED_PROMPTS_FILE",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
-ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER"}
+ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER",
+               "local_prefill_tokens": "ROUTING_LOCAL_PREFILL_TOKENS"}
 
 
 def read_shared_prompts(path: Path) -> tuple[str, ...]:
@@ -405,7 +468,8 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
         for name, var in ROUTING_ENV.items():
             raw = env.get(var)
             if raw:
-                routing[name] = float(raw) if name == "load_tokens" else raw.strip()
+                routing[name] = (float(raw) if name == "load_tokens" else int(raw) if name == "local_prefill_tokens"
+                                 else raw.strip())
                 replace(cfg.routing, **{name: routing[name]})  # checks it (ValueError) while var names it
         if routing:
             changes["routing"] = routing

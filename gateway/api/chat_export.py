@@ -231,7 +231,7 @@ async def search(request: Request) -> Response:
     async with redis_errors():
         pipe = state.redis.pipeline(transaction=False)
         for info in chats:
-            pipe.lrange(state.store.keys.session(info.id) + ":messages", 0, -1)
+            pipe.lrange(state.store.keys.session_messages(info.id), 0, -1)
         lists = await pipe.execute() if chats else []
     rows = list(zip(chats, lists))
     # decoding every message is CPU work: off the event loop

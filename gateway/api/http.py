@@ -6,11 +6,13 @@ user's chat answers 404 like a missing one. Errors are ``{"error": {"code", "mes
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from markupsafe import Markup
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -219,7 +221,7 @@ def _is_operator(request: Request) -> bool:
 @api
 async def engine_stats(request: Request) -> Response:
     """GET /api/engine/stats: each engine's name, health and counters (KV blocks,
-    requests), for operators and tests (stop frees the engine (docs/acceptance.md)
+    requests), for operators and tests (stop frees the engine (docs/acceptance.md#stop-frees-the-engine)
     checks that a cancel frees blocks); its ``url`` only with the API key."""
     out = []
     operator = _is_operator(request)
@@ -248,3 +250,10 @@ def api_routes() -> list[Route]:
         Route("/api/sessions/{sid:str}/versions", switch_version, methods=["POST"]),
         Route("/api/engine/stats", engine_stats, methods=["GET"]),
     ]
+
+
+def script_safe_json(obj: Any) -> Markup:
+    """JSON that can sit inside a ``<script>`` element as is: ``<``, ``>`` and ``&``
+    are escaped as ``\\u003c`` etc. (valid JSON, and no ``</script>`` can appear)."""
+    text = json.dumps(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return Markup(text)

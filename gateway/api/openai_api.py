@@ -55,6 +55,7 @@ from gateway.api.openai_chat import ChatWriter
 from gateway.api.openai_choices import ChoiceSet
 from gateway.api.openai_replies import (
     ClientGone,
+    Delta,
     DisconnectWatcher,
     EngineReply,
     Failed,
@@ -77,7 +78,7 @@ from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
 from gateway.api.sse import SSE_HEADERS, SSEResponse, json_bytes
 from gateway.api.validation import BadJson, loads_json
-from gateway.config import GatewayConfig
+from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
@@ -88,7 +89,6 @@ MODEL_ALIASES = ("", "default")  # besides the served name; an omitted model is 
 SESSION_HEADER = "x-chat-session"
 IDEMPOTENCY_HEADER = "idempotency-key"
 _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop
 __all__ = ["SSE_HEADERS", "SSEResponse", "json_bytes", "openai_routes"]  # re-exported for older imports
 
 
@@ -361,7 +361,7 @@ class OpenAIApi:
                 return Response(status_code=499)  # nobody reads it
             raise
         headers = {"x-request-id": _completion_id(choices.first), **headers}
-        refused = next((ev for _, ev in first if isinstance(ev, Failed)), None)
+        refused = _refused(first)
         if refused is not None:  # refused before any output: a real error status
             await self._abandon(choices, watcher)
             src = choices.first
@@ -394,7 +394,7 @@ class OpenAIApi:
             if len(body) > limit:
                 raise openai_error_from("frame_too_large", f"request body over {limit} bytes")
         try:
-            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_BODY_BYTES \
+            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_FRAME_CHARS \
                 else loads_json(bytes(body))
         except BadJson as e:
             raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
@@ -595,6 +595,20 @@ def revoked_error(reason: str) -> OpenAIError:
 
 def _completion_id(source: ReplySource) -> str:
     return f"chatcmpl-{source.request_id}"
+
+
+def _refused(events: list[tuple[int, ReplyEvent]]) -> Failed | None:
+    """The failure of a choice that failed before any output of its own, if one did: the
+    request was refused and gets a real HTTP error status. A choice that sent text first
+    (an upstream's error after some text) is a started reply, streamed with its error
+    event at the end."""
+    spoke: set[int] = set()
+    for i, ev in events:
+        if isinstance(ev, Failed) and i not in spoke:
+            return ev
+        if isinstance(ev, Delta):
+            spoke.add(i)
+    return None
 
 
 def openai_routes(api_key: str | None = None) -> list[Route]:

@@ -15,7 +15,8 @@ from one of two sources:
 
 ``DisconnectWatcher`` listens for ``http.disconnect`` while the reply runs; every wait
 on the source is raced against it, so a client that leaves during the prefill, the
-queue or the decode is noticed at once and its reply aborted (stop frees the engine (docs/acceptance.md)).
+queue or the decode is noticed at once and its reply aborted (stop frees the engine
+(docs/acceptance.md#stop-frees-the-engine)).
 """
 
 from __future__ import annotations

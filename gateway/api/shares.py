@@ -31,7 +31,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
-from gateway.api.http import _json_body, _sid, _uid, api
+from gateway.api.http import _json_body, _sid, _uid, api, script_safe_json
 from gateway.errors import GatewayError, not_found
 from gateway.store.sessions import redis_errors
 
@@ -151,8 +151,6 @@ _templates: dict[str, Jinja2Templates] = {}
 
 async def share_page(request: Request) -> Response:
     """GET /s/{id}: the shared snapshot, read-only (404 page when gone)."""
-    from gateway.server.app import script_safe_json  # the app imports this module
-
     state = request.app.state
     share_id = request.path_params["share_id"]
     raw = None

@@ -14,7 +14,7 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 def json_bytes(obj: Any) -> bytes:
     """Compact UTF-8 JSON; a lone surrogate (never expected) becomes "?" instead of
-    failing the whole response (valid UTF-8 always (docs/acceptance.md))."""
+    failing the whole response (docs/acceptance.md#valid-utf-8-always)."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 

@@ -29,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from engine.block_hash import namespace_of, prompt_block_hashes
 from engine.protocol import (
+    SECRET_HEADER,
     AbortFrame,
     DeltaFrame,
     DoneFrame,
@@ -47,6 +48,8 @@ from engine.protocol import (
     decode_engine_frame,
     encode,
 )
+from gateway.config import BIG_FRAME_CHARS
+from gateway.engines.disagg import PrefillThenDecode
 from gateway.engines.prefix_index import PrefixIndex
 from gateway.engines.prompt_ids import RoutingTokenizer
 from gateway.engines.routing import (
@@ -59,9 +62,8 @@ from gateway.engines.routing import (
     snapshot_load,
 )
 from gateway.errors import GatewayError
-from gateway.retry import Backoff
+from gateway.retry import Backoff, Outage, keep_connected
 
-SECRET_HEADER = "X-Engine-Secret"  # the engine link's shared secret (engine/server.py checks it)
 log = logging.getLogger("gateway.engines.client")
 
 __all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "RoutePrompt", "engine_unavailable"]
@@ -69,22 +71,6 @@ __all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "Route
 KvListener = Callable[[str, KvEventsFrame | None], None]  # (engine url, frame, or None: its link was lost)
 
 UNREACHABLE_WARN_S = 5.0  # an engine down this long (seconds) is logged as a warning
-BIG_FRAME_CHARS = 256 * 1024  # frames above this are JSON-encoded off the event loop
-
-
-def log_unreachable(what: str, url: str, error: BaseException, down_since: float | None) -> float:
-    """Log that ``what`` at ``url`` cannot be reached (no traceback): at info level for its
-    first ``UNREACHABLE_WARN_S`` seconds down, a warning after (a restart, or an engine
-    stopping with the gateway on Ctrl-C, is a second or two of refused connections).
-
-    Returns:
-        When it went down (``time.monotonic()`` seconds): ``down_since``, or now.
-    """
-    now = time.monotonic()
-    down_since = now if down_since is None else down_since
-    level = logging.WARNING if now - down_since >= UNREACHABLE_WARN_S else logging.INFO
-    log.log(level, "%s %s unreachable: %s", what, url, str(error) or type(error).__name__)
-    return down_since
 
 
 def engine_unavailable(detail: str = "") -> GatewayError:
@@ -103,6 +89,8 @@ class EngineRequest:
         self.request_id = request_id
         self.queue: asyncio.Queue[ReplyItem | None] = asyncio.Queue()  # None: a wake-up
         self.ended = False
+        # a disaggregated turn's prefill phase, before the decode engine has it (gateway/engines/disagg.py)
+        self.phases: PrefillThenDecode | None = None
 
     def _take(self, item: ReplyItem | None) -> ReplyItem | None:
         if isinstance(item, (DoneFrame, ErrorFrame)):
@@ -134,11 +122,16 @@ class EngineRequest:
 
     async def abort(self) -> None:
         """Ask the engine to stop this request now (it answers with ``done``/"abort")."""
+        if self.phases is not None:
+            await self.phases.abort()
+            return
         await self.client.abort(self.request_id)
 
     def close(self) -> None:
         """Stop routing items of this id to this handle; a request that has not ended is
         aborted in the engine (a reply nobody reads must not keep generating)."""
+        if self.phases is not None:
+            self.phases.cancel()
         if self.client._requests.get(self.request_id) is self:
             del self.client._requests[self.request_id]
             if not self.ended:
@@ -207,37 +200,37 @@ class EngineClient:
         self._lost("gateway shutting down")
 
     async def _run(self) -> None:
-        backoff = Backoff(0.1, self.max_backoff_s, jitter=0.5)
-        down_since: float | None = time.monotonic()
-        while True:
-            try:
-                async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
-                                   ping_interval=20, ping_timeout=60, close_timeout=2,
-                                   additional_headers=self._headers) as ws:
-                    hello = decode_engine_frame(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
-                    if not isinstance(hello, HelloFrame):
-                        raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")
-                    self.info, self.protocol_version = hello.info, hello.protocol_version
-                    self._ws = ws
-                    if self.kv_listener is not None and self.protocol_version >= 4:
-                        await ws.send(encode(KvSubscribeFrame()))
-                    self._ready.set()
-                    backoff.reset()
-                    down_since = None
-                    log.info("connected to engine %s (%s)", self.url, self.info.model)
-                    async for raw in ws:
-                        try:
-                            self._dispatch(decode_engine_frame(raw))
-                        except FrameError as e:
-                            log.warning("engine %s sent a malformed frame (%s); ignored", self.url, e)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # any failure means "reconnect"; log without a traceback
-                down_since = log_unreachable("engine", self.url, e, down_since)
-            if down_since is None:
-                down_since = time.monotonic()
+        outage = Outage(f"engine {self.url}", log, warn_after_s=UNREACHABLE_WARN_S, log_every_s=UNREACHABLE_WARN_S,
+                        since=time.monotonic())
+        await keep_connected(self._session, outage=outage, backoff=Backoff(0.1, self.max_backoff_s, jitter=0.5))
+
+    async def _session(self, connected: Callable[[], None]) -> None:
+        """One connection to the engine: hello, then its frames until it closes."""
+        try:
+            async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
+                               ping_interval=20, ping_timeout=60, close_timeout=2,
+                               additional_headers=self._headers) as ws:
+                hello = decode_engine_frame(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
+                if not isinstance(hello, HelloFrame):
+                    raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")
+                self.info, self.protocol_version = hello.info, hello.protocol_version
+                self._ws = ws
+                if self.kv_listener is not None and self.protocol_version >= 4:
+                    await ws.send(encode(KvSubscribeFrame()))
+                self._ready.set()
+                connected()
+                log.info("connected to engine %s (%s)", self.url, self.info.model)
+                async for raw in ws:
+                    try:
+                        self._dispatch(decode_engine_frame(raw))
+                    except FrameError as e:
+                        log.warning("engine %s sent a malformed frame (%s); ignored", self.url, e)
+        except asyncio.CancelledError:
+            raise  # close() says why
+        except Exception:
             self._lost("connection to the engine was lost")
-            await backoff.sleep()
+            raise
+        self._lost("connection to the engine was lost")
 
     def _route(self, item: ReplyItem) -> None:
         req = self._requests.get(item.request_id) if item.request_id is not None else None
@@ -289,7 +282,8 @@ class EngineClient:
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
-                       extra: dict[str, Any] | None = None) -> EngineRequest:
+                       extra: dict[str, Any] | None = None,
+                       prefill: EngineClient | None = None) -> EngineRequest:
         """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
         (docs/protocol.md section 1) instead of refusing the request; ``continued_tokens``:
@@ -299,6 +293,9 @@ class EngineClient:
         the shared messages go to engines of protocol 6 and later). ``extra``: protocol 7's
         ``GenerateFrame`` fields (``prompt``, ``tools``, ``tool_choice``,
         ``parallel_tool_calls``, ``continue_final_message``), for the APIs that use them.
+        With ``prefill`` (a prefill engine, for a decode engine: ``gateway/engines/disagg.py``)
+        the prompt is prefilled there first and this engine pulls its KV; the handle reads
+        the same.
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected.
@@ -313,6 +310,9 @@ class EngineClient:
         size = sum(len(m.get("content") or "") for m in messages or []) + 8 * len(prefix_token_ids or [])
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
+        if prefill is not None:
+            req.phases = PrefillThenDecode(req, prefill, replace(frame, kv_source=prefill.url))
+            return req
         try:
             text = await asyncio.to_thread(encode, frame) if size > BIG_FRAME_CHARS else encode(frame)
             await self._send_text(text)
@@ -484,7 +484,9 @@ class EngineRouter:
 
     def _live(self, exclude: Iterable[EngineClient]) -> list[EngineClient]:
         skip = set(map(id, exclude))
-        live = [c for c in self.clients if c.healthy and id(c) not in skip]
+        # a prefill engine stops every request at its first token: it serves no replies
+        live = [c for c in self.clients if c.healthy and id(c) not in skip
+                and (c.info is None or c.info.role != "prefill")]
         if not live:
             raise engine_unavailable("no engine is connected")
         return live

@@ -56,9 +56,9 @@ import httpx
 
 from engine.protocol import DeltaFrame, DoneFrame, EngineInfo, ErrorFrame, ReplyItem, Timings, Usage
 from gateway.config import GatewayConfig
-from gateway.engines.client import EngineClient, EngineRequest, engine_unavailable, log_unreachable
+from gateway.engines.client import UNREACHABLE_WARN_S, EngineClient, EngineRequest, engine_unavailable
 from gateway.errors import GatewayError
-from gateway.retry import Backoff
+from gateway.retry import Backoff, Outage
 
 log = logging.getLogger("gateway.engines.upstream")
 
@@ -321,7 +321,8 @@ class UpstreamClient(EngineClient):
     async def _run(self) -> None:
         """The health loop (replaces the WebSocket client's connection loop)."""
         backoff = Backoff(0.1, self.max_backoff_s, jitter=0.5)
-        down_since: float | None = time.monotonic()
+        outage = Outage(f"upstream {self.url}", log, warn_after_s=UNREACHABLE_WARN_S,
+                        log_every_s=UNREACHABLE_WARN_S, since=time.monotonic())
         while True:
             try:
                 info = await asyncio.wait_for(self._probe(), self.open_timeout_s)
@@ -330,12 +331,12 @@ class UpstreamClient(EngineClient):
                 self.info = info
                 self._ready.set()
                 backoff.reset()
-                down_since = None
+                outage.up()
                 wait = self.health_interval_s
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure means "down, probe again"; logged without a traceback
-                down_since = log_unreachable("upstream", self.url, e, down_since)
+                outage.down(e)
                 self._ready.clear()
                 wait = backoff.next_delay()
             self._probe_now.clear()
@@ -393,9 +394,11 @@ class UpstreamClient(EngineClient):
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
-                       extra: dict[str, Any] | None = None) -> EngineRequest:
+                       extra: dict[str, Any] | None = None,
+                       prefill: EngineClient | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
-        ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens`` and
+        ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens``,
+        ``prefill`` (an upstream has no engine role) and
         ``clamp_max_tokens`` are ignored (the upstream tokenizes the text itself and keeps its own cache, and
         refuses a too-long request instead of lowering ``max_tokens``); ``extra`` (protocol 7's
         fields) is refused.

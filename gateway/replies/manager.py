@@ -49,7 +49,8 @@ from gateway.engines.run import PASSTHROUGH_CODES, EngineRun, error_status, user
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
 from gateway.replies.tail import ReplyLog
-from gateway.retry import Backoff, is_store_unavailable, retry
+from gateway.retry import Backoff, Outage, is_store_unavailable, keep_connected, retry
+from gateway.store.connection import close_quietly
 from gateway.store.reply_streams import ReplyStreams, StreamEntry
 from gateway.store.sessions import History, SessionStore, TurnBegun, dumps
 
@@ -72,7 +73,6 @@ NO_IDS_TO_CONTINUE = ("this reply cannot be continued: its token ids are not sto
 # Stop, a shutdown: the engine's abort flushes the text of every sampled token, so the
 # stored ids and text agree and the continuation is exact)
 CONTINUABLE = ("length", "abort")
-LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
 
 
 @dataclass
@@ -194,37 +194,21 @@ class GenerationManager:
             t.cancel()
 
     async def _listen_cancels(self) -> None:
-        channel = self.store.keys.cancel_channel()
-        down_since: float | None = None
-        last_log = 0.0
-        backoff = Backoff(*STORE_BACKOFF_S)
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(channel)
-                if down_since is not None:
-                    log.info("cancel listener: Redis is back after %.0f s", time.monotonic() - down_since)
-                    down_since = None
-                    backoff.reset()
-                async for msg in pubsub.listen():
-                    turn = self.running.get(str(msg.get("data")))
-                    if turn is not None:
-                        await self._cancel_local(turn)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                now = time.monotonic()
-                if down_since is None or now - last_log >= LISTENER_LOG_EVERY_S:
-                    # once when Redis goes away, then at most once a minute (not per retry)
-                    log.warning("cancel listener: %s; retrying in the background", e)
-                    last_log = now
-                down_since = down_since if down_since is not None else now
-                await backoff.sleep()
-            finally:
-                try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-                except Exception:
-                    pass  # the connection is already gone
+        await keep_connected(self._cancel_session, outage=Outage("cancel listener", log),
+                             backoff=Backoff(*STORE_BACKOFF_S))
+
+    async def _cancel_session(self, connected: Callable[[], None]) -> None:
+        """One subscription to the cancel channel: cancels the replies it names that run here."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.store.keys.cancel_channel())
+            connected()
+            async for msg in pubsub.listen():
+                turn = self.running.get(str(msg.get("data")))
+                if turn is not None:
+                    await self._cancel_local(turn)
+        finally:
+            await close_quietly(pubsub)
 
     async def _store_retrying(self, rid: str, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run one store write, retrying while Redis is unreachable (exponential backoff

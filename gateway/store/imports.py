@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 
 from gateway.chat_import import ImportedChat
 from gateway.errors import GatewayError
-from gateway.store.sessions import Keys, SessionInfo, SessionStore, dumps, new_id, redis_errors
+from gateway.store.keys import Keys
+from gateway.store.sessions import SessionInfo, SessionStore, dumps, new_id, redis_errors
 
 # KEYS: the store scripts' eight, then [9] the user's import index.
 # ARGV: owner, sid, title, system_prompt, params, created_at, updated_at, max_sessions, ttl,

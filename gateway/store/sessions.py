@@ -1,16 +1,7 @@
 """The chat store: chats, their messages and token ids in Redis (``redis.asyncio``).
 
-Layout (every key under the configured prefix):
-
-    chat:user:{uid}:sessions       sorted set  sid -> updated_at (newest first on read)
-    chat:user:{uid}:gens           sorted set  request id -> lease expiry (ms): replies in progress
-    chat:user:{uid}:rate:{minute}  counter of chat/regenerate frames in that clock minute
-    chat:session:{sid}             hash        owner, title, system_prompt, params, times, active
-    chat:session:{sid}:messages    list        message JSON, appended only (RPUSH)
-    chat:session:{sid}:tokens      hash        message id -> token-id segment {"ids", "base"}
-    chat:session:{sid}:cmids       hash        client_msg_id -> turn (idempotent resend)
-    chat:session:{sid}:lock        string      request id holding the chat (SET NX PX lease)
-    chat:session:{sid}:versions    hash        anchor message id -> the chat's versions after it
+Layout: the ``chat:user:{uid}:...`` and ``chat:session:{sid}:...`` keys of the key table
+(``gateway.store.keys``).
 
 Every change that touches more than one key is one Lua script (``store_scripts``),
 so two tabs writing at once lose nothing and no history is ever rewritten whole.
@@ -38,6 +29,7 @@ import redis.exceptions as rexc
 from gateway.attachments import prompt_content
 from gateway.errors import GatewayError, not_found, store_unavailable
 from gateway.store import scripts as store_scripts
+from gateway.store.keys import Keys
 
 
 def new_id() -> str:
@@ -57,48 +49,6 @@ async def redis_errors() -> AsyncIterator[None]:
         yield
     except (rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError, OSError) as e:
         raise store_unavailable() from e
-
-
-class Keys:
-    """Redis key names under one prefix."""
-
-    def __init__(self, prefix: str = "") -> None:
-        self.prefix = prefix
-
-    def user_sessions(self, uid: str) -> str:
-        """Sorted set of the user's chat ids by update time."""
-        return f"{self.prefix}chat:user:{uid}:sessions"
-
-    def user_events(self, uid: str) -> str:
-        """Pub/sub channel of the user's chat events (``gateway.store.live_events``); the store scripts
-        publish on it (``KEYS[5] .. ':events'``)."""
-        return self.user_sessions(uid) + ":events"
-
-    def user_gens(self, uid: str) -> str:
-        """Sorted set of the user's replies in progress by lease expiry (ms)."""
-        return f"{self.prefix}chat:user:{uid}:gens"
-
-    def user_rate(self, uid: str, minute: int) -> str:
-        """Counter of the user's chat/regenerate frames in clock minute ``minute``."""
-        return f"{self.prefix}chat:user:{uid}:rate:{minute}"
-
-    def session(self, sid: str) -> str:
-        """The chat's metadata hash (its other keys append ``:messages`` etc.)."""
-        return f"{self.prefix}chat:session:{sid}"
-
-    def gen(self, rid: str) -> str:
-        """The reply's Redis Stream."""
-        return f"{self.prefix}chat:gen:{rid}"
-
-    def cancel_channel(self) -> str:
-        """Pub/sub channel carrying cancels to the replica that runs the reply."""
-        return f"{self.prefix}chat:cancel"
-
-    def script_keys(self, sid: str, uid: str) -> list[str]:
-        """The KEYS list every store script takes (see ``store_scripts``)."""
-        base = self.session(sid)
-        return [base, base + ":messages", base + ":tokens", base + ":cmids",
-                self.user_sessions(uid), base + ":lock", self.user_gens(uid), base + ":versions"]
 
 
 @dataclass
@@ -454,7 +404,7 @@ class SessionStore:
 
     async def _first_title(self, sid: str, owner: str, title_chars: int) -> str:
         """The title the chat's first message gives (``title_from``), or "" without one."""
-        raw = await self.redis.lindex(self.keys.script_keys(sid, owner)[1], 0)
+        raw = await self.redis.lindex(self.keys.session_messages(sid), 0)
         first = json.loads(raw) if raw else None
         return title_from(first["content"], title_chars) if first and first.get("role") == "user" else ""
 

@@ -12,6 +12,7 @@ from playwright.sync_api import Page
 
 from tests.pdf_maker import make_pdf
 from tests.web.page import PHONE, SHORT, WAIT_MS, create_chat, get_chat, open_chat, shot, wait_finished
+from tests.web.test_accessibility import axe_violations
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -67,6 +68,7 @@ def test_files_by_button_drop_and_paste_are_counted_sent_and_kept(new_page: Call
     page.click("#attachment-chips .attachment-chip:nth-child(3) .chip-remove")  # data.csv goes
     assert chips(page) == ["report.pdf", "notes.md", "pasted-text-1.txt"]
     shot(page, "attachments-desktop-chips")
+    assert axe_violations(page) == []
     page.fill("#input", "Summarise these.")
     page.press("#input", "Enter")
     wait_finished(page)
@@ -98,3 +100,4 @@ def test_files_that_cannot_be_sent_are_refused_with_a_reason(new_page: Callable[
     wait_chips(page, 1)
     assert page.is_enabled("#send")  # a file alone can be sent
     shot(page, "attachments-phone-chip")
+    assert axe_violations(page) == []

@@ -15,6 +15,7 @@ from playwright.sync_api import Page
 
 from tests.gateway.api.test_import_export import chatgpt_conversation
 from tests.web.page import DESKTOP, HOSTILE, PHONE, WAIT_MS, PageWatch, open_chat, shot
+from tests.web.test_accessibility import axe_violations
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -40,6 +41,7 @@ def test_a_chatgpt_export_is_imported_once_with_its_branches_and_exported_whole(
     said = import_files(page, [{"name": "conversations-000.json", "mimeType": "application/json", "buffer": data}])
     assert said == "Imported 1 chat."
     shot(page, "import-desktop-dialog")
+    assert axe_violations(page) == []
     said = import_files(page, [{"name": "conversations-000.json", "mimeType": "application/json", "buffer": data}])
     assert said == "Imported 0 chats; 1 chat already here, not added again."
     page.click("#transfer-dialog .close-transfer")
@@ -60,6 +62,9 @@ def test_a_chatgpt_export_is_imported_once_with_its_branches_and_exported_whole(
             for e in entries:
                 ids |= {m["id"] for m in e.get("messages", [])}
     assert ids == {"u1", "a1", "u2a", "a2a", "u2b", "a2b1", "a2b2", "u3", "a3"}
+    page.set_viewport_size(PHONE)
+    shot(page, "import-phone-dialog")
+    assert axe_violations(page) == []
 
 
 def hostile_export() -> bytes:
@@ -91,6 +96,7 @@ def test_a_shared_chat_is_a_read_only_page_that_runs_nothing_and_ends_when_revok
     url = page.get_attribute("#share-list .share-url", "href") or ""
     assert url.startswith("/s/")
     shot(page, "share-desktop-dialog")
+    assert axe_violations(page) == []
     for viewport, name in ((DESKTOP, "share-desktop-page"), (PHONE, "share-phone-page")):
         # someone else, with no cookie of the sharer
         ctx = browser.new_context(base_url=gateway.base_url, viewport=viewport)
@@ -110,6 +116,7 @@ def test_a_shared_chat_is_a_read_only_page_that_runs_nothing_and_ends_when_revok
             html = viewer.content()
             assert "PRIVATE PROMPT" not in html and "chat-list" not in html
             shot(viewer, name)
+            assert axe_violations(viewer) == []
         finally:
             ctx.close()
     page.click("#share-list .revoke")

@@ -61,6 +61,11 @@ def test_a_chatgpt_tree_keeps_every_shown_node_and_the_current_path():
     assert [m["id"] for m in chat.versions["a1"][0]["messages"]] == ["u2a", "a2a"]
     assert chat.versions["u2b"][0]["messages"][0]["content"] == "Roses are red"
     assert chat.source == "chatgpt:c0ffee00-0000-4000-8000-000000000001" and chat.title == "Jokes and poems"
+    # a photo sent alone is kept, as a placeholder (its bytes are not in the export)
+    conv = chatgpt_conversation()
+    conv["mapping"]["u3"]["message"]["content"] = {"content_type": "multimodal_text", "parts": [
+        {"content_type": "image_asset_pointer", "asset_pointer": "file-service://x"}]}
+    assert from_chatgpt(conv).messages[4]["content"] == "[image]"
 
 
 def client(gw: Any, cookie: str) -> httpx.Client:

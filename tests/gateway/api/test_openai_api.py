@@ -91,7 +91,8 @@ def test_non_streaming_reply_has_the_openai_shape_and_usage(api_gateway):
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 24])
 def test_streamed_text_equals_the_non_streamed_text_and_counts_every_token(api_gateway, max_tokens):
-    """The finishing step's tokens are delivered (docs/acceptance.md): the finishing step's tokens are streamed too."""
+    """The finishing step's tokens are delivered (docs/acceptance.md#the-finishing-steps-tokens-are-delivered): the
+    finishing step's tokens are streamed too."""
     gw = api_gateway()
     oa = client(gw)
     whole = greedy(oa, QUESTION, max_tokens=max_tokens)
@@ -133,7 +134,7 @@ def _a_stop_string(text: str) -> str:
 
 
 def test_a_stop_string_ends_the_reply_and_no_part_of_it_is_ever_streamed(api_gateway):
-    """Stop strings never leak (docs/acceptance.md), on whatever the model says greedily."""
+    """Stop strings never leak (docs/acceptance.md#stop-strings-never-leak), on whatever the model says greedily."""
     gw = api_gateway()
     oa = client(gw)
     full = greedy(oa, QUESTION, max_tokens=48).choices[0].message.content

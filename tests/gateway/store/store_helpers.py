@@ -7,7 +7,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.store.sessions import Keys, SessionStore
+from gateway.store.keys import Keys
+from gateway.store.sessions import SessionStore
 
 ALICE, BOB = "a" * 32, "b" * 32
 

@@ -1,5 +1,6 @@
 """The Redis session store against the real Redis: ownership, atomic turns, token
-segments, TTLs on every write (TTLs are kept (docs/acceptance.md)) and concurrent writers (no lost writes)."""
+segments, TTLs on every write (TTLs are kept (docs/acceptance.md#ttls-are-kept)) and concurrent writers (no lost
+writes)."""
 
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ async def ttls(rds: aioredis.Redis, prefix: str) -> dict[str, int]:
 
 
 async def test_every_key_keeps_a_ttl_after_every_write_when_one_is_configured(rds, key_prefix):
-    """TTLs are kept (docs/acceptance.md): no write drops a key's TTL; each write slides it forward."""
+    """TTLs are kept (docs/acceptance.md#ttls-are-kept): no write drops a key's TTL; each write slides it forward."""
     store = make_store(rds, key_prefix, ttl=1800)
 
     async def check(step: str) -> None:
@@ -203,7 +204,8 @@ async def test_without_a_ttl_chat_keys_persist(rds, key_prefix):
 
 
 async def test_concurrent_turns_on_one_chat_admit_exactly_one(rds, key_prefix):
-    """No lost writes (docs/acceptance.md): racing writers never both append; the loser is told 'busy'."""
+    """No lost writes (docs/acceptance.md#no-lost-writes): racing writers never both append; the loser is told
+    'busy'."""
     store = make_store(rds, key_prefix)
     chat = await store.create_session(ALICE)
     results = await asyncio.gather(*[store.begin_turn(ALICE, chat.id, mode="chat", content=f"m{i}")
@@ -216,7 +218,8 @@ async def test_concurrent_turns_on_one_chat_admit_exactly_one(rds, key_prefix):
 
 
 async def test_rename_racing_the_reply_store_loses_neither(rds, key_prefix):
-    """No lost writes (docs/acceptance.md): metadata updates and reply persistence touch disjoint fields atomically."""
+    """No lost writes (docs/acceptance.md#no-lost-writes): metadata updates and reply persistence touch disjoint
+    fields atomically."""
     store = make_store(rds, key_prefix)
     chat = await store.create_session(ALICE)
     for i in range(20):
