@@ -12,14 +12,16 @@ speculation and the disk KV tier off so that neither setup gets help the other l
   ``generate`` goes to the prefill engine, then to the decode engine with ``kv_source``.
 
 Load, per arrival rate: ``--streams`` chats decode long replies (each restarted with a
-new 64-token prompt when it ends, so that many stream all the time) while new chats arrive as a Poisson process at
+new 24-token message when it ends, so that many stream all the time; the gateway keeps
+such a short turn on its decode engine, ``ROUTING_LOCAL_PREFILL_TOKENS``) while new chats arrive as a Poisson process at
 the rate (seeded, the same arrival times for both setups), each with a prompt of
 ``--prompt-tokens`` random token ids (no prefix cache hit) and a reply of
 ``--reply-tokens``. The window is ``--window-s`` seconds of arrivals; arrivals still
 running at its end are waited for.
 
-Reported per setup and rate: the inter-token latency p50/p99 of the streaming replies
-(ms; a step that brings k tokens counts k gaps of its time / k), TTFT p50/p99 of the new
+Reported per setup and rate: the inter-token latency p50/p99/p99.9/max of the streaming
+replies (ms; a step that brings k tokens counts k gaps of its time / k; a prompt chunk
+delays a handful of steps in thousands, so it shows beyond p99), TTFT p50/p99 of the new
 chats (ms, from their arrival to their first token, prefill and transfer included),
 goodput (new chats per minute whose TTFT was under 10 s and TPOT under 100 ms), KV bytes
 and milliseconds per transfer (the decode engine's ``kv_pull*`` counters), and the share
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
@@ -53,6 +56,7 @@ from bench.serving_lib.systems import free_port  # noqa: E402
 
 TTFT_SLO_MS, TPOT_SLO_MS = 10_000.0, 100.0
 STREAM_TOKENS = 256  # a streaming chat's reply (tokens); restarted when it ends
+STREAM_PROMPT_TOKENS = 24  # its next message (tokens): below the gateway's local_prefill_tokens
 
 
 def start_engine(threads: int, role: str, extra: list[str]) -> tuple[Child, str]:
@@ -133,20 +137,15 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 49_000) for _ in range(n)]
 
 
-async def stream_forever(prefill: Link, link: Link, rid: str, rng: random.Random, stop: asyncio.Event,
-                         res: Result) -> None:
-    """A chat that decodes long replies back to back until ``stop`` (each turn's prompt
-    through the prefill engine first, as the gateway sends it); its token gaps go to ``res``."""
+async def stream_forever(link: Link, rid: str, rng: random.Random, stop: asyncio.Event, res: Result) -> None:
+    """A chat that decodes long replies back to back until ``stop``, each turn a short
+    message that the gateway keeps on the decode engine (``STREAM_PROMPT_TOKENS`` is below
+    ``ROUTING_LOCAL_PREFILL_TOKENS``); its token gaps go to ``res``."""
     n = 0
     while not stop.is_set():
         n += 1
         last = None
-        ids, source = prompt(rng, 64), None
-        if prefill is not link:
-            async for _, _item in prefill.generate(f"{rid}-{n}-p", ids, 1):
-                pass
-            source = prefill.url
-        async for now, item in link.generate(f"{rid}-{n}", ids, STREAM_TOKENS, source):
+        async for now, item in link.generate(f"{rid}-{n}", prompt(rng, STREAM_PROMPT_TOKENS), STREAM_TOKENS):
             k = len(item.get("token_ids", []))
             if item["type"] == "error":
                 res.errors += 1
@@ -198,8 +197,8 @@ async def run_rate(prefill_url: str, decode_url: str, rate: float, args: argpars
         try:
             before = {u: await link.stats() for u, link in {prefill_url: prefill, decode_url: decode}.items()}
             stop = asyncio.Event()
-            streams = [asyncio.create_task(stream_forever(prefill, decode, f"s{i}", random.Random(seed * 100 + i),
-                                                          stop, res)) for i in range(args.streams)]
+            streams = [asyncio.create_task(stream_forever(decode, f"s{i}", random.Random(seed * 100 + i), stop, res))
+                       for i in range(args.streams)]
             await asyncio.sleep(2.0)  # the streams are decoding before the first arrival
             t0 = time.perf_counter()
             chats = []
@@ -231,6 +230,7 @@ def summary(res: Result) -> dict[str, Any]:
     return {
         "new_chats": len(res.ttft_ms), "errors": res.errors,
         "itl_p50_ms": percentile(res.itl_ms, 0.5), "itl_p99_ms": percentile(res.itl_ms, 0.99),
+        "itl_p999_ms": percentile(res.itl_ms, 0.999), "itl_max_ms": max(res.itl_ms, default=math.nan),
         "ttft_p50_ms": percentile(res.ttft_ms, 0.5), "ttft_p99_ms": percentile(res.ttft_ms, 0.99),
         "goodput_per_min": good * 60 / max(res.window_s, 1e-9), "good": good,
         "kv_mb_per_transfer": s.get("kv_pull_bytes_total", 0) / pulls / 1e6 if s.get("kv_pulls_total") else 0.0,
@@ -283,11 +283,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(out))
         return
-    print(f"\n{'setup':5} {'rate/s':>6} {'chats':>5} {'ITL p50':>8} {'ITL p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    print(f"\n{'setup':5} {'rate/s':>6} {'chats':>5} {'ITL p50':>8} {'ITL p99':>8} {'p99.9':>7} {'max':>7} "
+          f"{'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'good/min':>8} {'MB/xfer':>7} {'ms/xfer':>7} {'mixed':>6} {'tok/mixed':>9}")
     for setup, rows in out["setups"].items():
         for rate, r in rows.items():
             print(f"{setup:5} {rate:>6} {r['new_chats']:>5} {fmt(r['itl_p50_ms']):>8} {fmt(r['itl_p99_ms']):>8} "
+                  f"{fmt(r['itl_p999_ms'], 0):>7} {fmt(r['itl_max_ms'], 0):>7} "
                   f"{fmt(r['ttft_p50_ms'], 0):>9} {fmt(r['ttft_p99_ms'], 0):>9} {fmt(r['goodput_per_min'], 2):>8} "
                   f"{fmt(r['kv_mb_per_transfer']):>7} {fmt(r['kv_ms_per_transfer'], 0):>7} "
                   f"{r['mixed_step_share']:>6.3f} {fmt(r['prompt_tokens_per_mixed_step']):>9}")
