@@ -229,6 +229,37 @@ async def sequence(server: Server, tokens: int, noise: int, reply_tokens: int, s
     return out
 
 
+async def many_chats(server: Server, chats: int, tokens: int, rounds: int, reply_tokens: int,
+                     seed: int) -> dict[str, float]:
+    """``chats`` chats of about ``tokens`` tokens taking ``rounds`` turns each, one request at
+    a time, in random order round by round. Returns the TTFT p50 and p99 (ms) of the turns
+    after each chat's first, and their prefix hit ratio: cached prompt tokens over the
+    tokens of the chat's previous prompt (what a cache could have held)."""
+    rng = random.Random(seed)
+    maker = TextMaker(rng)
+    hists = [chat(maker, tokens) for _ in range(chats)]
+    prev: list[int] = [0] * chats
+    ttfts: list[float] = []
+    cached = known = 0
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=600,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for r in range(rounds):
+            order = list(range(chats))
+            rng.shuffle(order)
+            for c in order:
+                t = await one_turn(client, hists[c], reply_tokens)
+                if r:
+                    ttfts.append(t.ttft_ms)
+                    cached += t.cached_tokens or 0
+                    known += prev[c]
+                prev[c] = t.prompt_tokens
+                hists[c] = hists[c] + [{"role": "assistant", "content": t.text},
+                                       {"role": "user", "content": f"Go on ({r + 1})."}]
+    ttfts.sort()
+    return {"ttft_p50": ttfts[len(ttfts) // 2], "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "hit_ratio": cached / known if known else 0.0, "turns": len(ttfts)}
+
+
 def _cell(t: Turn) -> str:
     cached = "?" if t.cached_tokens is None else f"{t.cached_tokens:,}"
     disk = f" ({t.by_tier['disk']:,} disk)" if t.by_tier and t.by_tier.get("disk") else ""
@@ -278,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tier-off", action="store_true", help="skip the 'ours, tier off' run")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: bench/build_llamacpp.sh's)")
     p.add_argument("--json", default=None, help="write the raw figures here")
+    p.add_argument("--many", type=int, default=0, metavar="CHATS",
+                   help="instead: CHATS chats taking --rounds turns in random order, ours with the tier on and "
+                        "off (the pool holds about a third of them)")
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
+    if a.many:
+        return many_main(a)
     num_blocks = a.num_blocks or max(64, int(2.5 * (a.tokens + 3 * a.reply_tokens + 40) / 16))
     kv_dir = Path(tempfile.mkdtemp(prefix="returning-kv-"))
     systems: list[Server] = [OursServer("ours", num_blocks=num_blocks, kv_dir=kv_dir, threads=a.threads)]
@@ -318,6 +355,32 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({k: {n: {t: vars(x) for t, x in v.items()} for n, v in seqs.items()}
                                             for k, seqs in results.items()}, indent=1))
+    return 0
+
+
+def many_main(a: argparse.Namespace) -> int:
+    """``--many``: the many-users run, tier on against tier off."""
+    per_chat = (a.tokens + a.rounds * (a.reply_tokens + 20) + 40) // 16 + 1
+    num_blocks = a.num_blocks or max(64, a.many * per_chat // 3)
+    kv_dir = Path(tempfile.mkdtemp(prefix="returning-kv-"))
+    print(f"load average {os.getloadavg()[0]:.2f}; {a.many} chats of {a.tokens} tokens, {a.rounds} rounds; "
+          f"our pool {num_blocks} blocks of 16", flush=True)
+    lines = ["| ours | turn TTFT p50 | p99 | prefix hit ratio | turns |", "|---|---|---|---|---|"]
+    try:
+        for label, folder in (("tier on", kv_dir), ("tier off", None)):
+            s = OursServer(label, num_blocks=num_blocks, kv_dir=folder, threads=a.threads)
+            s.start()
+            try:
+                r = asyncio.run(many_chats(s, a.many, a.tokens, a.rounds, a.reply_tokens, 3))
+            finally:
+                s.stop()
+            lines.append(f"| {label} | {r['ttft_p50']:,.0f} ms | {r['ttft_p99']:,.0f} ms | {r['hit_ratio']:.3f} | "
+                         f"{r['turns']} |")
+            print(lines[-1], flush=True)
+    finally:
+        shutil.rmtree(kv_dir, ignore_errors=True)
+    print("\n".join(lines))
+    print(f"load average after {os.getloadavg()[0]:.2f}")
     return 0
 
 
