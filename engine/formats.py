@@ -9,7 +9,7 @@ concrete ones. The rule, from measurements in ``docs/benchmarks.md``
   with vector byte products (AVX2, AVX-VNNI or AVX-512 VNNI): 4-bit weights in groups
   of 32 with a float16 scale and offset each (``DEFAULT_4BIT``, "int4"; the embedding and
   LM head int8; the symmetric "int4-sym" without offsets reads 10% fewer bytes but moved
-  SmolLM2-135M's log-likelihood by 0.14 nats),
+  SmolLM2-135M's log-likelihood by 0.15 nats),
   float32 activations (quantized to int8 blocks inside the products), a bfloat16 KV
   cache. The fastest format whose mean log-likelihood shift against float32 stays under
   0.06 nats on ``bench/decode_step.py --quality`` (docs/cpu_kernels.md has the figures).
