@@ -105,6 +105,7 @@ class AsyncEngine:
                           format=fmt.describe(), tokenizer_dir=str(Path(loaded.path).resolve()),
                           tool_format=core.tool_format.name)
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
+        info.think_markers, info.think_in_prompt = prompts.thinking()
         if verbose:
             for warning in prompts.lint_template():
                 log.warning("%s", warning)

@@ -93,6 +93,10 @@ class EngineInfo:
             volume) computes prompt ids as the engine does, to route by prefix.
         tool_format: how the model writes tool calls ("hermes", "llama3_json" or
             "generic"; ``engine.tools.formats``).
+        think_markers: the opening and closing markers of the model's reasoning, when its
+            chat template declares them (``["<think>", "</think>"]``), else empty.
+        think_in_prompt: the generation prompt ends with the opening marker, so each
+            reply starts inside its reasoning (the marker is not part of its text).
     """
 
     model: str
@@ -108,6 +112,8 @@ class EngineInfo:
     format: str = ""
     tokenizer_dir: str = ""
     tool_format: str = ""
+    think_markers: list[str] = field(default_factory=list)
+    think_in_prompt: bool = False
 
 
 # ----- gateway -> engine ---------------------------------------------------------------

@@ -72,6 +72,7 @@ from gateway.config import GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
+from gateway.replies.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
 
 log = logging.getLogger("gateway.openai")
 
@@ -267,6 +268,7 @@ class OpenAIApi:
                 return Response(status_code=499)  # nobody reads it
             raise
         headers = {"x-request-id": _completion_id(source)}
+        markers = request.app.state.config.think_markers  # reasoning_content (gateway/replies/reasoning.py)
         if isinstance(source, SessionReply):
             headers["x-chat-session"] = source.session_id
         if isinstance(first[0], Failed):  # refused before any output: a real error status
@@ -276,8 +278,8 @@ class OpenAIApi:
                 await _delete_quietly(request, source.owner, source.session_id)
             return error_response(openai_error_from(first[0].code, first[0].message, status=first[0].status))
         if creq.stream:
-            return SSEResponse(lambda emit: self._stream(source, watcher, first, creq, emit), headers)
-        return await self._collect(source, watcher, first, headers)
+            return SSEResponse(lambda emit: self._stream(source, watcher, first, creq, emit, markers), headers)
+        return await self._collect(source, watcher, first, headers, markers)
 
     @staticmethod
     def _hold(request: Request, watcher: DisconnectWatcher) -> Callable[[], None]:
@@ -317,7 +319,8 @@ class OpenAIApi:
         isolation = state.generations.isolation
         source = EngineReply(state.router, events, uuid.uuid4().hex, creq.messages, params,
                              affinity_key(creq.messages), model, state.config.cancel_grace_s,
-                             isolation.salt(self.owners(request)[0]), isolation.shared_messages(creq.messages))
+                             isolation.salt(self.owners(request)[0]), isolation.shared_messages(creq.messages),
+                             think_open=state.config.think_markers.open)
         await source.start()
         return source
 
@@ -360,8 +363,9 @@ class OpenAIApi:
             source.close()
 
     async def _collect(self, source: ReplySource, watcher: DisconnectWatcher, events: list[ReplyEvent],
-                       headers: dict[str, str]) -> Response:
-        """A non-streaming answer: wait for the whole reply."""
+                       headers: dict[str, str], markers: ThinkMarkers = DEFAULT_MARKERS) -> Response:
+        """A non-streaming answer: wait for the whole reply (its reasoning, if any, as the
+        message's ``reasoning_content``)."""
         parts: list[str] = []
         try:
             while True:
@@ -371,7 +375,7 @@ class OpenAIApi:
                     elif isinstance(ev, Failed):
                         return error_response(openai_error_from(ev.code, ev.message, status=ev.status))
                     elif isinstance(ev, Finished):
-                        return json_response(_completion(source, "".join(parts), ev), headers=headers)
+                        return json_response(_completion(source, "".join(parts), ev, markers), headers=headers)
                 events = await watcher.race(source.next())
         except BaseException as e:
             await self._abandon(source, watcher)
@@ -385,10 +389,19 @@ class OpenAIApi:
             source.close()
 
     async def _stream(self, source: ReplySource, watcher: DisconnectWatcher, events: list[ReplyEvent],
-                      creq: ChatRequest, emit: Callable[[bytes], Awaitable[None]]) -> None:
-        """A streaming answer: role chunk, content chunks, finish chunk, usage chunk
-        (with ``stream_options.include_usage``), ``[DONE]``; an error after the start
-        is sent as a ``data: {"error": ...}`` event (as OpenAI does)."""
+                      creq: ChatRequest, emit: Callable[[bytes], Awaitable[None]],
+                      markers: ThinkMarkers = DEFAULT_MARKERS) -> None:
+        """A streaming answer: role chunk, content chunks (the reply's reasoning, if any,
+        as ``reasoning_content`` deltas first), finish chunk, usage chunk (with
+        ``stream_options.include_usage``), ``[DONE]``; an error after the start is sent
+        as a ``data: {"error": ...}`` event (as OpenAI does)."""
+        think = ReasoningSplitter(markers)
+
+        async def text(reasoning: str, content: str) -> None:
+            if reasoning:
+                await emit(chunk({"reasoning_content": reasoning}))
+            if content:
+                await emit(chunk({"content": content}))
         base = {"id": _completion_id(source), "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": source.model_name, "system_fingerprint": None}
         if creq.include_usage:
@@ -403,11 +416,12 @@ class OpenAIApi:
             while True:
                 for ev in events:
                     if isinstance(ev, Delta) and ev.text:
-                        await emit(chunk({"content": ev.text}))
+                        await text(*think.feed(ev.text))
                     elif isinstance(ev, Failed):
                         await emit(json_bytes(openai_error_from(ev.code, ev.message, status=ev.status).body()))
                         return
                     elif isinstance(ev, Finished):
+                        await text(*think.finish())
                         await emit(chunk({}, ev.finish_reason))
                         if creq.include_usage:
                             await emit(json_bytes({**base, "choices": [], "usage": _usage(ev)}))
@@ -473,7 +487,9 @@ def _usage(done: Finished) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
 
 
-def _completion(source: ReplySource, text: str, done: Finished) -> dict[str, Any]:
+def _completion(source: ReplySource, text: str, done: Finished, markers: ThinkMarkers = DEFAULT_MARKERS
+                ) -> dict[str, Any]:
+    reasoning, text = split_reasoning(text, markers)
     body: dict[str, Any] = {
         "id": _completion_id(source), "object": "chat.completion", "created": int(time.time()),
         "model": source.model_name, "system_fingerprint": None,
@@ -481,6 +497,8 @@ def _completion(source: ReplySource, text: str, done: Finished) -> dict[str, Any
                      "logprobs": None, "finish_reason": done.finish_reason}],
         "usage": _usage(done),
     }
+    if reasoning is not None:
+        body["choices"][0]["message"]["reasoning_content"] = reasoning
     if isinstance(source, SessionReply):
         body["session_id"] = source.session_id
     return body

@@ -171,19 +171,20 @@ class EngineReply:
         model: only engines serving this model name, or None for any.
         abort_grace_s: how long ``abort`` waits for the engine's final frame.
         cache_salt, shared_messages: its cache scope (``gateway/engines/cache_scope.py``).
+        think_open: the opening reasoning marker (``EngineRun``).
     """
 
     def __init__(self, router: EngineRouter, events: GenerationEvents, request_id: str,
                  messages: list[dict[str, str]], params: dict[str, Any], affinity_key: str,
                  model: str | None, abort_grace_s: float, cache_salt: str = "",
-                 shared_messages: list[dict[str, str]] | None = None) -> None:
+                 shared_messages: list[dict[str, str]] | None = None, think_open: str = "<think>") -> None:
         self.router = router
         self.events = events
         self.request_id = request_id
         self.model = model
         self.abort_grace_s = abort_grace_s
         self.run = EngineRun(router, request_id, affinity_key, messages, params=params, model=model,
-                             cache_salt=cache_salt, shared_messages=shared_messages)
+                             cache_salt=cache_salt, shared_messages=shared_messages, think_open=think_open)
         self._ended = False
 
     @property

@@ -208,7 +208,7 @@ class Connection:
             if isinstance(frame, ChatFrame):
                 # shielded: a socket that goes away must not cut a turn half-begun
                 started = await asyncio.shield(self.gens.chat(self.uid, frame.session_id, frame.content,
-                                                              frame.params, frame.client_msg_id))
+                                                              frame.params, frame.client_msg_id, model=frame.model))
                 await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, RegenerateFrame):
                 started = await asyncio.shield(self.gens.regenerate(self.uid, frame.session_id, frame.params,

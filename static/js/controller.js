@@ -49,7 +49,7 @@ export function isBusyNotice(text) {
  * @property {(message:string)=>void} announce  polite screen-reader announcement (the status region)
  * @property {import("./progress.js").ContextMeter} [meter]  how full the open chat's context is
  * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string,
- *   loaded:boolean})=>void} onChange
+ *   loaded:boolean, model:string})=>void} onChange
  *   refresh of the composer and header; `restore` is a refused message to put back in the
  *   composer; `loaded` is false while the open chat's history is being fetched
  */
@@ -63,6 +63,8 @@ export class ChatController {
     this.currentId = null;
     /** @type {object|null} the open chat's session (without messages) */
     this.session = null;
+    /** @type {string|null} the model a new chat is created with (the picker's choice; null: the server's default) */
+    this.newChatModel = null;
     /** Settings chosen for the unsaved new chat. */
     this.draft = null;
     this.loadToken = 0;
@@ -192,6 +194,7 @@ export class ChatController {
     if (!id) {
       // Untouched settings are left to the server, so its defaults apply.
       const body = this.draft ? { system_prompt: this.draft.system_prompt, params: this.draft.params } : {};
+      if (this.newChatModel) body.model = this.newChatModel;
       let s;
       const token = this.loadToken;
       this.creating = true; // a second Enter must not create a second chat
@@ -568,6 +571,7 @@ export class ChatController {
         usage: f.usage,
         timings: f.timings,
         error: f.error,
+        reasoning_ms: f.reasoning_ms,
       });
       // The transcript is not read as it streams (aria-live off): the finished reply is.
       const said = this.view.spokenText(r.el);
@@ -701,6 +705,38 @@ export class ChatController {
     const restore = this.restoreText;
     this.restoreText = undefined;
     const loaded = !this.currentId || (!!this.session && this.session.id === this.currentId);
-    this.onChange({ id: this.currentId, busy, stopping, title, restore, loaded });
+    this.onChange({ id: this.currentId, busy, stopping, title, restore, loaded, model: this.modelOf() });
+  }
+
+  /** @returns {string} the model the open chat's replies come from (a new chat's: the one it will be created with) */
+  modelOf() {
+    if (this.currentId) return (this.session && this.session.model) || this.config.model || "";
+    return this.newChatModel || this.config.model || "";
+  }
+
+  /**
+   * The user chose a model: the open chat's replies come from it from now on (saved
+   * with the chat), or a new chat is created with it.
+   * @param {string} model
+   */
+  async pickModel(model) {
+    const id = this.currentId;
+    if (!id || !this.session) {
+      this.newChatModel = model;
+      this.changed();
+      return;
+    }
+    const before = this.session.model;
+    this.session.model = model;
+    this.changed();
+    try {
+      markOwnChange(this, id);
+      const s = await this.api.patchSession(id, { model });
+      if (id === this.currentId && this.session) this.session.model = s.model;
+    } catch (err) {
+      if (id === this.currentId && this.session) this.session.model = before;
+      this.notify(this.apiErrorText(err));
+    }
+    this.changed();
   }
 }

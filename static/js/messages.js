@@ -4,6 +4,7 @@
 import { replyStats, formatStats, formatStatDetails, formatRate, liveRate } from "./format.js";
 import { userMeta, continueButton, timeElement, setTime, setVersions, updateContinue } from "./branches.js";
 import { icon, ICONS } from "./icons.js";
+import { splitReasoning, thoughtFor } from "./reasoning.js";
 
 // Why a partial reply stopped, when it was not the user's Stop (the gateway stores
 // `cut_reason` with it: docs/protocol.md).
@@ -30,7 +31,8 @@ export const COLLAPSED_LINES = 12;
 export class MessageView {
   /**
    * @param {{doc:Document, listEl:HTMLElement, scrollEl:HTMLElement,
-   *          emptyEl:HTMLElement, renderer:{render:(el:HTMLElement, text:string)=>void}}} opts
+   *          emptyEl:HTMLElement, renderer:{render:(el:HTMLElement, text:string)=>void},
+   *          markers?:{open:string, close:string}}} opts
    */
   constructor(opts) {
     this.doc = opts.doc;
@@ -38,9 +40,12 @@ export class MessageView {
     this.scrollEl = opts.scrollEl;
     this.emptyEl = opts.emptyEl;
     this.renderer = opts.renderer;
+    /** The reasoning markers (`GET /api/config` `reasoning`); replies' reasoning shows apart. */
+    this.markers = opts.markers;
     /** @type {WeakMap<HTMLLIElement, {text:string, raf:number, firstAt?:number, firstLen?:number,
-     *   rateAt?:number}>} per assistant message; `firstAt`/`firstLen`: when its first text came, and
-     *   how long it was (the live rate counts what came after) */
+     *   rateAt?:number, thinkMs?:number, thinkFrom?:number}>} per assistant message; `firstAt`/`firstLen`:
+     *   when its first text came, and how long it was (the live rate counts what came after);
+     *   `thinkMs`: how long it reasoned (stored, or measured here from `thinkFrom`) */
     this.replyState = new WeakMap();
     this.bodyIds = 0;
     /** Characters per token of the replies shown so far (for the live rate), 4 until one is known. */
@@ -63,10 +68,11 @@ export class MessageView {
 
   /**
    * @param {HTMLLIElement} li
-   * @returns {string} the assistant message's raw markdown
+   * @returns {string} the assistant message's answer: its markdown without the reasoning
    */
-  textOf(li) {
-    return this.st(li).text;
+  answerOf(li) {
+    const { reasoning, answer } = splitReasoning(this.st(li).text, this.markers);
+    return reasoning === null ? this.st(li).text : answer;
   }
 
   /** Remove every message and show the empty state. */
@@ -182,6 +188,19 @@ export class MessageView {
     main.className = "msg-main";
     const body = d.createElement("div");
     body.className = "msg-body markdown";
+    // the reasoning: "Thinking…" while it is written, then "Thought for 12 s", folded
+    const thinking = d.createElement("details");
+    thinking.className = "thinking";
+    thinking.hidden = true;
+    const thinkingLine = d.createElement("summary");
+    thinkingLine.className = "thinking-line";
+    const thinkingBody = d.createElement("div");
+    thinkingBody.className = "thinking-body markdown";
+    thinking.append(thinkingLine, thinkingBody);
+    // opened or closed by the user (not by `renderThinking`): left as the user set it
+    thinking.addEventListener("toggle", () => {
+      if (String(thinking.open) !== thinking.dataset.auto) thinking.dataset.touched = "1";
+    });
     const typing = d.createElement("div");
     typing.className = "typing";
     typing.setAttribute("aria-hidden", "true");
@@ -217,7 +236,7 @@ export class MessageView {
     versions.className = "versions";
     versions.hidden = true;
     meta.append(versions, badge, stats, actions, timeElement(d, undefined));
-    main.append(this.srLabel("Assistant said:"), body, typing, live, meta);
+    main.append(this.srLabel("Assistant said:"), thinking, body, typing, live, meta);
     li.append(avatar, main);
     this.listEl.append(li);
     this.updateEmpty();
@@ -264,10 +283,37 @@ export class MessageView {
   renderNow(li) {
     const stick = this.isNearBottom();
     const text = this.st(li).text;
-    this.renderer.render(li.querySelector(".msg-body"), text);
+    const { reasoning, answer, closed } = splitReasoning(text, this.markers);
+    this.renderThinking(li, reasoning, closed);
+    this.renderer.render(li.querySelector(".msg-body"), reasoning === null ? text : answer);
     li.querySelector(".typing").hidden = !(li.classList.contains("streaming") && !text);
     if (li.classList.contains("streaming")) this.showLiveRate(li);
     if (stick) this.scrollToBottom();
+  }
+
+  /**
+   * @private The reasoning block: hidden without reasoning; open with "Thinking…" while
+   * the reasoning streams, folded to "Thought for N s" once it is closed (a block the user
+   * opened or closed stays so).
+   */
+  renderThinking(li, reasoning, closed) {
+    const box = li.querySelector(".thinking");
+    box.hidden = reasoning === null;
+    if (reasoning === null) return;
+    const st = this.st(li);
+    const streaming = li.classList.contains("streaming");
+    const now = performance.now();
+    if (streaming && st.thinkFrom === undefined) st.thinkFrom = now;
+    if (closed && st.thinkMs === undefined && st.thinkFrom !== undefined) st.thinkMs = now - st.thinkFrom;
+    const thinking = streaming && !closed;
+    box.classList.toggle("is-thinking", thinking);
+    li.querySelector(".thinking-line").textContent = thinking ? "Thinking…"
+      : st.thinkMs !== undefined ? thoughtFor(st.thinkMs) : "Thoughts";
+    if (!box.dataset.touched) {
+      box.dataset.auto = String(thinking);
+      box.open = thinking;
+    }
+    this.renderer.render(li.querySelector(".thinking-body"), reasoning);
   }
 
   /** @private "≈ 41 tok/s" under a streaming reply, redrawn at most every LIVE_RATE_EVERY_MS */
@@ -288,7 +334,7 @@ export class MessageView {
    * @param {HTMLLIElement} li
    * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object,
    *   error?:{code:string, message:string}, cut_reason?:string, created_at?:number,
-   *   versions?:{index:number, count:number}}} info  `error`
+   *   versions?:{index:number, count:number}, reasoning_ms?:number}} info  `error`
    *   (or the stored `cut_reason` of a partial reply) says why a reply was interrupted;
    *   `created_at` (Unix seconds) is the time shown on hover (now when missing)
    */
@@ -298,6 +344,7 @@ export class MessageView {
     if (st.raf) cancelAnimationFrame(st.raf);
     st.raf = 0;
     if (typeof info.content === "string") st.text = info.content;
+    if (typeof info.reasoning_ms === "number") st.thinkMs = info.reasoning_ms;
     if (info.id) li.dataset.messageId = info.id;
     li.classList.remove("streaming");
     li.querySelector(".live-rate").hidden = true;
