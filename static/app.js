@@ -191,6 +191,8 @@ async function main(win) {
     if (picker) {
       picker.show(shown);
       input.placeholder = `Message ${shown}`;
+      const name = doc.querySelector(".model-name");
+      if (name) name.textContent = shown;
       const len = Number(picker.info(shown)?.max_model_len) || Number(config.max_model_len) || 0;
       if (meter.max !== len) {
         meter.max = len;

@@ -716,13 +716,13 @@ export class ChatController {
 
   /**
    * The user chose a model: the open chat's replies come from it from now on (saved
-   * with the chat), or a new chat is created with it.
+   * with the chat), and new chats are created with it.
    * @param {string} model
    */
   async pickModel(model) {
     const id = this.currentId;
+    this.newChatModel = model; // new chats start with the last model chosen
     if (!id || !this.session) {
-      this.newChatModel = model;
       this.changed();
       return;
     }

@@ -156,7 +156,7 @@ export function errorText(code, serverMessage, limits) {
     case "not_found":
       return "This chat or reply no longer exists.";
     case "model_not_found":
-      return `This chat's model is not served here any more${detail}. Choose another in the model menu at the top.`;
+      return "This chat's model is not served here any more. Choose another in the model menu at the top.";
     case "network":
       return "The server cannot be reached. Check that it is running.";
     default:
