@@ -234,7 +234,8 @@ async function main(win) {
   }
   picker = new ModelPicker({ select: $("model-picker"), models: config.models || [], defaultModel: model, storage,
     onPick: (m) => controller.pickModel(m) });
-  controller.newChatModel = picker.forNewChat();
+  // with one model served, chats name none (any engine serves them)
+  if ((config.models || []).length > 1) controller.newChatModel = picker.forNewChat();
   config.defaults = config.defaults || {};
   wireBranches({ doc, listEl: $("messages"), controller, announce });
   const settings = new SettingsDialog({

@@ -120,7 +120,9 @@ class _Turn:
     think: ReasoningSplitter | None = None
     think_t0: float | None = None
     reasoning_ms: float | None = None
-    model: str | None = None  # the model it is written by (None: any engine)
+    # the chat's model: only its engines write the reply (None: a chat that names none
+    # goes to any engine, as when every engine serves the same model under its own name)
+    model: str | None = None
 
     @property
     def produced(self) -> bool:
@@ -357,7 +359,7 @@ class GenerationManager:
         popped = json.loads(begun.popped_json) if begun.popped_json else {}
         seg = json.loads(begun.popped_tokens) if begun.popped_tokens else None
         cut = popped.get("finish_reason") in CONTINUABLE
-        model = info.model or self.default_model()
+        model = info.model
         if seg and model and seg.get("model", model) != model:
             await self.store.fail_turn(owner, info.id, begun, None)
             raise GatewayError("invalid_request", f"this reply was written by {seg['model']}, not by this chat's "
@@ -375,12 +377,6 @@ class GenerationManager:
         """The models the gateway's engines serve (those that said hello), in
         ``ENGINE_URLS`` order, each once."""
         return list(dict.fromkeys(c.info.model for c in self.router.clients if c.info is not None))
-
-    def default_model(self) -> str | None:
-        """The model of a chat that names none: the first healthy engine's (else any
-        known one's), or None before any engine said hello."""
-        info = self.router.info()
-        return info.model if info is not None else None
 
     def check_model(self, model: str | None) -> None:
         """Raises:
@@ -409,7 +405,7 @@ class GenerationManager:
             return started
         turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens, created_chat,
                      continued=continued, continued_ids=list(continued_ids or []),
-                     think=ReasoningSplitter(self.config.think_markers), model=model or self.default_model())
+                     think=ReasoningSplitter(self.config.think_markers), model=model or None)
         if continued is not None:
             # the stream starts with the text the reply had, so any tab rebuilds it whole
             # (a length-cut reply stored before engines dropped an unfinished character
@@ -777,11 +773,15 @@ class GenerationManager:
                 return
             await self._flush_unsent(turn)
             cut = "engine_lost" if code == "engine_unavailable" else "upstream_error" if status else "error"
-            assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
-                         "error": error, "cut_reason": cut,
-                         "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
-                         "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
-                         "request_id": rid}
+            assistant: dict[str, Any] = {
+                "content": "".join(turn.parts), "status": "partial", "finish_reason": "error", "error": error,
+                "cut_reason": cut,
+                "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
+                "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
+                "request_id": rid}
+            reasoning_ms = self._final_reasoning_ms(turn)
+            if reasoning_ms is not None:
+                assistant["reasoning_ms"] = reasoning_ms
             await self._store_retrying(rid, "storing the partial reply", lambda: self.store.finish_turn(
                 turn.owner, turn.session_id, begun, assistant, None, None))
             done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,

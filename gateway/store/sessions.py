@@ -114,7 +114,7 @@ class SessionInfo:
     created_at: float
     updated_at: float
     active: dict[str, str] | None = None
-    model: str = ""  # the model its replies come from ("": the gateway's default)
+    model: str = ""  # the model its replies come from ("": none named, any engine)
 
     def public(self) -> dict[str, Any]:
         """The JSON shape of docs/protocol.md section 3 (without messages)."""
@@ -339,7 +339,7 @@ class SessionStore:
                              system_prompt: str | None = None, params: dict[str, Any] | None = None,
                              model: str | None = None) -> None:
         """Change any of a chat's title, system prompt, stored sampling params and model
-        ("" for the gateway's default)."""
+        ("" for none: any engine)."""
         kv: list[Any] = []
         if model is not None:
             kv += ["model", model]

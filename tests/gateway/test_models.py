@@ -52,9 +52,11 @@ async def test_models_are_listed_and_a_chat_keeps_its_model_and_its_engine(two_m
         assert [m["id"] for m in config["models"]] == [plain, thinker]  # the default first
         assert config["model"] == plain and all(m["available"] for m in config["models"])
     async with gw.connect(cookie) as ws:
-        first = await chat(ws, "Hello", max_tokens=6, ignore_eos=True)
+        await send(ws, {"type": "chat", "content": "Hello", "model": plain,
+                        "params": {"max_tokens": 6, "ignore_eos": True, "temperature": 0}})
+        first = await read_reply(ws)
         sid = first.start["session_id"]
-        assert len(generates(engine_gate)) == 1 and not generates(thinker_gate)  # no model named: the default
+        assert len(generates(engine_gate)) == 1 and not generates(thinker_gate)
         await send(ws, {"type": "chat", "session_id": sid, "content": "Think about it.", "model": thinker,
                         "params": {"max_tokens": 6, "ignore_eos": True, "temperature": 0}})
         second = await read_reply(ws)
@@ -70,7 +72,7 @@ async def test_models_are_listed_and_a_chat_keeps_its_model_and_its_engine(two_m
         body = (await c.get(f"/api/sessions/{sid}")).json()
         assert body["model"] == thinker
         assert [m.get("model") for m in body["messages"][1::2]] == [plain, thinker, thinker]
-        # the model can be changed with the chat's settings, and back to the default
+        # the model can be changed with the chat's settings, and taken off (any engine then)
         res = await c.patch(f"/api/sessions/{sid}", json={"model": None})
         assert res.status_code == 200 and res.json()["model"] is None
 

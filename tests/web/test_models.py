@@ -15,6 +15,7 @@ from playwright.sync_api import Page
 from tests.engine_gate import EngineGate
 from tests.gateway.test_models import both_up
 from tests.web import test_browser as tb
+from tests.web.test_accessibility import axe_violations
 from tests.web.test_browser import PHONE, WAIT_MS, get_chat, open_chat, send, shot, wait_finished
 from tests.web.test_reasoning import user_of
 
@@ -64,6 +65,7 @@ def test_each_chat_keeps_its_model_and_new_chats_start_with_the_last_chosen(
     assert page.locator(".msg.assistant").nth(1).locator(".thinking").is_visible()
     assert get_chat(page, first)["messages"][3]["model"] == thinker
     shot(page, "models-desktop-light-picker")
+    assert axe_violations(page) == []
 
     # a new chat starts with the last model chosen; the first chat still shows its own
     page.click("#new-chat-top")
@@ -94,6 +96,7 @@ def test_each_chat_keeps_its_model_and_new_chats_start_with_the_last_chosen(
     box = picker.bounding_box()
     assert box is not None and box["x"] + box["width"] <= PHONE["width"] and box["height"] >= 32
     shot(page, "models-phone-dark-picker")
+    assert axe_violations(page) == []
 
 
 def test_a_chat_whose_model_is_gone_says_so_and_keeps_the_message(new_page: Callable[..., Page], gateway: Any) -> None:

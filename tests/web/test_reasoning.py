@@ -16,6 +16,7 @@ from playwright.sync_api import Page
 from gateway.api.auth import COOKIE_NAME, UserIds
 from tests.engine_gate import EngineGate, text_delta
 from tests.web import test_browser as tb
+from tests.web.test_accessibility import axe_violations
 from tests.web.test_browser import PHONE, WAIT_MS, create_chat, open_chat, send, shot, wait_finished
 
 browser, new_page, watch = tb.browser, tb.new_page, tb.watch
@@ -49,6 +50,7 @@ def test_reasoning_streams_in_a_thinking_block_that_folds_when_the_reply_ends(
     assert block.get_attribute("open") is not None  # open while the reasoning streams
     assert "<think>" not in (page.locator(".msg.assistant").text_content() or "")
     shot(page, "reasoning-desktop-light-thinking")
+    assert axe_violations(page) == []
     thinker_gate.resume()
     wait_finished(page)
     line = page.locator(".msg.assistant .thinking-line").text_content() or ""
@@ -96,3 +98,4 @@ def test_a_stored_reply_shows_its_reasoning_folded_above_its_answer(new_page: Ca
     assert box is not None and box["height"] >= 28 and box["x"] + box["width"] <= PHONE["width"]
     line.click()
     shot(page, "reasoning-phone-dark-open")
+    assert axe_violations(page) == []
