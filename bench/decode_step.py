@@ -10,7 +10,8 @@ same run; paged decode attention against SDPA; and where one step's time goes.
 
 Formats (``engine/formats.py``): ``default`` is what the engine picks on this machine
 ("auto"); ``exact`` is float32 everywhere through torch (transformers parity);
-``int8+bf16`` is int8 weights with bfloat16 activations on torch's int8 kernel;
+``int8``, ``int4`` and ``int4-sym`` are those weights on the CPU kernels (float32
+activations); ``int8+bf16`` is int8 weights with bfloat16 activations on torch's int8 kernel;
 ``bfloat16`` is bfloat16 weights. For each, the model (default: the bundled
 SmolLM2-135M-Instruct) admits B requests with the same ``--context``-token prompt,
 prefills them, and times ``--steps`` pure decode steps through ``EngineCore.step``
@@ -58,6 +59,9 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 
 FORMATS: dict[str, dict[str, Any]] = {
     "default": {},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
+    "int4-sym": {"dtype": "float32", "quantization": "int4-sym"},
     "exact": {"dtype": "float32", "quantization": "none"},
     "int8+bf16": {"dtype": "bfloat16", "quantization": "int8"},
     "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
@@ -80,10 +84,10 @@ def read_bandwidth_gbs(threads: int, mib: int = 512) -> float:
 def batch1_read_bytes(model: torch.nn.Module) -> int:
     """Weight bytes a batch-1 decode step reads: every weight once, int8 weights as their
     int8 tensor and scales (a kept bfloat16 copy serves only large batches)."""
-    from engine.models.quant import Int8Weight
+    from engine.models.quant import Int4Weight, Int8Weight
 
     # modules() and parameters() visit a tied (shared) weight once
-    total = sum(m.read_bytes() for m in model.modules() if isinstance(m, Int8Weight))
+    total = sum(m.read_bytes() for m in model.modules() if isinstance(m, (Int8Weight, Int4Weight)))
     return total + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -285,7 +289,7 @@ def text_logits(model: str | None, overrides: dict[str, Any], ids: list[int]) ->
     from engine.formats import resolved_config
     from engine.forward_batch import ForwardBatch
     from engine.kv_cache import KVCache
-    from engine.model_runner import make_attention_backend
+    from engine.model_runner import make_attention_backend, make_layer_runner
 
     cfg, _ = resolved_config(EngineConfig(model=model, device="cpu", **overrides))
     lm = load_model(cfg)
@@ -295,7 +299,7 @@ def text_logits(model: str | None, overrides: dict[str, Any], ids: list[int]) ->
     b = ForwardBatch.build(token_chunks=[ids], prefix_lens=[0], block_tables=[list(range(blocks))],
                            sample_mask=[True], block_size=bs)
     b.logits_indices = torch.arange(len(ids))
-    return lm.model(b, kv, attn).double()
+    return lm.model(b, kv, attn, make_layer_runner(lm.model, kv, attn, lm.cpu_kernels)).double()
 
 
 def quality_table(model: str | None, names: list[str]) -> str:

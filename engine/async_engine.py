@@ -48,6 +48,8 @@ class AsyncEngine:
         self.prompts = prompt_builder
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        if core.tiers is not None:
+            core.tiers.wake = self._wake.set  # a finished restore wakes an idle step loop
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._cancelled: set[str] = set()  # aborted while their stream is registered
         self._lock = threading.Lock()
@@ -387,6 +389,7 @@ class AsyncEngine:
             with self._lock:
                 self._closed = True  # generate() aborts what it would add from now on
             self._abort_inbox()
+            self.core.close()  # the KV tiers write what they have queued
 
     def _abort_inbox(self) -> None:
         """After the last step: requests submitted but never added end with ``abort``."""
@@ -425,6 +428,9 @@ class AsyncEngine:
                 continue
             self._publish_stats()  # before delivery: whoever sees an output sees these counters
             self._deliver_step(outputs)
+            if not outputs and self.core.waiting_on_tiers:  # sleep until a restore is done
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
 
     def _fail_all(self, exc: Exception) -> None:
         """After a failed step, end every live request with an engine error, freeing blocks."""

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError, EngineError
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
+from engine.tiers.disk import default_disk_dir
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,8 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="activations (and unquantized weights); auto: the fastest sound format for the device "
                         "(docs/benchmarks.md); float32 alone is the exact mode, token for token as transformers "
                         "(default: %(default)s)")
-    p.add_argument("--quantization", default=d.quantization, choices=["auto", "int8", "none"],
-                   help="weight-only int8 with one scale per output row, or none (default: %(default)s)")
+    p.add_argument("--quantization", default=d.quantization,
+                   choices=["auto", "int8", "int4", "int4-sym", "none"],
+                   help="weight-only int8 with one scale per output row; int4: 4-bit in groups of 32 with a "
+                        "scale and an offset each (int4-sym: a scale only), on the CPU kernels; or none "
+                        "(default: %(default)s: docs/cpu_kernels.md)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache element type (default: %(default)s: bfloat16 on the CPU kernels, else the dtype)")
     p.add_argument("--speculative", default=d.speculative, choices=["auto", "ngram", "off"],
@@ -46,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="n-gram sizes looked up, longest first (default: %(default)s)")
     p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch,
                    help="speculate only while at most this many requests decode at once (default: %(default)s)")
+    p.add_argument("--cpu-isa", default=os.environ.get("CHATSERVE_CPU_ISA", d.cpu_isa),
+                   choices=["auto", "portable", "avx2", "avxvnni", "avx512"],
+                   help="instruction set the CPU kernels are built for (default: $CHATSERVE_CPU_ISA or %(default)s: "
+                        "the best the CPU has)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="run torch's ops instead of the engine's CPU kernels (slower; for comparisons)")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto (default: %(default)s)")
@@ -54,8 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_bytes / 2**30,
                    help="KV cache budget in GiB on the CPU (default: %(default)s)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
-                   help="share of GPU memory the engine may use, weights and KV cache together "
-                        "(default: %(default)s)")
+                   help="share of the GPU memory free after the weights are loaded that the KV "
+                        "cache takes (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the model's own)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -63,6 +71,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="requests running at once at most; more wait in line (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="the disk KV tier's folder: cached prompt pages survive eviction and restarts "
+                        "(KV_DISK_DIR; default: $CHATSERVE_CACHE/kv, else ~/.cache/chatserve/kv)")
+    p.add_argument("--kv-disk-gib", type=float, default=None,
+                   help="most GiB the disk KV tier keeps (default: 8, at most half the free disk)")
+    p.add_argument("--no-kv-disk", action="store_true",
+                   help="turn the disk KV tier off (so does KV_DISK=off, unless --kv-disk-dir is given)")
     p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"],
                    help="waiting requests in arrival order (fcfs) or longest cached prefix first (lpm) "
                         "(default: %(default)s)")
@@ -95,9 +110,19 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs, threads=a.threads, seed=a.engine_seed,
         quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=not a.no_cpu_kernels,
-        speculative=a.speculative, num_draft_tokens=a.num_draft_tokens, spec_ngram_min=ngram[0],
-        spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch,
+        cpu_isa=a.cpu_isa, speculative=a.speculative, num_draft_tokens=a.num_draft_tokens,
+        spec_ngram_min=ngram[0], spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch,
+        kv_disk_dir=_kv_disk_dir(a),
+        kv_disk_bytes=int(a.kv_disk_gib * 2**30) if a.kv_disk_gib is not None else None,
     )
+
+
+def _kv_disk_dir(a: argparse.Namespace) -> str | None:
+    """The disk KV tier's folder: ``--kv-disk-dir``, else ``KV_DISK_DIR``, else the default;
+    None (off) with ``--no-kv-disk``, or with ``KV_DISK=off`` when no folder is named."""
+    if a.no_kv_disk or (a.kv_disk_dir is None and os.environ.get("KV_DISK", "").lower() == "off"):
+        return None
+    return str(a.kv_disk_dir or os.environ.get("KV_DISK_DIR") or default_disk_dir())
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

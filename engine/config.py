@@ -111,17 +111,28 @@ class EngineConfig:
         cache_dir: where converted default-model weights are kept.
         threads: torch intra-op threads on CPU (None leaves torch's default).
         seed: seed of the engine's generator for unseeded sampled requests.
-        quantization: "auto", None (or "none": weights in ``dtype``) or "int8": weight-only
-            int8 with one scale per output row (``engine.models.quant``).
+        quantization: "auto", None (or "none": weights in ``dtype``), "int8": weight-only
+            int8 with one scale per output row, or "int4" / "int4-sym": 4-bit weights in
+            groups of 32 with a scale and an offset (a scale only) per group, on the CPU kernels
+            (``engine.models.quant``).
         kv_cache_dtype: "auto" or a dtype name: the KV cache's element type.
         cpu_kernels: use the engine's CPU kernels (``engine/cpu``) where the format allows
             (float32 activations over quantized weights); False keeps torch's ops (the
             reference the kernels are tested against).
+        cpu_isa: the instruction set the CPU kernels are built for: "auto" (the best the
+            CPU lists) or one of ``engine.cpu.build.ISAS`` ("avx2" runs the AVX2-only
+            machines' paths on an AVX-512 one).
         speculative: "auto" (n-gram speculation on the CPU, off elsewhere), "ngram" or
             "off" (``engine.spec``; it never changes the output, only the speed).
         num_draft_tokens: most draft tokens verified per request per step.
         spec_ngram_min, spec_ngram_max: n-gram sizes matched against the request's tokens.
         spec_max_batch: speculate only while at most this many requests decode in a step.
+        kv_disk_dir: the disk KV tier's store directory (``engine.tiers``): pages of the
+            prefix cache are written there and restored from it, across evictions and
+            restarts; None turns the tier off (``python -m engine serve`` defaults it on,
+            to ``engine.tiers.disk.default_disk_dir()``).
+        kv_disk_bytes: the most bytes the disk tier keeps; None follows
+            ``engine.tiers.disk.default_disk_bytes`` (8 GiB, at most half the free disk).
 
     Raises:
         ConfigError: a setting is out of range or unknown (from ``__post_init__``).
@@ -147,11 +158,14 @@ class EngineConfig:
     quantization: str | None = "auto"
     kv_cache_dtype: str = "auto"
     cpu_kernels: bool = True
+    cpu_isa: str = "auto"
     speculative: str = "auto"
     num_draft_tokens: int = 8
     spec_ngram_min: int = 2
     spec_ngram_max: int = 3
     spec_max_batch: int = 4
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -169,16 +183,22 @@ class EngineConfig:
             raise ConfigError("schedule_policy must be 'fcfs' or 'lpm'")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ConfigError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu'")
-        if self.quantization not in (None, "none", "auto", "int8"):
-            raise ConfigError(f"quantization must be 'auto', 'int8' or 'none', got {self.quantization!r}")
-        if self.quantization == "int8" and self.dtype == "float16":
+        if self.quantization not in (None, "none", "auto", "int8", "int4", "int4-sym"):
+            raise ConfigError(f"quantization must be 'auto', 'int8', 'int4', 'int4-sym' or 'none', "
+                              f"got {self.quantization!r}")
+        if self.cpu_isa not in ("auto", "portable", "avx2", "avxvnni", "avx512"):
+            raise ConfigError(f"cpu_isa must be 'auto', 'portable', 'avx2', 'avxvnni' or 'avx512', "
+                              f"got {self.cpu_isa!r}")
+        if self.quantization in ("int8", "int4", "int4-sym") and self.dtype == "float16":
             # x @ Q^T over integer-valued weights can pass float16's 65504 before the scale.
-            raise ConfigError("int8 weights compute in bfloat16 or float32, not float16")
+            raise ConfigError(f"{self.quantization} weights compute in bfloat16 or float32, not float16")
         if self.speculative not in ("auto", "ngram", "off"):
             raise ConfigError(f"speculative must be 'auto', 'ngram' or 'off', got {self.speculative!r}")
         if self.num_draft_tokens < 1 or self.spec_max_batch < 1 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ConfigError("num_draft_tokens and spec_max_batch must be >= 1, and "
                               "1 <= spec_ngram_min <= spec_ngram_max")
+        if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
+            raise ConfigError("kv_disk_bytes must be >= 1")
         if not (0 < self.gpu_memory_fraction <= 1):
             raise ConfigError("gpu_memory_fraction must be in (0, 1]")
 

@@ -31,6 +31,7 @@ from engine.spec.ngram import TokenHistory, propose
 from engine.spec.policy import SpecConfig
 from engine.structured.compiler import Constraint, GrammarCompiler
 from engine.structured.vocab import Vocabulary
+from engine.tiers.manager import tiers_for
 from engine.tools.formats import ToolFormat, tool_format_for
 from engine.tools.grammar import tool_grammar
 from engine.tools.spec import ToolRequest
@@ -68,6 +69,7 @@ class EngineCounters:
     requests_total: int = 0
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
+    cached_disk_tokens_total: int = 0  # of those, restored from the disk tier
     completion_tokens_total: int = 0
     steps_total: int = 0
     aborted_total: int = 0
@@ -127,10 +129,12 @@ class EngineCore:
         self.pool = BlockPool(num_blocks)
         # events: the pages it stores and evicts, named for the gateways' prefix index
         self.cache = RadixCache(self.pool, config.block_size, enabled=config.enable_prefix_cache, events=True)
+        # the KV tiers beneath the pool (None: off); their pages are named like the tree's
+        self.tiers = tiers_for(config, model_config, namespace, kv.k_caches, kv.v_caches)
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                             config.schedule_policy),
-            self.pool, self.cache,
+            self.pool, self.cache, self.tiers,
         )
         self.runner = ModelRunner(model, model_config, kv, config, device, cpu_kernels)
         self.spec = spec_config(config, device)
@@ -502,6 +506,7 @@ class EngineCore:
         cached = max(req.num_cached_tokens, 0)
         c.prompt_tokens_total += len(req.prompt_ids)
         c.cached_tokens_total += cached
+        c.cached_disk_tokens_total += min(req.num_disk_tokens, cached)
         c.completion_tokens_total += n_out
         c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
         ttft = (req.first_token_s - req.arrival_s) * 1000 if req.first_token_s else 0.0
@@ -512,7 +517,8 @@ class EngineCore:
             logprobs=req.pending_logprobs or None, finished=True, finish_reason=reason,
             stop_reason=stop_reason, tool_calls=req.pending_tool_calls or None, output_tool_calls=calls,
             prompt_logprobs=self._prompt_logprobs_once(req),
-            usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out),
+            usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out,
+                        cached_disk_tokens=min(req.num_disk_tokens, cached)),
             timings=Timings(ttft_ms=round(ttft, 3), tpot_ms=round(tpot, 3),
                             e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),
                             **_step_timings(req, n_out)),
@@ -542,12 +548,15 @@ class EngineCore:
             "aborted_total": c.aborted_total,
             "prompt_tokens_total": c.prompt_tokens_total,
             "cached_tokens_total": c.cached_tokens_total,
+            "cached_disk_tokens_total": c.cached_disk_tokens_total,
             "completion_tokens_total": c.completion_tokens_total,
             "steps_total": c.steps_total,
             "spec_drafted_total": c.spec_drafted_total,
             "spec_accepted_total": c.spec_accepted_total,
             "spec_steps_total": c.spec_steps_total,
             "invariant_failures_total": c.invariant_failures_total,
+            "restoring": len(self.scheduler.restoring),
+            **(self.tiers.stats() if self.tiers is not None else {}),
         }
 
     def check_invariants(self) -> None:
@@ -572,6 +581,18 @@ class EngineCore:
             if self.counters.invariant_failures_total == 1:
                 log.error("engine invariant failed: %s; state: %s", e, self.stats())
             raise
+
+    @property
+    def waiting_on_tiers(self) -> bool:
+        """Nothing runs and a restore is in flight: the step loop may sleep until the
+        tiers wake it (``KVTiers.wake``)."""
+        return bool(self.scheduler.restoring) and not self.scheduler.running
+
+    def close(self) -> None:
+        """Stop the KV tiers' threads after writing what they have queued (a few seconds
+        at most); call once the step loop has stopped."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def evict_all(self) -> int:
         """Evict every unlocked cached page; returns blocks freed."""

@@ -32,10 +32,10 @@ class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
-class ConfigError(EngineError):
-    """A setting of the engine is invalid (``EngineConfig``, a command-line option, an
-    environment variable, a KV budget that holds no block). Raised at start-up, never
-    for a request; the CLI prints its message on one line."""
+class ConfigError(EngineError, ValueError):
+    """A setting is invalid (the engine's ``EngineConfig``, the gateway's ``GatewayConfig``,
+    a command-line option, an environment variable, a KV budget that holds no block).
+    Raised at start-up, never for a request; the CLIs print its message on one line."""
 
     code = "config_error"
 

@@ -5,10 +5,17 @@ concrete ones. The rule, from measurements in ``docs/benchmarks.md``
 (``bench/decode_step.py``):
 
 * CUDA: bfloat16 weights, activations and KV cache.
-* CPU, when the engine's CPU kernels load (a C compiler is present; ``engine/cpu``):
-  int8 weights with one scale per output row, float32 activations, a bfloat16 KV
-  cache. A decode step reads a quarter of float32's weight bytes and half the KV
-  bytes, and the kernels read them in place, on any x86-64 CPU (AVX2 fast paths).
+* CPU, when the engine's CPU kernels load (a C compiler is present; ``engine/cpu``)
+  with vector byte products (AVX2, AVX-VNNI or AVX-512 VNNI): 4-bit weights in groups
+  of 32 with a float16 scale and offset each (``DEFAULT_4BIT``, "int4"; the embedding and
+  LM head int8; the symmetric "int4-sym" without offsets reads 10% fewer bytes but moved
+  SmolLM2-135M's log-likelihood by 0.14 nats),
+  float32 activations (quantized to int8 blocks inside the products), a bfloat16 KV
+  cache. The fastest format whose mean log-likelihood shift against float32 stays under
+  0.06 nats on ``bench/decode_step.py --quality`` (docs/cpu_kernels.md has the figures).
+* CPU with the kernels but no AVX2 (portable C): int8 weights with one scale per output
+  row, float32 activations, a bfloat16 KV cache (4-bit decoding costs more than it saves
+  there).
 * CPU without the kernels: int8 weights with bfloat16 activations where the CPU
   computes bfloat16 natively (AVX-512 BF16 or AMX: torch's int8 kernel needs
   bfloat16 activations, and is fast only there), else float32.
@@ -29,6 +36,11 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 
+# The 4-bit format "auto" picks where the kernels multiply 4-bit weights fast, and the
+# 4-bit names (engine.models.quant.QUANTIZATIONS).
+DEFAULT_4BIT = "int4"
+FOUR_BIT = ("int4", "int4-sym")
+
 
 @dataclass(frozen=True)
 class ServingFormat:
@@ -36,7 +48,8 @@ class ServingFormat:
 
     Attributes:
         dtype: activations (and unquantized weights): "float32", "bfloat16" or "float16".
-        quantization: None or "int8" (weight-only, one scale per output row).
+        quantization: None, "int8" (weight-only, one scale per output row), "int4" or
+            "int4-sym" (4-bit in groups of 32, a scale and an offset, or a scale only, per group).
         kv_cache_dtype: the KV cache's element type.
         cpu_kernels: the engine's own CPU kernels run the layers and attention.
     """
@@ -72,11 +85,20 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def kernels_available() -> bool:
-    """True when the CPU kernel library builds and loads (``engine.cpu``)."""
+def kernels_available(isa: str = "auto") -> bool:
+    """True when the CPU kernel library builds and loads for ``isa`` (``engine.cpu``)."""
     from engine.cpu.ops import cpu_kernels
 
-    return cpu_kernels() is not None
+    return cpu_kernels(isa) is not None
+
+
+def kernels_4bit_fast(isa: str = "auto") -> bool:
+    """True when the kernels for ``isa`` multiply 4-bit weights with vector byte products
+    (AVX2's maddubs or VNNI): where they do not (portable C), int8 is the faster format."""
+    from engine.cpu.ops import cpu_kernels
+
+    k = cpu_kernels(isa)
+    return k is not None and k.q4_level >= 1
 
 
 def resolve_format(config: EngineConfig) -> ServingFormat:
@@ -94,12 +116,22 @@ def resolve_format(config: EngineConfig) -> ServingFormat:
         dtype = "bfloat16" if dtype == "auto" else dtype
         quant = None if quant == "auto" else quant
         kernels = False
+        if quant in FOUR_BIT:
+            raise ConfigError(f"{quant} weights run on the CPU kernels only, not on {device.type}")
     else:
-        kernels_ok = config.cpu_kernels and kernels_available()
+        kernels_ok = config.cpu_kernels and kernels_available(config.cpu_isa)
         if quant == "auto":
-            quant = "int8" if dtype == "auto" and (kernels_ok or cpu_has_native_bf16()) else None
+            if dtype == "auto" and kernels_ok and kernels_4bit_fast(config.cpu_isa):
+                quant = DEFAULT_4BIT
+            else:
+                quant = "int8" if dtype == "auto" and (kernels_ok or cpu_has_native_bf16()) else None
         if dtype == "auto":
             dtype = "float32" if (quant is None or kernels_ok) else "bfloat16"
+        if quant in FOUR_BIT and not kernels_ok and config.cpu_kernels:
+            raise ConfigError(f"{quant} weights need the engine's CPU kernels, which could not be built "
+                              "(is gcc installed?); use --quantization int8")
+        if quant in FOUR_BIT and dtype != "float32":
+            raise ConfigError(f"{quant} weights run on the CPU kernels with float32 activations, not {dtype}")
         if quant == "int8" and dtype == "float32" and not kernels_ok and config.cpu_kernels:
             # (with cpu_kernels False this is the slow torch reference path that tests compare against)
             raise ConfigError("int8 weights with float32 activations need the engine's CPU kernels, which "

@@ -335,7 +335,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             model.quantize_(config.quantization)
         if device.type == "cuda":  # hand the float weights' memory back before KV sizing
             torch.cuda.empty_cache()
-    kernels = cpu_kernels() if fmt.cpu_kernels else None
+    kernels = cpu_kernels(config.cpu_isa) if fmt.cpu_kernels else None
     if kernels is not None:
         model.use_cpu_kernels(kernels)
     log.info("%s: %d layers, %.0fM parameters, %.0f MiB of weights, context %d tokens, %s; ready in %.1f s",

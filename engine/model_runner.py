@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu.ops import CpuKernels
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
+from engine.models.llama import LayerRunner
 from engine.outputs import TokenLogprob
 from engine.sampler import LOGPROB_FLOOR, PenaltyState, Sampler, SamplerOutput, noise_key
 from engine.sampling_params import SamplingParams
@@ -55,6 +56,22 @@ def make_attention_backend(name: str, device: torch.device, cpu_kernels: CpuKern
     return TorchAttentionBackend()
 
 
+def make_layer_runner(model: torch.nn.Module, kv: KVCache, attn: AttentionBackend,
+                      cpu_kernels: CpuKernels | None) -> LayerRunner | None:
+    """How the model's decoder layers run: None (the model's own loop, one op at a
+    time), or, on the CPU kernels with their attention backend and every projection
+    packed (``engine.cpu.fused.can_fuse``), one kernel call per layer (``FusedLayers``).
+    Both compute the same logits bit for bit."""
+    if cpu_kernels is None or attn.name != "cpu":
+        return None
+    from engine.cpu.fused import FusedLayers, can_fuse
+    from engine.models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM) or not can_fuse(model):
+        return None
+    return FusedLayers(model, kv, cpu_kernels)
+
+
 class ModelRunner:
     """Owns the model, its KV cache, the attention backend and the sampler.
 
@@ -83,6 +100,7 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.device = device
         self.attn = make_attention_backend(engine_config.attention_backend, device, cpu_kernels)
+        self.layers = make_layer_runner(model, kv, self.attn, cpu_kernels)
         self.sampler = Sampler(model_config.vocab_size, device, seed=engine_config.seed)
         self._masks: MaskFiller | None = None  # made at the first constrained step
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
@@ -135,7 +153,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         self.attn.prepare(batch)
-        return self.model(batch, self.kv, self.attn)
+        return self.model(batch, self.kv, self.attn, self.layers)
 
     @torch.inference_mode()
     def execute(self, sched: ScheduledBatch) -> SamplerOutput | None:

@@ -97,7 +97,8 @@ class RequestOutput:
 
     A delta carries the new ``text`` and ``token_ids`` since the previous item
     (``finished`` False). The final item has ``finished`` True, may itself carry
-    text and tokens decoded in the finishing step (docs/acceptance.md), and holds
+    text and tokens decoded in the finishing step (docs/acceptance.md#the-finishing-steps-tokens-are-delivered), and
+    holds
     ``finish_reason`` ("stop", "length" or "abort"), ``usage``, ``timings``, the
     full ``output_text`` and ``output_token_ids`` and the ``prompt_token_ids``
     that were run.

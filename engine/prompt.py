@@ -265,7 +265,8 @@ class PromptBuilder:
 
         Two cases: (a) the rendered prompt starts with the prefix's text: the rest
         follows; (b) the template renders past assistant turns differently from how
-        the model saw them (exact multi-turn token ids (docs/acceptance.md), e.g. thinking blocks dropped from history):
+        the model saw them (exact multi-turn token ids (docs/acceptance.md#exact-multi-turn-token-ids), e.g. thinking
+        blocks dropped from history):
         the prefix ids are replayed as they were, followed by what the template
         renders after the last assistant message's content (its end-of-turn text)
         and the new turn(s).

@@ -29,6 +29,10 @@ from typing import Any
 # 7: raw prompts, tools and tool calls, continue_final_message, output constraints, logit
 # bias, named logprobs and prompt logprobs
 PROTOCOL_VERSION = 7
+# The engine link's shared secret: an engine whose environment sets SECRET_ENV refuses a
+# connection that does not send the same value in SECRET_HEADER (HTTP 403).
+SECRET_ENV = "ENGINE_SECRET"
+SECRET_HEADER = "X-Engine-Secret"
 
 
 class FrameError(ValueError):
@@ -51,6 +55,7 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     completion_tokens: int = 0
+    cached_disk_tokens: int = 0  # of cached_tokens, those restored from the disk KV tier (the rest: the pool)
 
 
 @dataclass
@@ -473,7 +478,8 @@ def _item(d: dict[str, Any]) -> ReplyItem:
         return DeltaFrame(rid, text, ids, logprobs, trim, tool_calls, prompt_logprobs)
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
-        u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")})
+        u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens",
+                                                               "cached_disk_tokens")})
         t = Timings(ttft_ms=float(timings.get("ttft_ms", 0.0)), tpot_ms=float(timings.get("tpot_ms", 0.0)),
                     e2e_ms=float(timings.get("e2e_ms", 0.0)), queue_ms=float(timings.get("queue_ms", 0.0)),
                     draft_tokens=int(timings.get("draft_tokens", 0)),

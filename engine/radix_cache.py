@@ -53,7 +53,7 @@ Rules:
   ``blocks``, then ``unlock`` its old node and ``decref`` its own blocks of those
   pages (some of them were duplicates of pages the tree already had).
 
-Accounting identity (the engine checks it when idle; block accounting (docs/acceptance.md))::
+Accounting identity (the engine checks it when idle; block accounting (docs/acceptance.md#block-accounting))::
 
     pool.num_free + cache.num_evictable_blocks + |blocks held by running requests|
         == pool.num_blocks

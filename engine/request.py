@@ -31,6 +31,7 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = "waiting"
+    RESTORING = "restoring"  # waiting for the KV tiers to load pages into its blocks
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -52,6 +53,10 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the cache (tokens).
         num_cached_tokens: prompt tokens served by the prefix cache at first
             admission (reported as usage.cached_tokens).
+        num_disk_tokens: of ``num_cached_tokens``, the tokens restored from the disk tier
+            (the rest came from the pool).
+        restore_tried: it asked the KV tiers for its pages once already.
+        restore_job: its restore in flight (``engine.tiers.manager.LoadJob``), or None.
         num_tree_blocks: leading entries of block_table that the radix tree also holds.
         tree_node: the deepest radix node this request has locked (or None).
         detok: its incremental detokenizer (engine.detokenizer.IncrementalDetokenizer).
@@ -85,6 +90,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
+    num_disk_tokens: int = 0
+    restore_tried: bool = False
+    restore_job: Any = None
     num_tree_blocks: int = 0
     tree_node: Any = None
     detok: Any = None

@@ -319,7 +319,7 @@ class Sampler:
             z: float32 ``[S, V]`` finite (penalised) logits of the sampling rows ``rows``.
         Returns:
             float32 ``[S, V]`` scaled logits whose max per row is 0 (the top token always
-            survives, so no row is ever empty: sampling edge values (docs/acceptance.md)).
+            survives, so no row is ever empty: sampling edge values (docs/acceptance.md#sampling-edge-values)).
         """
         ps = [params[b] for b in rows]
         # Subtracting the max first keeps (z - max) / T finite for T >= GREEDY_EPS.

@@ -5,7 +5,7 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
 1. Running requests first, oldest first: a decode costs one token; an
    unfinished prefill takes the next chunk that fits. Running work is served
    before any new prompt, so a stream of arriving prompts can delay a decode by
-   at most one step of bounded size, never starve it (no decode starvation (docs/acceptance.md)).
+   at most one step of bounded size, never starve it (no decode starvation (docs/acceptance.md#no-decode-starvation)).
 2. Then waiting requests (FCFS, or longest prefix match first with "lpm"):
    match the prompt in the radix tree, lock the match, allocate blocks for the
    first chunk, and admit. A waiting request whose next uncached page is being
@@ -15,6 +15,11 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
    admitted meanwhile. SGLang's scheduler does the same ("in-batch prefix caching":
    a waiting request that shares a prefix with one in the running batch is
    deprioritized so that it hits the cache a round later).
+   A waiting request whose prompt goes on past the tree's match into the KV tiers
+   (``engine.tiers``) first restores: it reserves blocks for the pages the tier holds
+   and waits, out of the queue and holding no budget, while the tier's reader loads
+   them; then its pages go into the tree and it is back at the head of the queue,
+   where its admission matches them. Everyone else keeps running meanwhile.
 
 When blocks run out the scheduler first evicts unlocked tree pages (LRU);
 if that is not enough it preempts the newest running request (frees its blocks
@@ -33,8 +38,9 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from engine.errors import InvariantError
-from engine.radix_cache import RadixCache
+from engine.radix_cache import RadixCache, as_scope
 from engine.request import Request, RequestStatus
+from engine.tiers.manager import KVTiers, page_refs
 
 
 @dataclass
@@ -95,12 +101,16 @@ class Scheduler:
     requests that end. ``abort`` and ``finish`` release blocks at once.
     """
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, cache: RadixCache) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, cache: RadixCache,
+                 tiers: KVTiers | None = None) -> None:
         self.config = config
         self.pool = pool
         self.cache = cache
+        self.tiers = tiers
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # waiting for the tiers to load pages into the blocks they hold (``_try_restore``)
+        self.restoring: list[Request] = []
         self.num_preemptions = 0
         self.num_deferred = 0  # admissions put off for a prefill in flight (request-steps)
 
@@ -111,13 +121,22 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        """True while any request waits, restores or runs."""
+        return bool(self.waiting or self.running or self.restoring)
 
     def remove(self, req: Request) -> None:
-        """Take a request out of the queues and release all its blocks (abort or finish)."""
+        """Take a request out of the queues and release all its blocks (abort or finish);
+        a request mid-restore drops its restore (the reader's result is ignored)."""
         if req in self.running:
             self.running.remove(req)
+        elif req in self.restoring:
+            self.restoring.remove(req)
+            if req.restore_job is not None:
+                req.restore_job.cancelled = True
+                req.restore_job = None
+            self._release(req, cache_pages=False)
+            req.status = RequestStatus.FINISHED
+            return
         else:
             try:
                 self.waiting.remove(req)
@@ -169,6 +188,10 @@ class Scheduler:
                 self.pool.decref([req.block_table[i]])
                 req.block_table[i] = b
         req.num_tree_blocks = len(inserted.blocks)
+        if self.tiers is not None and self.tiers.active and inserted.num_new_tokens:
+            first = inserted.num_existing_tokens // bs
+            refs = page_refs(tokens, as_scope(req.namespace), bs, first, n_full)
+            self.tiers.store_pages(refs, inserted.blocks[first:])
 
     def _release(self, req: Request, cache_pages: bool) -> None:
         """Drop every block reference and tree lock the request holds."""
@@ -199,6 +222,8 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        if self.tiers is not None and self.restoring:
+            self._finish_restores()
 
         # 1. Running requests, oldest first; preempt the newest when out of blocks. A
         # decoding request's drafts (``req.spec_drafts``) ride along while the budget lasts.
@@ -233,6 +258,9 @@ class Scheduler:
                 break  # preempted this step: it needs the blocks we could not find
             if prefilling and self._prefill_in_flight(req, prefilling):
                 deferred.append(self.waiting.popleft())  # next step, from the tree
+                continue
+            if self.tiers is not None and not req.restore_tried and self._try_restore(req):
+                self.waiting.popleft()
                 continue
             if not self._admit(req, budget):
                 break
@@ -284,11 +312,73 @@ class Scheduler:
         req.tree_node = match.node
         req.num_tree_blocks = len(match.blocks)
         req.num_computed_tokens = match.num_tokens
-        if req.num_cached_tokens < 0:  # first admission: report the cache hit
+        if req.num_cached_tokens < 0:  # first admission: report the cache hit (restored pages included)
             req.num_cached_tokens = match.num_tokens
+            req.num_disk_tokens = min(req.num_disk_tokens, match.num_tokens)
         if req.first_scheduled_s is None:
             req.first_scheduled_s = time.monotonic()
         return True
+
+    # ----- restores from the KV tiers ------------------------------------------------
+    def _try_restore(self, req: Request) -> bool:
+        """Start restoring the pages past the tree's match that the tiers hold (once per
+        request): reserve a block for each, lock the match, and park the request in
+        ``restoring``. False when there is nothing to restore or no blocks for it (the
+        request is then admitted as usual and recomputes)."""
+        assert self.tiers is not None
+        req.restore_tried = True
+        if not self.tiers.active or not self.cache.enabled or req.wants_prompt_logprobs:
+            return False
+        bs = self.config.block_size
+        tokens = req.all_ids()
+        match = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1)
+        have, want = len(match.blocks), (len(tokens) - 1) // bs
+        if want <= have:
+            return False
+        refs = page_refs(tokens, as_scope(req.namespace), bs, have, want)
+        n = self.tiers.probe(refs)
+        if n == 0:
+            return False
+        self.cache.lock(match.node)  # protect the match from the eviction below
+        blocks = self._allocate(n)
+        if blocks is None:
+            self.cache.unlock(match.node)
+            return False
+        self.pool.incref(match.blocks)
+        req.block_table = list(match.blocks) + blocks
+        req.tree_node = match.node
+        req.num_tree_blocks = have
+        req.num_computed_tokens = have * bs
+        req.status = RequestStatus.RESTORING
+        req.restore_job = self.tiers.load(req, refs[:n], blocks)
+        self.restoring.append(req)
+        return True
+
+    def _finish_restores(self) -> None:
+        """Put the pages of finished restores into the tree and their requests back at the
+        head of the queue (in the order they finished). Pages the reader could not serve
+        (missing, corrupt) and everything after them go back to the pool: recomputed."""
+        assert self.tiers is not None
+        bs = self.config.block_size
+        back: list[Request] = []
+        for job in self.tiers.poll():
+            req = job.request
+            if req not in self.restoring or req.restore_job is not job:
+                continue
+            self.restoring.remove(req)
+            req.restore_job = None
+            k = len(job.pages_kv)
+            self.tiers.scatter(job)
+            if k:
+                req.num_computed_tokens = (req.num_tree_blocks + k) * bs
+                before = req.num_tree_blocks
+                self.cache_computed_pages(req)
+                if req.num_cached_tokens < 0:  # reported at its first admission
+                    req.num_disk_tokens = (req.num_tree_blocks - before) * bs
+            self._release(req, cache_pages=False)
+            req.status = RequestStatus.WAITING
+            back.append(req)
+        self.waiting.extendleft(reversed(back))
 
     def _sort_waiting_by_prefix(self) -> None:
         """Longest-prefix-match policy: longest cached prefix first, arrival order on ties."""
@@ -325,14 +415,19 @@ class Scheduler:
 
     # ----- accounting ---------------------------------------------------------------
     def blocks_held_by_requests(self) -> int:
-        """Distinct blocks referenced by running requests (counted once)."""
+        """Distinct blocks referenced by running requests and by requests restoring pages
+        into them (counted once)."""
         held: set[int] = set()
         for r in self.running:
+            held.update(r.block_table)
+        for r in self.restoring:
             held.update(r.block_table)
         return len(held)
 
     def check_invariants(self) -> None:
-        """free + evictable + held by running requests == total (block accounting (docs/acceptance.md)).
+        """free + evictable + held by running and restoring requests == total (block
+        accounting (docs/acceptance.md#block-accounting)); blocks that pages are being restored into count
+        as held.
 
         Raises:
             InvariantError: with the four numbers, when the identity fails (or from the

@@ -29,6 +29,8 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.outputs import GenerateRequest, RequestOutput, TokenLogprob
 from engine.prompt import validate_messages
 from engine.protocol import (
+    SECRET_ENV,
+    SECRET_HEADER,
     AbortFrame,
     DeltaFrame,
     DoneFrame,
@@ -59,8 +61,6 @@ log = logging.getLogger(__name__)
 DRAIN_S = 2.0  # at shutdown, how long the final frames may take to go out (s)
 # Far above any prompt the context allows; the gateway enforces the user-facing limit.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-SECRET_ENV = "ENGINE_SECRET"  # when set, clients must send it in SECRET_HEADER
-SECRET_HEADER = "X-Engine-Secret"
 
 
 def logprob_dicts(logprobs: list[TokenLogprob], vocab: Vocabulary | None) -> list[dict[str, Any]]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine.errors import ConfigError as ConfigError  # re-exported: one error for every bad setting
 from engine.sampling_params import param_error
-from gateway.engines.routing import RoutingPolicy
 from gateway.replies.reasoning import ThinkMarkers
 
 MIB = 1 << 20
@@ -29,8 +29,64 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-class ConfigError(ValueError):
-    """An option has an invalid value (raised on construction)."""
+# JSON longer than this (characters of a frame, bytes of a request body) is encoded or decoded
+# in a worker thread, so one huge frame does not hold up every other socket on the event loop.
+BIG_FRAME_CHARS = 256 * 1024
+
+
+POLICIES = ("cache_aware", "sticky", "hash", "round_robin", "random")
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """Which rule routes, and its weights (``gateway/engines/routing.py`` applies it).
+
+    Attributes:
+        policy: one of ``POLICIES``: ``cache_aware`` (the default), ``sticky`` (home
+            unless overloaded), ``hash`` (rendezvous hashing of the chat id alone),
+            ``round_robin`` or ``random`` (baselines for the routing benchmark).
+        load_tokens: in ``cache_aware``, what one request of load (running or waiting)
+            weighs against prompt tokens still to compute (tokens). 0 ignores load (the
+            longest match wins, a new chat goes to its rendezvous home); with 16 a
+            chat's turn leaves an engine holding 160 more of its tokens only when that
+            engine carries 10 more requests (the shed test usually acts first). Chosen
+            with bench/routing_sim.py (64 engines, 10,000 users, loads 0.6-1.2: 16 and 64
+            within a point of each other, both ahead of hashing) and bench/routing.py
+            (two 1-thread CPU engines: 64 moved a busy user's later turns off their
+            history, hit ratio 0.42 against 0.65 at 16; docs/benchmarks.md).
+        max_index_pages: the most KV page hashes the gateway's prefix index keeps.
+        tokenizer: a folder with the engines' tokenizer and chat template, read by the
+            gateway to compute prompt ids for ``cache_aware`` (``gateway/engines/prompt_ids.py``);
+            None uses the folder the engines name in their hello when it is readable
+            here, else prompts are matched only by the chat's stored ids.
+        abs_threshold: requests (running + waiting) the chosen engine must carry beyond
+            the least-loaded engine before a request sheds. SGLang's router defaults are
+            sized for GPUs that batch hundreds of requests; 8 and 2.0 were chosen with
+            bench/routing_sim.py on CPU engines (4 and 1.5 shed so eagerly at 90% load
+            that moved chats re-read their histories and TTFT p99 doubled).
+        rel_threshold: and the home's load must exceed ``rel_threshold`` times the
+            least-loaded engine's.
+        max_stats_age_s: a stats snapshot older than this (seconds) is not trusted.
+        stats_interval_s: how often the gateway asks each engine for its stats while
+            it has more than one (seconds; 0 turns the refresh off).
+    """
+
+    abs_threshold: int = 8
+    rel_threshold: float = 2.0
+    max_stats_age_s: float = 10.0
+    stats_interval_s: float = 1.0
+    policy: str = "cache_aware"
+    load_tokens: float = 16.0
+    max_index_pages: int = 2_000_000
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.load_tokens < 0:
+            raise ValueError(f"routing load_tokens must be >= 0, got {self.load_tokens}")
+        if self.max_index_pages < 1:
+            raise ValueError(f"max_index_pages must be >= 1, got {self.max_index_pages}")
 
 
 # limits that may be None (no cap, or a derived default)
@@ -182,6 +238,8 @@ class GatewayConfig:
             address. Any other ``Host`` gets HTTP 400 (``trusted_hosts``).
         secret_key: signs the user cookie; None means read (or create) ``data_dir/secret_key``.
         api_key: when set, ``/v1`` requests must send ``Authorization: Bearer <key>``.
+        cors_origins: origins whose browser pages may call ``/v1`` (CORS, preflight
+            included; ``*`` allows any); empty (the default) sends no CORS headers.
         engine_secret: when set, sent to every engine on connect (``X-Engine-Secret``);
             an engine started with the same ``ENGINE_SECRET`` refuses connections without it.
             Never sent to an OpenAI-compatible upstream.
@@ -224,6 +282,7 @@ class GatewayConfig:
     allowed_hosts: tuple[str, ...] = ()
     secret_key: str | None = None
     api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
     engine_secret: str | None = None
     upstream_api_key: str | None = None
     upstream_max_model_len: int = 0
@@ -342,6 +401,7 @@ ENV_VARS: dict[str, str] = {
     "upstream_max_model_len": "UPSTREAM_MAX_MODEL_LEN",
     "secret_key": "SECRET_KEY",
     "api_key": "API_KEY",
+    "cors_origins": "CORS_ORIGINS",
     "data_dir": "DATA_DIR",
     "key_prefix": "KEY_PREFIX",
     "session_ttl_s": "SESSION_TTL_S",
@@ -393,7 +453,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = int(raw)
             elif name == "session_ttl_s":
                 changes[name] = int(raw) if int(raw) > 0 else None
-            elif name in ("engine_urls", "allowed_origins", "allowed_hosts"):
+            elif name in ("engine_urls", "allowed_origins", "allowed_hosts", "cors_origins"):
                 changes[name] = _split(raw)
             elif name == "engine_args":
                 changes[name] = tuple(shlex.split(raw))  # ValueError (bad quotes) -> ConfigError below

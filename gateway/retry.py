@@ -1,19 +1,24 @@
-"""One retry policy for the gateway: exponential backoff with jitter, bounded in time.
+"""One retry policy for the gateway: exponential backoff with jitter, bounded in time,
+and one reconnect loop built on it.
 
-Used by the engine connection loop (reconnects), the reply task's store writes, the
-socket tails' stream reads, the cancel listener and the local engine's supervisor
-(docs/architecture.md). Delays double from a first delay to a cap; the engine link adds
-+-50% jitter (many gateways must not reconnect in step).
+``retry`` bounds a repeatable operation in time (the reply task's store writes).
+``keep_connected`` is the one reconnect-with-backoff loop: the engine links, the cancel
+listener, live events and revocations run their connection through it, so each logs an
+outage once (and at most once a minute while it lasts) and its end once. The local
+engine's supervisor (a thread) uses ``Backoff`` directly. Delays double from a first
+delay to a cap; the engine links add +-50% jitter (many gateways must not reconnect in
+step). (docs/architecture.md)
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar
 
 from gateway.errors import GatewayError
 
@@ -78,3 +83,62 @@ async def retry(op: Callable[[], Awaitable[T]], *, budget_s: float, retryable: C
             if on_retry is not None:
                 on_retry(e)
         await b.sleep()
+
+
+@dataclass
+class Outage:
+    """How a link that reconnects logs its outages: the first failure, then at most once
+    every ``log_every_s`` seconds while it stays down (not once per retry), and its end.
+
+    A failure is logged at INFO while the link has been down less than ``warn_after_s``
+    seconds (an engine restarting is a second or two of refused connections), at WARNING
+    after. ``since`` is when the link went down (``time.monotonic()`` seconds), None while up.
+    """
+
+    name: str
+    log: logging.Logger
+    warn_after_s: float = 0.0
+    log_every_s: float = 60.0
+    since: float | None = None
+    _logged_at: float | None = field(default=None, repr=False)
+
+    def down(self, error: BaseException | None) -> None:
+        """The link failed with ``error`` (None: it closed without one, logged as nothing)."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        if error is None or (self._logged_at is not None and now - self._logged_at < self.log_every_s):
+            return
+        level = logging.WARNING if now - self.since >= self.warn_after_s else logging.INFO
+        self.log.log(level, "%s: %s; reconnecting in the background", self.name, str(error) or type(error).__name__)
+        self._logged_at = now
+
+    def up(self) -> None:
+        """The link is connected again (logs how long it was down, if it was)."""
+        if self.since is not None and self._logged_at is not None:
+            self.log.info("%s: back after %.0f s", self.name, time.monotonic() - self.since)
+        self.since, self._logged_at = None, None
+
+
+async def keep_connected(session: Callable[[Callable[[], None]], Awaitable[None]], *, outage: Outage,
+                         backoff: Backoff) -> NoReturn:
+    """Run ``session`` for ever, again after each failure, with ``backoff`` between tries.
+
+    ``session(connected)`` opens its link, calls ``connected()`` once the link is up (that
+    resets ``backoff`` and ends the outage), serves until the link fails or closes, and
+    cleans up after itself (``finally``). Its exceptions are the link failing: logged
+    through ``outage``, without a traceback. Ends only by cancellation.
+    """
+    def connected() -> None:
+        backoff.reset()
+        outage.up()
+
+    while True:
+        try:
+            await session(connected)
+            outage.down(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # any failure means "reconnect"
+            outage.down(e)
+        await backoff.sleep()

@@ -16,6 +16,8 @@ import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
 import { ContextMeter } from "./js/progress.js";
 import { ModelPicker } from "./js/models.js";
+import { AttachmentTray } from "./js/attachments.js";
+import { ShareDialog, TransferDialog } from "./js/share_dialog.js";
 
 import { wireBranches } from "./js/branches.js";
 import { fillShortcutRows, isMac, wireShortcuts } from "./js/shortcuts.js";
@@ -174,13 +176,16 @@ async function main(win) {
     input.style.height = `${Math.min(input.scrollHeight, 240)}px`;
   };
   let busy = false;
+  let tray = null;
   const refreshSend = () => {
-    sendBtn.disabled = busy || !input.value.trim();
+    const files = tray ? tray.files.length : 0;
+    sendBtn.disabled = busy || (tray && tray.busy()) || (!input.value.trim() && !files);
   };
   const onChange = (st) => {
     busy = st.busy;
     // "loading", or the open chat's id ("new" for an unsaved one) once its history is shown
     doc.body.dataset.chat = st.loaded ? st.id || "new" : "loading";
+    $("open-share").hidden = !st.id; // a chat not saved yet has nothing to share
     sendBtn.hidden = st.busy;
     stopBtn.hidden = !st.busy;
     stopBtn.disabled = st.stopping;
@@ -203,6 +208,7 @@ async function main(win) {
       input.value = st.restore;
       autosize();
     }
+    if (st.restoreFiles) tray.restore(st.restoreFiles);
     refreshSend();
   };
 
@@ -225,6 +231,12 @@ async function main(win) {
     onDelete: (id) => confirmDelete(id),
   });
   const meter = new ContextMeter($("context-meter"), Number(config.max_model_len) || 0);
+  tray = new AttachmentTray({ doc, list: $("attachment-chips"), fileInput: $("file-input"), button: $("attach"),
+    dropZone: $("main"), overlay: $("drop-overlay"), textarea: input, limits, notify, announce,
+    onChange: () => {
+      meter.setPending(tray.tokens());
+      refreshSend();
+    } });
   controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange, meter });
   let storage = null;
   try {
@@ -276,7 +288,11 @@ async function main(win) {
 
   const submit = async () => {
     const text = input.value;
-    if (!text.trim()) return;
+    if (!text.trim() && !tray.files.length) return;
+    if (tray.busy()) {
+      notify("A file is still being read; send once its chip shows its size.");
+      return;
+    }
     // Enter that cannot send says why (the text stays in the box).
     if (controller.isBusy()) {
       notify(BUSY_TEXT);
@@ -286,14 +302,17 @@ async function main(win) {
       notify(OFFLINE_TEXT);
       return;
     }
+    if (!controller.fitsContext(tray.tokens())) return;
     input.value = "";
     autosize();
+    const files = tray.take();
     refreshSend();
-    const sent = await controller.send(text);
+    const sent = await controller.send(text, files);
     if (!sent && !input.value) {
       input.value = text;
       autosize();
     }
+    if (!sent) tray.restore(files);
     refreshSend();
   };
 
@@ -366,6 +385,13 @@ async function main(win) {
   narrow.addEventListener("change", () => setSidebarOpen(false));
   $("open-settings").addEventListener("click", () => settings.open(controller.currentSettings(), controller.currentId));
   $("open-tokens").addEventListener("click", () => tokens.open());
+  const share = new ShareDialog({ doc, dialog: $("share-dialog"), api, origin: win.location.origin, announce });
+  $("open-share").addEventListener("click", () => {
+    if (controller.currentId) share.open(controller.currentId);
+  });
+  const transfer = new TransferDialog({ doc, dialog: $("transfer-dialog"), api,
+    onImported: () => controller.refreshList() });
+  $("open-transfer").addEventListener("click", () => transfer.open());
   const shortcutsDialog = $("shortcuts-dialog");
   fillShortcutRows($("shortcut-rows"), isMac(win.navigator));
   const showShortcuts = () => {

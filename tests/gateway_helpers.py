@@ -148,3 +148,27 @@ def openai_client(gw: Any, api_key: str = "unused", **kwargs: Any) -> Any:
     import openai
 
     return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)
+
+
+BLOCK = 16  # the engine fixture's --block-size
+
+
+async def stored(gw: Any, cookie: str, sid: str) -> dict:
+    """GET /api/sessions/{sid} as the cookie's user (must answer 200)."""
+    async with gw.http(cookie) as c:
+        r = await c.get(f"/api/sessions/{sid}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def token_messages(gw: Any, owner: str, sid: str) -> list[dict]:
+    """The stored messages with their token segments, read on the gateway's own loop."""
+    return gw.run(gw.app.state.store.messages(owner, sid, with_tokens=True))
+
+
+def uid_of(gw: Any, cookie: str) -> str:
+    """The user id the gateway's cookie names."""
+    from gateway.api.auth import UserIds
+    uid = UserIds(gw.config.secret_key).verify(cookie)
+    assert uid is not None
+    return uid

@@ -2,8 +2,9 @@
 
 Per-op kernel calls cost a few microseconds of Python and ctypes each, and a SmolLM2
 step makes about 270 of them: several milliseconds beside a 6 ms memory floor. So when
-every projection is packed int8 (``Int8Weight.use_kernels``), each layer's weights and
-cache pointers go into a C struct once, at load time, and a step fills one struct with
+every projection is packed on the kernels (int8 or 4-bit, ``use_kernels``), the model runner runs the
+layers through ``FusedLayers`` (a ``LayerRunner``): each layer's weights and cache
+pointers go into a C struct once, when it is built, and a step fills one struct with
 its batch and scratch buffers; the forward is then one call per layer, running the same
 equations as ``engine.models.llama.DecoderLayer``.
 
@@ -22,6 +23,7 @@ import torch
 
 from engine.cpu.ops import CpuKernels
 from engine.forward_batch import ForwardBatch
+from engine.models.quant import Int4Weight, Int8Weight, QuantWeight
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
@@ -32,24 +34,33 @@ class _Layer(Structure):
     _fields_ = [(n, c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")] + [
         ("eps", c_float), ("scale", c_float)] + [
         (n, c_void_p) for n in ("attn_norm", "mlp_norm", "qkv_w", "o_w", "gate_up_w", "down_w", "qkv_s", "o_s",
-                                "gate_up_s", "down_s", "qkv_b", "k_cache", "v_cache")]
+                                "gate_up_s", "down_s", "qkv_b", "k_cache", "v_cache")] + [("wfmt", c_int)]
 
 
 class _Step(Structure):
     _fields_ = [(n, c_int64) for n in ("T", "B", "max_blocks", "block_size")] + [
         (n, c_int) for n in ("kv_bf16", "nt", "first")] + [
         (n, c_void_p) for n in ("rope", "positions", "slots", "block_tables", "seq_lens", "query_start", "x",
-                                "residual", "normed", "qkv", "attn", "gate_up", "act", "xq", "xd")]
+                                "residual", "normed", "qkv", "attn", "gate_up", "act", "xq", "xd", "xs")]
+
+
+def weight_format(w: object) -> int | None:
+    """``cs_layer.wfmt`` of a projection on the kernels: 0 packed int8, 1 packed 4-bit
+    symmetric, 2 packed 4-bit with offsets; None when it is not packed on the kernels."""
+    if isinstance(w, Int8Weight) and w.packed is not None and w.kernels is not None:
+        return 0
+    if isinstance(w, Int4Weight) and w.packed is not None and w.kernels is not None:
+        return 1 if w.m is None else 2
+    return None
 
 
 def can_fuse(model: LlamaForCausalLM) -> bool:
-    """True when every layer's four projections are packed int8 weights on the kernels."""
-    from engine.models.quant import Int8Weight  # engine.models imports this module
-
+    """True when, in every layer, the four projections are packed on the kernels in one format."""
     for layer in model.decoder_layers():
-        for w in (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight):
-            if not isinstance(w, Int8Weight) or w.packed is None or w.kernels is None:
-                return False
+        fmts = {weight_format(w) for w in (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+                                           layer.mlp.down_weight)}
+        if len(fmts) != 1 or None in fmts:
+            return False
     return True
 
 
@@ -68,10 +79,8 @@ class FusedLayers:
     """
 
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, kernels: CpuKernels) -> None:
-        from engine.models.quant import Int8Weight  # engine.models imports this module
-
         if not can_fuse(model):
-            raise ValueError("every projection must be a packed int8 weight on the CPU kernels")
+            raise ValueError("every layer's projections must be packed on the CPU kernels, in one format")
         if kv.k_caches[0].dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the fused layers read float32 or bfloat16 caches, not {kv.k_caches[0].dtype}")
         fn = kernels.lib.cs_decoder_layer
@@ -86,19 +95,21 @@ class FusedLayers:
         self.layers: list[_Layer] = []
         for layer, k_cache, v_cache in zip(model.decoder_layers(), kv.k_caches, kv.v_caches):
             a, m = layer.attn, layer.mlp
-            weights: dict[str, Int8Weight] = {}
+            weights: dict[str, QuantWeight] = {}
             for name, w in (("qkv", a.qkv_weight), ("o", a.o_weight), ("gate_up", m.gate_up_weight),
                             ("down", m.down_weight)):
-                assert isinstance(w, Int8Weight) and w.packed is not None  # can_fuse checked it
+                assert isinstance(w, (Int8Weight, Int4Weight)) and w.packed is not None  # can_fuse checked it
                 weights[name] = w
+            wfmt = weight_format(a.qkv_weight)
             ptr = {f"{name}_w": w.packed.data_ptr() for name, w in weights.items()}  # type: ignore[union-attr]
-            scales = {f"{name}_s": w.scale.data_ptr() for name, w in weights.items()}
+            scales = {f"{name}_s": w.scale.data_ptr() if isinstance(w, Int8Weight) else None
+                      for name, w in weights.items()}
             self.layers.append(_Layer(
                 hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                 inter=self.inter, eps=layer.attn_norm.eps, scale=a.scale,
                 attn_norm=layer.attn_norm.weight.data_ptr(), mlp_norm=layer.mlp_norm.weight.data_ptr(),
                 qkv_b=None if a.qkv_bias is None else a.qkv_bias.data_ptr(),
-                k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), **ptr, **scales))
+                k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), wfmt=wfmt, **ptr, **scales))
         self.kv = kv  # the cache the layer structs point into (the model holds the weights)
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -137,7 +148,8 @@ class FusedLayers:
             gate_up=self._buffer("gate_up", t, 2 * self.inter).data_ptr(),
             act=self._buffer("act", t, self.inter).data_ptr(),
             xq=self._buffer("xq", t, widest, torch.int16).data_ptr(),
-            xd=self._buffer("xd", t, max(1, widest // 32)).data_ptr())
+            xd=self._buffer("xd", t, max(1, widest // 32)).data_ptr(),
+            xs=self._buffer("xs", t, max(1, widest // 32)).data_ptr())
         ref = ctypes.byref(step)
         for layer in self.layers:
             if self._fn(ctypes.byref(layer), ref) != 0:

@@ -53,6 +53,19 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* IEEE float16 bits -> float32 (subnormals included; the portable path's scales). */
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    float f;
+    if (exp == 0) {
+        f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 #if CS_AVX2
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -472,6 +485,250 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
     }
 }
 
+/* ------------------------------------- 4-bit weights, int8 activations ---- */
+
+/* Weights in groups of 32 along K, as ggml's Q4_0 / Q4_1 (llama.cpp):
+ *   w[n, k] = d[n, g] * u[n, k] + m[n, g]      g = k / 32, codes u in 0..15
+ * with the scale d and the offset m in float16; the symmetric variant stores no m
+ * (m = -8 d). cs_pack_q4x8 repacks them at load into tiles of 8 rows, one record per
+ * tile and group: 128 bytes of codes, then the 8 rows' d (16 bytes), then their m (16
+ * bytes, with offsets). In the codes, byte 32 p + 4 j + i holds row j's code for
+ * k = 4 p + i in its low nibble and for k = 16 + 4 p + i in its high nibble (p, i in 0..3).
+ * So 32-bit lane j of a 32-byte load holds 4 codes of row j, and one broadcast of 4
+ * activations serves all 8 rows: the 8 rows' sums come out in the 8 lanes of one
+ * register, ready for their 8 scales (the interleaving of llama.cpp's Q4_0x8 repack).
+ *
+ * Activations are quantized per row to int8 in blocks of 32 (ggml's Q8_0): a = round(x /
+ * e), e = max |x| / 127, and s = e * sum(a) per block. Then, exactly in int32 per block,
+ *   sum_k w x ~= sum_g d e (u . a) + m s.
+ * The code-activation products run as unsigned x signed bytes: vpdpbusd (AVX-512 VNNI or
+ * AVX-VNNI) or _mm256_maddubs_epi16 + _mm256_madd_epi16 (AVX2; eight pair sums of
+ * |15 * 127 * 2| stay below 2^15, so they add in int16 before one widening). */
+#define CS_Q4_TILE 8
+#define CS_Q4_REC(has_min) ((has_min) ? 160 : 144)
+
+#if CS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CS_DPBUSD(acc, u, a) _mm256_dpbusd_epi32((acc), (u), (a))
+#define CS_Q4_DOT 1
+#elif CS_AVX2 && defined(__AVXVNNI__)
+#define CS_DPBUSD(acc, u, a) _mm256_dpbusd_avx_epi32((acc), (u), (a))
+#define CS_Q4_DOT 1
+#else
+#define CS_Q4_DOT 0
+#endif
+/* activation rows per register tile: each needs an int and a float accumulator (32 ymm
+ * registers with AVX-512VL, 16 otherwise) */
+#if CS_AVX2 && defined(__AVX512VL__)
+#define CS_Q4_MR 8
+#else
+#define CS_Q4_MR 4
+#endif
+
+/* 2: VNNI byte products (AVX-512 VNNI or AVX-VNNI), 1: AVX2 maddubs, 0: portable C */
+CS_EXPORT int cs_q4_level(void) { return CS_Q4_DOT ? 2 : CS_AVX2 ? 1 : 0; }
+
+/* Row-wise int8 quantization of M rows of K floats (K a multiple of 32), see above:
+ * xq [M, K] int8, xd [M, K / 32] scales e, xs [M, K / 32] e * sum(a). */
+static void quantize_rows_q8(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
+                             int nt) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nt) schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = x + m * ldx + b * 32;
+            int8_t *dst = xq + m * K + b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[i]));
+            const float e = amax / 127.f, ie = e > 0.f ? 1.f / e : 0.f;
+            int sum = 0;
+#if CS_AVX2
+            __m256i v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i),
+                                                                               _mm256_set1_ps(ie)));
+            __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+            sum = _mm_cvtsi128_si32(s);
+            /* int32 -> int16 -> int8, then undo the lane interleaving of the packs */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)dst, p);
+#else
+            for (int i = 0; i < 32; i++) {
+                dst[i] = (int8_t)lrintf(src[i] * ie);
+                sum += dst[i];
+            }
+#endif
+            xd[m * nb + b] = e;
+            xs[m * nb + b] = e * (float)sum;
+        }
+    }
+}
+
+#if CS_AVX2
+/* MR activation rows x one tile of 8 weight rows: acc[i] lane j = sum over k of
+ * w[j, k] x[i, k] (before the bias). MR and HAS_MIN are constants after inlining. */
+static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, const float *xd, const float *xs,
+                                                          int64_t K, const int MR, const uint8_t *w,
+                                                          const int HAS_MIN, __m256 acc[CS_Q4_MR]) {
+    const int64_t nb = K / 32, rec = CS_Q4_REC(HAS_MIN);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+#if !CS_Q4_DOT
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * rec;
+        _mm_prefetch((const char *)(wb + 8 * rec), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 8 * rec + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 8 * rec + 128), _MM_HINT_T0);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 128)));
+        const __m256 mw = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 144)))
+                                  : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+        __m256i s[CS_Q4_MR];
+        for (int i = 0; i < MR; i++) s[i] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i r = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
+            const __m256i lo = _mm256_and_si256(r, low4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
+            for (int i = 0; i < MR; i++) {
+                const int8_t *a = xq + i * K + b * 32 + 4 * p;
+                int32_t a0, a1;
+                memcpy(&a0, a, 4);
+                memcpy(&a1, a + 16, 4);
+#if CS_Q4_DOT
+                s[i] = CS_DPBUSD(s[i], lo, _mm256_set1_epi32(a0));
+                s[i] = CS_DPBUSD(s[i], hi, _mm256_set1_epi32(a1));
+#else
+                s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)),
+                                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1))));
+#endif
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+#if CS_Q4_DOT
+            const __m256i si = s[i];
+#else
+            const __m256i si = _mm256_madd_epi16(s[i], ones);
+#endif
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])),
+                                     acc[i]);
+            acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), acc[i]);
+        }
+    }
+}
+
+static void q4_rows(const int8_t *xq, const float *xd, const float *xs, int64_t K, int64_t mm, const uint8_t *w,
+                    int has_min, __m256 acc[CS_Q4_MR]) {
+#define CS_Q4_CASE(R)                                                 \
+    case R:                                                           \
+        if (has_min) tile_q4(xq, xd, xs, K, R, w, 1, acc);            \
+        else tile_q4(xq, xd, xs, K, R, w, 0, acc);                    \
+        break;
+    switch (mm) {
+        CS_Q4_CASE(1)
+        CS_Q4_CASE(2)
+        CS_Q4_CASE(3)
+#if CS_Q4_MR == 8
+        CS_Q4_CASE(4)
+        CS_Q4_CASE(5)
+        CS_Q4_CASE(6)
+        CS_Q4_CASE(7)
+        CS_Q4_CASE(8)
+#else
+        CS_Q4_CASE(4)
+#endif
+    default: break;
+    }
+#undef CS_Q4_CASE
+}
+#endif
+
+/* y[m, n] = sum_k w[n, k] x[m, k] (+ bias[n]) over a 4-bit weight packed by cs_pack_q4x8
+ * (has_min: with offsets), x quantized first to int8 blocks into the caller's scratch xq
+ * [M, K] int8, xd and xs [M, K / 32] float32. K a multiple of 32; M rows of x ldx floats
+ * apart, of y ldy apart. Each thread takes whole tiles of 8 output rows and runs every
+ * activation row through them CS_Q4_MR at a time, so each weight record is loaded and
+ * unpacked once per CS_Q4_MR rows (a tile of K = 1536 is 7 KB: it stays in L1 while the
+ * rows go by). Every row is computed alone: its result does not depend on M. */
+CS_EXPORT void cs_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *packed, int has_min,
+                            const float *bias, int64_t N, float *y, int64_t ldy, int8_t *xq, float *xd, float *xs,
+                            int nt) {
+    quantize_rows_q8(x, ldx, M, K, xq, xd, xs, nt);
+    const int64_t nb = K / 32, ntiles = (N + CS_Q4_TILE - 1) / CS_Q4_TILE, rec = CS_Q4_REC(has_min);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t tile = 0; tile < ntiles; tile++) {
+        const int64_t n0 = tile * CS_Q4_TILE, nn = (N - n0) < CS_Q4_TILE ? (N - n0) : CS_Q4_TILE;
+        const uint8_t *w = packed + tile * nb * rec;
+#if CS_AVX2
+        for (int64_t m0 = 0; m0 < M; m0 += CS_Q4_MR) {
+            const int64_t mm = (M - m0) < CS_Q4_MR ? (M - m0) : CS_Q4_MR;
+            __m256 acc[CS_Q4_MR];
+            q4_rows(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, mm, w, has_min, acc);
+            for (int64_t i = 0; i < mm; i++) {
+                float *yr = y + (m0 + i) * ldy + n0;
+                __m256 v = acc[i];
+                if (bias) {
+                    float bb[CS_Q4_TILE] = {0};
+                    memcpy(bb, bias + n0, (size_t)nn * 4);
+                    v = _mm256_add_ps(v, _mm256_loadu_ps(bb));
+                }
+                if (nn == CS_Q4_TILE) {
+                    _mm256_storeu_ps(yr, v);
+                } else {
+                    float out[CS_Q4_TILE];
+                    _mm256_storeu_ps(out, v);
+                    memcpy(yr, out, (size_t)nn * 4);
+                }
+            }
+        }
+#else
+        for (int64_t m = 0; m < M; m++) {
+            float acc[CS_Q4_TILE] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + b * rec;
+                const int8_t *a = xq + m * K + b * 32;
+                const uint16_t *dh = (const uint16_t *)(wb + 128), *mh = (const uint16_t *)(wb + 144);
+                for (int j = 0; j < CS_Q4_TILE; j++) {
+                    int32_t dot = 0;
+                    for (int p = 0; p < 4; p++)
+                        for (int i = 0; i < 4; i++) {
+                            const uint8_t c = wb[32 * p + 4 * j + i];
+                            dot += (c & 15) * a[4 * p + i] + (c >> 4) * a[16 + 4 * p + i];
+                        }
+                    const float d = half_to_f32(dh[j]), mn = has_min ? half_to_f32(mh[j]) : -8.f * d;
+                    acc[j] += (float)dot * (d * xd[m * nb + b]) + mn * xs[m * nb + b];
+                }
+            }
+            for (int64_t j = 0; j < nn; j++) y[m * ldy + n0 + j] = bias ? acc[j] + bias[n0 + j] : acc[j];
+        }
+#endif
+    }
+}
+
+/* Repack a 4-bit weight for cs_linear_q4: codes [N, K] (one 0..15 code a byte, K a
+ * multiple of 32), d and m [N, K / 32] float16 bits (m NULL: symmetric) -> out, ceil(N / 8)
+ * tiles of K / 32 records of CS_Q4_REC bytes (layout above); rows past N are zero. */
+CS_EXPORT void cs_pack_q4x8(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                            uint8_t *out) {
+    const int64_t nb = K / 32, ntiles = (N + CS_Q4_TILE - 1) / CS_Q4_TILE, rec = CS_Q4_REC(m != NULL);
+    memset(out, 0, (size_t)(ntiles * nb * rec));
+    for (int64_t t = 0; t < ntiles; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *r = out + (t * nb + b) * rec;
+            uint16_t *dh = (uint16_t *)(r + 128), *mh = (uint16_t *)(r + 144);
+            for (int64_t j = 0; j < CS_Q4_TILE && t * CS_Q4_TILE + j < N; j++) {
+                const int64_t n = t * CS_Q4_TILE + j;
+                const uint8_t *c = codes + n * K + b * 32;
+                for (int p = 0; p < 4; p++)
+                    for (int i = 0; i < 4; i++)
+                        r[32 * p + 4 * j + i] = (uint8_t)((c[4 * p + i] & 15) | ((c[16 + 4 * p + i] & 15) << 4));
+                dh[j] = d[n * nb + b];
+                if (m) mh[j] = m[n * nb + b];
+            }
+        }
+}
+
 /* -------------------------------------------------------- paged attention ---- */
 
 #define CS_KEYS 32   /* keys converted to float32 at a time */
@@ -751,10 +1008,12 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
     const float *attn_norm, *mlp_norm;        /* [hidden] */
-    const int8_t *qkv_w, *o_w, *gate_up_w, *down_w; /* packed */
+    const void *qkv_w, *o_w, *gate_up_w, *down_w; /* packed (wfmt) */
     const float *qkv_s, *o_s, *gate_up_s, *down_s;  /* per-row scales */
     const float *qkv_b;                        /* NULL or [(heads + 2 kv_heads) head_dim] */
     void *k_cache, *v_cache;                   /* this layer's [num_slots, kv_heads, head_dim] */
+    int wfmt; /* the projections' format: 0 int8 (cs_pack_i8x4), 1 4-bit symmetric, 2 4-bit with
+               * offsets (cs_pack_q4x8; the *_s scales are then unused) */
 } cs_layer;
 
 /* One step's batch and buffers, shared by every layer (engine/forward_batch.py's fields). */
@@ -773,7 +1032,18 @@ typedef struct {
     float *act;      /* [T, inter] scratch */
     int16_t *xq;     /* [T, max(hidden, inter, heads head_dim)] scratch */
     float *xd;       /* [T, that / 32] scratch */
+    float *xs;       /* [T, that / 32] scratch (4-bit weights' activation sums) */
 } cs_step;
+
+/* One projection of a layer in its format: y = x W^T (+ bias), x [T, K], y [T, N]. */
+static void layer_linear(const cs_layer *L, const cs_step *S, const float *x, int64_t K, const void *w,
+                         const float *scale, const float *bias, int64_t N, float *y) {
+    if (L->wfmt == 0)
+        cs_linear_i8_packed(x, K, S->T, K, (const int8_t *)w, scale, bias, N, y, N, S->xq, S->xd, S->nt);
+    else
+        cs_linear_q4(x, K, S->T, K, (const uint8_t *)w, L->wfmt == 2, bias, N, y, N, (int8_t *)S->xq, S->xd, S->xs,
+                     S->nt);
+}
 
 /* One decoder layer, the same equations as engine/models/llama.py's DecoderLayer:
  *   residual += x;  n = RMSNorm(residual)
@@ -791,20 +1061,17 @@ CS_EXPORT int cs_decoder_layer(const cs_layer *L, cs_step *S) {
     } else {
         cs_add_rms_norm(S->residual, S->x, L->attn_norm, L->eps, T, hid, S->normed, S->nt);
     }
-    cs_linear_i8_packed(S->normed, hid, T, hid, L->qkv_w, L->qkv_s, L->qkv_b, qkv_n, S->qkv, qkv_n, S->xq, S->xd,
-                        S->nt);
+    layer_linear(L, S, S->normed, hid, L->qkv_w, L->qkv_s, L->qkv_b, qkv_n, S->qkv);
     cs_rope(S->qkv, qkv_n, T, L->heads + L->kv_heads, L->head_dim, S->rope, S->positions, S->nt);
     int rc = cs_paged_attention(S->qkv, qkv_n, S->qkv + qd, qkv_n, S->qkv + qd + kvd, qkv_n, S->slots, T,
                                 L->k_cache, L->v_cache, S->kv_bf16, S->block_tables, S->max_blocks, S->seq_lens,
                                 S->query_start, S->B, L->heads, L->kv_heads, L->head_dim, S->block_size, L->scale,
                                 S->attn, S->nt);
     if (rc != 0) return rc;
-    cs_linear_i8_packed(S->attn, qd, T, qd, L->o_w, L->o_s, NULL, hid, S->x, hid, S->xq, S->xd, S->nt);
+    layer_linear(L, S, S->attn, qd, L->o_w, L->o_s, NULL, hid, S->x);
     cs_add_rms_norm(S->residual, S->x, L->mlp_norm, L->eps, T, hid, S->normed, S->nt);
-    cs_linear_i8_packed(S->normed, hid, T, hid, L->gate_up_w, L->gate_up_s, NULL, 2 * L->inter, S->gate_up,
-                        2 * L->inter, S->xq, S->xd, S->nt);
+    layer_linear(L, S, S->normed, hid, L->gate_up_w, L->gate_up_s, NULL, 2 * L->inter, S->gate_up);
     cs_silu_mul(S->gate_up, T, L->inter, S->act, S->nt);
-    cs_linear_i8_packed(S->act, L->inter, T, L->inter, L->down_w, L->down_s, NULL, hid, S->x, hid, S->xq, S->xd,
-                        S->nt);
+    layer_linear(L, S, S->act, L->inter, L->down_w, L->down_s, NULL, hid, S->x);
     return 0;
 }

@@ -29,6 +29,9 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "cs_pack_i8x4": ([_P, _I, _I, _P], None),
     "cs_linear_i8_packed": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _P, _C], None),
     "cs_embed_i8": ([_P, _P, _P, _I, _I, _P, _C], None),
+    "cs_q4_level": ([], c_int),
+    "cs_pack_q4x8": ([_P, _P, _P, _I, _I, _P], None),
+    "cs_linear_q4": ([_P, _I, _I, _I, _P, _C, _P, _I, _P, _I, _P, _P, _P, _C], None),
     "cs_paged_attention": ([_P, _I, _P, _I, _P, _I, _P, _I, _P, _P, _C, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _C],
                            c_int),
 }
@@ -60,9 +63,10 @@ class CpuKernels:
 
     Args:
         lib: the ``ctypes.CDLL`` from ``engine.cpu.build.load_kernels``.
+        isa: the instruction set it was built for (``engine.cpu.build.ISAS``, or "auto").
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str = "auto") -> None:
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
@@ -70,6 +74,8 @@ class CpuKernels:
         self.lib = lib  # for callers that bind further entry points (engine.cpu.fused)
         self._buffers: dict[str, torch.Tensor] = {}
         self.simd_level = int(lib.cs_simd_level())  # 3: AVX2 + VNNI, 2: AVX2 + FMA, 0: portable C
+        self.q4_level = int(lib.cs_q4_level())  # 2: VNNI byte products, 1: AVX2 maddubs, 0: portable C
+        self.isa = isa
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,6 +193,58 @@ class CpuKernels:
                                       xq.data_ptr(), xd.data_ptr(), torch.get_num_threads())
         return out
 
+    def pack_q4x8(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """A 4-bit weight in ``linear_q4``'s tile layout (``cs_pack_q4x8`` in kernels.c).
+
+        Args:
+            codes: [N, K] uint8, one code 0..15 a byte, K a multiple of 32.
+            d: [N, K / 32] float16 group scales; m: None (symmetric, offset -8 d) or
+                [N, K / 32] float16 group offsets.
+
+        Returns:
+            [ceil(N / 8), K / 32, 144 or 160] uint8 (160 with offsets); rows past N zero.
+        """
+        n, k = codes.shape
+        if k % 32 or d.shape != (n, k // 32) or (m is not None and m.shape != d.shape):
+            _need(False, f"4-bit codes {tuple(codes.shape)} need K a multiple of 32 and [N, K / 32] scales")
+        out = torch.empty((n + 7) // 8, k // 32, 144 if m is None else 160, dtype=torch.uint8)
+        mp = None if m is None else _contig(m, torch.float16, "m")
+        self._lib.cs_pack_q4x8(_contig(codes, torch.uint8, "codes"), _contig(d, torch.float16, "d"), mp, n, k,
+                               out.data_ptr())
+        return out
+
+    def linear_q4(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out = x @ W^T (+ bias)`` over a 4-bit weight packed by ``pack_q4x8``, with x
+        quantized to int8 in blocks of 32 first and the products on integer instructions.
+
+        Args:
+            x: [M, K] float32 with contiguous rows, K a multiple of 32.
+            packed: ``pack_q4x8(...)`` of an [n, K] weight; n: its output rows.
+            bias: None or [n] float32; out: optional [M, n] float32 with contiguous rows.
+
+        Returns:
+            [M, n] float32; each row computed alone (independent of M).
+
+        Raises:
+            ValueError: tensors of the wrong dtype or layout, or a weight not packed for x's width.
+        """
+        ldx = _rows(x, torch.float32, "x")
+        m, k = x.shape
+        if packed.dim() != 3 or packed.shape[1] * 32 != k or packed.shape[0] != (n + 7) // 8 \
+                or packed.shape[2] not in (144, 160):
+            _need(False, f"packed 4-bit weight {tuple(packed.shape)} does not fit x of width {k} and {n} outputs")
+        out = x.new_empty(m, n) if out is None else out
+        ldy = _rows(out, torch.float32, "out")
+        bp = None if bias is None else _contig(bias, torch.float32, "bias")
+        xq = self._scratch("xq8", m * k, torch.int8)
+        xd = self._scratch("xd", m * (k // 32), torch.float32)
+        xs = self._scratch("xs", m * (k // 32), torch.float32)
+        self._lib.cs_linear_q4(x.data_ptr(), ldx, m, k, _contig(packed, torch.uint8, "packed"),
+                               int(packed.shape[2] == 160), bp, n, out.data_ptr(), ldy, xq.data_ptr(), xd.data_ptr(),
+                               xs.data_ptr(), torch.get_num_threads())
+        return out
+
     def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable buffer of at least ``numel`` elements (kernels run one at a time)."""
         buf = self._buffers.get(name)
@@ -248,9 +306,11 @@ class CpuKernels:
 _KERNELS: dict[str, CpuKernels | None] = {}
 
 
-def cpu_kernels() -> CpuKernels | None:
-    """The process's ``CpuKernels`` (built and loaded on first call), or None when unavailable."""
-    if "k" not in _KERNELS:
-        lib = load_kernels()
-        _KERNELS["k"] = CpuKernels(lib) if lib is not None else None
-    return _KERNELS["k"]
+def cpu_kernels(isa: str = "auto") -> CpuKernels | None:
+    """The process's ``CpuKernels`` for ``isa`` ("auto": the best this CPU runs; or one of
+    ``engine.cpu.build.ISAS``), built and loaded on first call, or None when unavailable
+    (no compiler, a failed build, an isa this CPU lacks: logged)."""
+    if isa not in _KERNELS:
+        lib = load_kernels(isa)
+        _KERNELS[isa] = CpuKernels(lib, isa) if lib is not None else None
+    return _KERNELS[isa]

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+from engine.config import SUPPORTED_ARCHITECTURES
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaForCausalLM
 
 # Architecture name (config.json "architectures"[0]) -> our implementation. Qwen2 differs
 # from Llama only by the q/k/v bias, Mistral (within its window) not at all.
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-}
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
 
 
 def model_class_for(architecture: str) -> type[LlamaForCausalLM]:

@@ -21,20 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.cpu.fused import FusedLayers, can_fuse
 from engine.cpu.ops import CpuKernels
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.models.ops import KernelOps, LayerOps, RopeInputs, TorchOps
-from engine.models.quant import QUANTIZATIONS, Int8Weight, embedding, linear
+from engine.models.quant import GROUP, QUANTIZATIONS, Int4Weight, Int8Weight, QuantWeight, embedding, linear
 from engine.models.rope import rotary_table
 
 # Checkpoint entries that hold no weights of ours (old Llama exports store the RoPE
@@ -60,6 +59,17 @@ class RMSNorm(nn.Module):
                 ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual: [T, size] in the model dtype -> (normed [T, size], residual + x)."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerRunner(Protocol):
+    """Runs all decoder layers of a step in place of the model's own loop (the model
+    runner picks one, as it picks the attention backend: ``engine.cpu.fused`` on the CPU
+    kernels). It computes what ``DecoderLayer`` computes, layer after layer."""
+
+    def forward(self, batch: ForwardBatch, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers over the step's embeddings ``x`` [T, hidden]: returns (the last
+        layer's MLP output, the residual stream before it), both [T, hidden]."""
+        ...
 
 
 @dataclass
@@ -172,12 +182,10 @@ class LlamaForCausalLM(nn.Module):
         table = rotary_table(cfg.max_model_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         self.register_buffer("rope", table, persistent=False)
         self.ops: LayerOps = TorchOps()
-        self._kernels: CpuKernels | None = None
-        self._fuse = False
-        self._fused: FusedLayers | None = None
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache, attn: AttentionBackend,
+                layers: LayerRunner | None = None) -> torch.Tensor:
         """Run one step and write its K/V into ``kv``.
 
         Args:
@@ -185,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
                 if the runner has not done it yet).
             kv: the paged cache, one K and one V tensor per layer.
             attn: the attention backend.
+            layers: None (the model's own layer loop), or a ``LayerRunner`` built over
+                this model and ``kv`` that runs the same layers another way.
 
         Returns:
             [len(batch.logits_indices), vocab_size] float32 logits of the rows named by
@@ -196,9 +206,8 @@ class LlamaForCausalLM(nn.Module):
         if batch.attn_metadata is None:
             attn.prepare(batch)
         x, residual = embedding(batch.input_ids, self.embed), None
-        fused = self._fused_layers(kv, attn)
-        if fused is not None:  # the same layers, one kernel call each (engine.cpu.fused)
-            x, residual = fused.forward(batch, x)
+        if layers is not None:
+            x, residual = layers.forward(batch, x)
         else:
             step = StepContext(batch, attn, self.ops, self.ops.rope_inputs(self.rope, batch.positions))
             for layer, k_cache, v_cache in zip(self.layers, kv.k_caches, kv.v_caches):
@@ -208,57 +217,59 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x.index_select(0, rows), residual.index_select(0, rows), self.ops)
         return linear(x, self.lm_head).float()
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None, fuse: bool = True) -> None:
-        """Run the norms, rotary and gating on the engine's CPU kernels (``KernelOps``), or
-        on torch again with None. The model must be on the CPU in float32. With ``fuse``,
-        a model whose projections are all packed int8 runs each layer as one kernel call
-        (``engine.cpu.fused``) when its attention backend is the CPU kernels' too."""
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run the norms, rotary, gating and quantized projections on the engine's CPU
+        kernels (``KernelOps``), or on torch again with None. The model must be on the CPU
+        in float32. (Running each whole layer as one kernel call is the model runner's
+        choice of ``LayerRunner``: ``engine.model_runner.make_layer_runner``.)"""
         self.ops = TorchOps() if kernels is None else KernelOps(kernels)
         for m in self.modules():
-            if isinstance(m, Int8Weight):
+            if isinstance(m, (Int8Weight, Int4Weight)):
                 m.use_kernels(kernels)
-        self._kernels, self._fuse, self._fused = kernels, fuse, None
-
-    def _fused_layers(self, kv: KVCache, attn: AttentionBackend) -> FusedLayers | None:
-        """The fused layers over ``kv`` when this model runs them (see ``use_cpu_kernels``)."""
-        if self._kernels is None or not self._fuse or attn.name != "cpu":
-            return None
-        if self._fused is None or self._fused.kv is not kv:
-            if not can_fuse(self):
-                return None
-            self._fused = FusedLayers(self, kv, self._kernels)
-        return self._fused
 
     @torch.no_grad()
     def quantize_(self, method: str) -> None:
         """Replace every projection weight (QKV, O, gate/up, down, embedding and LM
-        head) by its ``Int8Weight`` (``engine.models.quant``), in place, after
+        head) by its quantized form (``engine.models.quant``), in place, after
         ``load_weights``. Norms, biases and the rotary table stay in the model dtype;
         a tied LM head stays the same object as the embedding.
 
+        "int8": ``Int8Weight`` everywhere. "int4" / "int4-sym": the decoder layers'
+        projections as ``Int4Weight`` (with offsets / symmetric) where K is a multiple of
+        32 (else int8); the embedding and LM head stay int8 (one table serves both when
+        tied, and the logits are the most sensitive product, as in llama.cpp's formats,
+        which keep the output matrix at 6 or 8 bits).
+
         Raises:
-            ValueError: an unknown ``method`` (only "int8").
+            ValueError: an unknown ``method`` (``QUANTIZATIONS``).
         """
         if method not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {method!r}; expected one of {list(QUANTIZATIONS)}")
 
-        def swap(owner: nn.Module, name: str) -> Int8Weight:
-            q = Int8Weight.from_float(getattr(owner, name), self.dtype)
+        def swap(owner: nn.Module, name: str, four_bit: bool) -> QuantWeight:
+            w = getattr(owner, name)
+            q: QuantWeight
+            if four_bit and w.shape[1] % GROUP == 0:
+                q = Int4Weight.from_float(w, offsets=method == "int4")
+            else:
+                q = Int8Weight.from_float(w, self.dtype)
             delattr(owner, name)  # a Parameter slot cannot take a Module
             setattr(owner, name, q)
             return q
 
+        four_bit = method != "int8"
         for layer in self.decoder_layers():
             for owner, name in ((layer.attn, "qkv_weight"), (layer.attn, "o_weight"),
                                 (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
-                swap(owner, name)
+                swap(owner, name, four_bit)
         tied = self.lm_head is self.embed
-        embed = swap(self, "embed")
+        embed = swap(self, "embed", False)
         if tied:
             delattr(self, "lm_head")
+            assert isinstance(embed, Int8Weight)  # the tables stay int8
             self.lm_head = embed
         else:
-            swap(self, "lm_head")
+            swap(self, "lm_head", False)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """``self.layers`` with their type (an ``nn.ModuleList`` yields plain Modules)."""

@@ -1,4 +1,5 @@
-"""Weight-only int8 quantization: int8 weights with one scale per output row.
+"""Weight-only quantization: int8 weights with one scale per output row, and 4-bit
+weights in groups of 32 (``Int4Weight``, below).
 
 Decode at small batch reads every weight once per step, so its time is the bytes of
 weights over memory bandwidth; int8 weights read a quarter of float32's bytes and half
@@ -43,7 +44,10 @@ from engine.cpu.ops import CpuKernels
 # cores, ms per decode step, int8 kernel vs bfloat16 weights: batch 1 23.0 vs 33.5, 4:
 # 32.4 vs 38.0, 8: 45-59 vs 45-48 (a tie within run-to-run noise), 12: 59.2 vs 52.0.
 SMALL_BATCH_ROWS = 8
-QUANTIZATIONS = ("int8",)
+# "int4": 4-bit codes with a float16 scale and offset per group of 32 (as ggml's Q4_1);
+# "int4-sym": a scale only (symmetric, as ggml's Q4_0). Both on the CPU kernels.
+QUANTIZATIONS = ("int8", "int4", "int4-sym")
+GROUP = 32  # weights per 4-bit group (one scale, and offset, each)
 
 
 def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,9 +178,142 @@ class Int8Weight(nn.Module):
         return self.qweight.index_select(0, ids).to(self.scale.dtype) * self.scale.index_select(0, ids)[:, None]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a float weight, ``Int8Weight.linear`` for a quantized one."""
-    if isinstance(weight, Int8Weight):
+def quantize_int4(weight: torch.Tensor, offsets: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """4-bit quantization of a [N, K] weight in groups of 32 along K (K a multiple of 32).
+
+    Each group g of a row gets ``w ~= d * u + m`` with codes u in 0..15 and d, m in
+    float16. Symmetric (``offsets`` False, as ggml's Q4_0): m = -8 d, and d is the best of
+    17 candidate scales from the group's largest-magnitude weight / -8.5 to / -6.5 (/ -8 is ggml's),
+    by squared error. With offsets (as ggml's Q4_1): d, m start from the group's range and
+    are refitted three times by least squares on the chosen codes. d and m are rounded to
+    float16 before the final codes are chosen, so the codes are optimal for the stored
+    scales.
+
+    Args:
+        weight: [N, K] float tensor.
+        offsets: fit an offset per group (else symmetric).
+
+    Returns:
+        ``(codes, d, m)``: codes [N, K] uint8 in 0..15, d [N, K / 32] float16, m
+        [N, K / 32] float16 or None when symmetric.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or K is not a multiple of 32.
+    """
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
+        raise ValueError(f"4-bit quantization needs a 2-D weight with K a multiple of {GROUP}, "
+                         f"got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    if not offsets:
+        big = w.gather(2, w.abs().argmax(2, keepdim=True))  # the signed value of largest magnitude
+        best_d, best_err = torch.zeros_like(big), torch.full_like(big, float("inf"))
+        for c in [-8.5 + 0.125 * i for i in range(17)]:  # -8 is ggml's; others may fit the rest better
+            d = (big / c).half().float()
+            u = torch.round(w / torch.where(d == 0, 1.0, d)).clamp_(-8, 7)
+            err = (u * d - w).pow(2).sum(2, keepdim=True)
+            better = err < best_err
+            best_d, best_err = torch.where(better, d, best_d), torch.where(better, err, best_err)
+        d = best_d
+        codes = (torch.round(w / torch.where(d == 0, 1.0, d)).clamp_(-8, 7) + 8).to(torch.uint8)
+        return codes.reshape(n, k).contiguous(), d.squeeze(2).half().contiguous(), None
+    lo, hi = w.amin(2, keepdim=True), w.amax(2, keepdim=True)
+    d, m = (hi - lo) / 15, lo
+    for _ in range(3):
+        d, m = d.half().float(), m.half().float()
+        u = torch.round((w - m) / torch.where(d == 0, 1.0, d)).clamp_(0, 15)
+        # least squares of w on (u, 1) per group: the best d, m for these codes
+        su, sw, suu, suw = u.sum(2, keepdim=True), w.sum(2, keepdim=True), (u * u).sum(2, keepdim=True), \
+            (u * w).sum(2, keepdim=True)
+        det = GROUP * suu - su * su
+        ok = det > 0
+        d = torch.where(ok, (GROUP * suw - su * sw) / torch.where(ok, det, 1.0), d)
+        m = torch.where(ok, (sw - d * su) / GROUP, m)
+    d, m = d.half().float(), m.half().float()
+    codes = torch.round((w - m) / torch.where(d == 0, 1.0, d)).clamp_(0, 15).to(torch.uint8)
+    return codes.reshape(n, k).contiguous(), d.squeeze(2).half().contiguous(), m.squeeze(2).half().contiguous()
+
+
+class Int4Weight(nn.Module):
+    """A [N, K] weight held as 4-bit codes in groups of 32 (``quantize_int4``).
+
+    Served by the CPU kernels (``CpuKernels.linear_q4``: the weight repacked into tiles of
+    8 interleaved rows, x quantized to int8 blocks); elsewhere (the torch reference path)
+    dequantized per call.
+
+    Attributes:
+        codes: [N, K / 2] uint8, two codes a byte (even k in the low nibble).
+        d: [N, K / 32] float16 scales; m: [N, K / 32] float16 offsets, or None (m = -8 d).
+        kernels: None, or the CPU kernels that serve float32 activations.
+        packed: None, or the weight in ``CpuKernels.pack_q4x8``'s layout (``use_kernels``).
+    """
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("codes", codes[:, 0::2] | (codes[:, 1::2] << 4))
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+        self.kernels: CpuKernels | None = None
+        self.register_buffer("packed", None, persistent=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, offsets: bool) -> Int4Weight:
+        """Quantize ``weight`` [N, K] (K a multiple of 32) with ``quantize_int4``."""
+        codes, d, m = quantize_int4(weight, offsets)
+        return cls(codes, d, m)
+
+    @property
+    def shape(self) -> torch.Size:
+        """[N, K], as the float weight's."""
+        return torch.Size((self.codes.shape[0], self.codes.shape[1] * 2))
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """[N, K] uint8, one code 0..15 a byte."""
+        return torch.stack((self.codes & 15, self.codes >> 4), dim=2).reshape(self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the codes stand for: [N, K] float32, ``d * u + m`` per group."""
+        n, k = self.shape
+        u = self.unpacked_codes().float().reshape(n, k // GROUP, GROUP)
+        d = self.d.float()[:, :, None]
+        m = -8 * d if self.m is None else self.m.float()[:, :, None]
+        return (u * d + m).reshape(n, k)
+
+    def read_bytes(self) -> int:
+        """Bytes a small-batch step reads: the codes, scales and offsets."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
+
+    def nbytes(self) -> int:
+        """Bytes held: ``read_bytes`` plus the packed copy if kept."""
+        return self.read_bytes() + (0 if self.packed is None else self.packed.numel())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T (+ bias)``: x [..., K] -> [..., N] in x's dtype."""
+        n, k = self.shape
+        if self.kernels is not None and self.packed is not None and x.dtype == torch.float32:
+            rows = x.numel() // k
+            flat = x.reshape(rows, k)
+            flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+            return self.kernels.linear_q4(flat, self.packed, n, bias).view(*x.shape[:-1], n)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def use_kernels(self, kernels: CpuKernels | None) -> None:
+        """Serve float32 activations on ``kernels`` (None: torch again), repacking the
+        weight into their tile layout."""
+        self.kernels = kernels
+        self.packed = None if kernels is None else kernels.pack_q4x8(self.unpacked_codes(), self.d, self.m)
+
+
+QuantWeight = Int8Weight | Int4Weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a float weight, the quantized weight's own ``linear`` otherwise."""
+    if isinstance(weight, (Int8Weight, Int4Weight)):
         return weight.linear(x, bias)
     return F.linear(x, weight, bias)
 

@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.auth import header
 from gateway.errors import GatewayError
+from gateway.store.keys import Keys
 from gateway.store.sessions import dumps, redis_errors
 
 TOKEN_PREFIX = "cspat_"
@@ -108,13 +109,8 @@ class TokenStore:
 
     def __init__(self, redis: aioredis.Redis, prefix: str = "") -> None:
         self.redis = redis
-        self.prefix = prefix
-
-    def _token_key(self, digest: str) -> str:
-        return f"{self.prefix}chat:token:{digest}"
-
-    def _user_key(self, uid: str) -> str:
-        return f"{self.prefix}chat:user:{uid}:tokens"
+        self.keys = Keys(prefix)
+        self._token_key, self._user_key = self.keys.token, self.keys.user_tokens
 
     async def create(self, uid: str, name: str = "") -> tuple[str, TokenInfo]:
         """A new token for user ``uid``; returns the token (shown once) and its info.

@@ -4,6 +4,12 @@ content (docs/protocol.md section 3).
 * ``GET /api/sessions/{id}/export?format=md|json`` -> an attachment named after the chat
   (``Content-Disposition``); JSON holds the chat's public fields and messages, Markdown
   a readable transcript (system prompt, then each turn under a heading).
+* ``GET /api/export?format=json|md`` -> every chat of the user, every version included
+  (JSON: ``{"format": "chatserve-export", "version": 1, "exported_at", "chats": [...]}``,
+  which ``POST /api/import`` reads back as it was).
+* ``POST /api/import`` (body: our JSON export, ChatGPT's ``conversations.json`` or
+  ``conversations-NNN.json``, or its zip) -> ``{"imported", "skipped", "chats"}``: each
+  chat is stored once, keyed by its source (``gateway/chat_import.py``).
 * ``GET /api/search?q=text`` -> ``{"results": [{"id", "title", "updated_at", "snippet",
   "in_title"}]}``: chats whose title or any message contains ``q`` (case-insensitive,
   1-200 characters), newest first, at most ``SEARCH_LIMIT``; the snippet is the text
@@ -23,7 +29,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api.http import PUBLIC_MESSAGE_FIELDS, _sid, _uid, api
+from gateway.chat_import import EXPORT_FORMAT, read_upload
 from gateway.errors import GatewayError
+from gateway.store.imports import ChatTransfer
 from gateway.store.sessions import SessionInfo, redis_errors
 
 SEARCH_LIMIT = 50
@@ -31,25 +39,76 @@ SNIPPET_CHARS = 60
 MAX_QUERY_CHARS = 200
 
 
-def chat_json(info: SessionInfo, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON export: the chat's public fields and its messages' public fields."""
-    return {**info.public(), "messages": [{k: m[k] for k in PUBLIC_MESSAGE_FIELDS if m.get(k) is not None}
-                                          for m in messages]}
+Versions = dict[str, list[dict[str, Any]]]
 
 
-def chat_markdown(info: SessionInfo, messages: list[dict[str, Any]]) -> str:
+def public_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message's public fields (``PUBLIC_MESSAGE_FIELDS``)."""
+    return {k: m[k] for k in PUBLIC_MESSAGE_FIELDS if m.get(k) is not None}
+
+
+def chat_json(info: SessionInfo, messages: list[dict[str, Any]], versions: Versions | None = None
+              ) -> dict[str, Any]:
+    """The JSON export: the chat's public fields, its messages' public fields and every
+    version (``versions``: anchor -> ``[{"messages"} | {"current": true}]``, the format
+    ``gateway/chat_import.py`` reads back)."""
+    out = {**info.public(), "messages": [public_message(m) for m in messages]}
+    if versions:
+        out["versions"] = {a: [e if e.get("current") else {"messages": [
+            {k: v for k, v in public_message(m).items() if k != "versions"} for m in e["messages"]]}
+            for e in entries] for a, entries in versions.items()}
+    return out
+
+
+def _md_messages(messages: list[dict[str, Any]], level: str = "##") -> list[str]:
+    lines: list[str] = []
+    for m in messages:
+        role = "You" if m.get("role") == "user" else "Assistant"
+        lines += [f"{level} {role}", ""]
+        for a in m.get("attachments") or []:
+            lines += [f"*Attached: {a.get('name', 'file')}*", ""]
+        text = str(m.get("content", "")).rstrip()
+        if text:
+            lines += [text, ""]
+        if m.get("role") == "assistant" and m.get("status") == "partial":
+            lines += ["*(reply cut before its end)*", ""]
+    return lines
+
+
+def chat_markdown(info: SessionInfo, messages: list[dict[str, Any]], versions: Versions | None = None) -> str:
     """The Markdown export: a title, the system prompt as a quote, then one section per
-    message (``## You`` / ``## Assistant``), a cut reply marked as such."""
+    message (``## You`` / ``## Assistant``, attached files named), a cut reply marked as
+    such; then, under "Other versions", each version not shown, after the message it
+    follows."""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info.created_at))
     lines = [f"# {info.title or 'Untitled chat'}", "", f"*Started {when}.*", ""]
     if info.system_prompt:
         lines += ["> **System prompt:** " + info.system_prompt.replace("\n", "\n> "), ""]
-    for m in messages:
-        role = "You" if m.get("role") == "user" else "Assistant"
-        lines += [f"## {role}", "", str(m.get("content", "")).rstrip(), ""]
-        if m.get("role") == "assistant" and m.get("status") == "partial":
-            lines += ["*(reply cut before its end)*", ""]
+    lines += _md_messages(messages)
+    others = [(a, i, len(entries), e) for a, entries in (versions or {}).items()
+              for i, e in enumerate(entries) if not e.get("current")]
+    if others:
+        lines += ["---", "", "## Other versions", ""]
+        texts = {m["id"]: str(m.get("content", "")) for m in messages if m.get("id")}
+        for entries in (versions or {}).values():
+            for e in entries:
+                for m in e.get("messages", []):
+                    texts.setdefault(m.get("id", ""), str(m.get("content", "")))
+        for anchor, i, n, e in others:
+            after = "the start" if anchor == "^" else "“" + " ".join(texts.get(anchor, "").split())[:60] + "”"
+            lines += [f"### Version {i + 1} of {n}, after {after}", ""]
+            lines += _md_messages(e["messages"], "####")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def chat_transfer(state: Any) -> ChatTransfer:
+    """The app's ``ChatTransfer`` (made on first use from its store)."""
+    if getattr(state, "chat_transfer", None) is None:
+        lim = state.config.limits
+        state.chat_transfer = ChatTransfer(state.redis, state.store, state.store.keys, state.config.session_ttl_s,
+                                           lim.max_sessions_per_user)
+    transfer: ChatTransfer = state.chat_transfer
+    return transfer
 
 
 def _filename(info: SessionInfo, ext: str) -> str:
@@ -64,17 +123,73 @@ async def export_session(request: Request) -> Response:
     fmt = request.query_params.get("format", "md")
     if fmt not in ("md", "json"):
         raise GatewayError("invalid_request", "format must be md or json")
-    info = await state.store.get_session(uid, sid)
-    messages = await state.store.messages(uid, sid)
+    info, messages, versions = await chat_transfer(state).whole_chat(uid, sid)
     if fmt == "json":
-        body = json.dumps(chat_json(info, messages), ensure_ascii=False, indent=2).encode("utf-8", "replace")
+        body = json.dumps(chat_json(info, messages, versions), ensure_ascii=False, indent=2).encode("utf-8", "replace")
         media = "application/json"
     else:
-        body = chat_markdown(info, messages).encode("utf-8", "replace")
+        body = chat_markdown(info, messages, versions).encode("utf-8", "replace")
         media = "text/markdown; charset=utf-8"
     disposition = f'attachment; filename="{_filename(info, fmt)}"'
     return Response(body, media_type=media, headers={"content-disposition": disposition,
                                                      "cache-control": "no-store"})
+
+
+EXPORT_VERSION = 1
+MAX_IMPORT_BYTES = 64 << 20  # an upload to POST /api/import (a ChatGPT zip of years of chats)
+
+
+@api
+async def export_all(request: Request) -> Response:
+    """GET /api/export?format=json|md: every chat of the user, with every version."""
+    state, uid = request.app.state, _uid(request)
+    fmt = request.query_params.get("format", "json")
+    if fmt not in ("md", "json"):
+        raise GatewayError("invalid_request", "format must be md or json")
+    transfer = chat_transfer(state)
+    chats = []
+    for info in await state.store.list_sessions(uid):
+        try:
+            chats.append(await transfer.whole_chat(uid, info.id))
+        except GatewayError as e:
+            if e.code != "not_found":  # deleted meanwhile
+                raise
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    if fmt == "json":
+        doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "exported_at": time.time(),
+               "chats": [chat_json(*c) for c in chats]}
+        body = json.dumps(doc, ensure_ascii=False, indent=2).encode("utf-8", "replace")
+        media = "application/json"
+    else:
+        body = "\n---\n\n".join(chat_markdown(*c) for c in chats).encode("utf-8", "replace")
+        media = "text/markdown; charset=utf-8"
+    return Response(body, media_type=media, headers={
+        "content-disposition": f'attachment; filename="chats-{day}.{fmt}"', "cache-control": "no-store"})
+
+
+@api
+async def import_chats(request: Request) -> Response:
+    """POST /api/import: store the chats of an export file; a chat already imported (or,
+    for our own export, still held by this user) is skipped."""
+    state, uid = request.app.state, _uid(request)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_IMPORT_BYTES:
+        raise GatewayError("frame_too_large", f"the file is over the {MAX_IMPORT_BYTES >> 20} MiB import limit")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_IMPORT_BYTES:
+            raise GatewayError("frame_too_large", f"the file is over the {MAX_IMPORT_BYTES >> 20} MiB import limit")
+    chats = await asyncio.to_thread(read_upload, bytes(data), 4 * MAX_IMPORT_BYTES)
+    transfer = chat_transfer(state)
+    imported, skipped = [], 0
+    for chat in chats:
+        sid = await transfer.import_chat(uid, chat)
+        if sid is None:
+            skipped += 1
+        else:
+            imported.append({"id": sid, "title": chat.title})
+    return JSONResponse({"imported": len(imported), "skipped": skipped, "chats": imported})
 
 
 def _snippet(text: str, at: int, length: int) -> str:
@@ -116,7 +231,7 @@ async def search(request: Request) -> Response:
     async with redis_errors():
         pipe = state.redis.pipeline(transaction=False)
         for info in chats:
-            pipe.lrange(state.store.keys.session(info.id) + ":messages", 0, -1)
+            pipe.lrange(state.store.keys.session_messages(info.id), 0, -1)
         lists = await pipe.execute() if chats else []
     rows = list(zip(chats, lists))
     # decoding every message is CPU work: off the event loop
@@ -129,4 +244,6 @@ def export_routes() -> list[Route]:
     return [
         Route("/api/sessions/{sid:str}/export", export_session, methods=["GET"]),
         Route("/api/search", search, methods=["GET"]),
+        Route("/api/export", export_all, methods=["GET"]),
+        Route("/api/import", import_chats, methods=["POST"]),
     ]

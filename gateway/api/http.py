@@ -6,11 +6,13 @@ user's chat answers 404 like a missing one. Errors are ``{"error": {"code", "mes
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from markupsafe import Markup
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -18,6 +20,7 @@ from starlette.routing import Route
 from gateway.api.auth import request_user
 from gateway.api.socket_frames import MAX_MODEL_CHARS, is_valid_id
 from gateway.api.validation import BadJson, check_text, loads_json, printable, sampling_ranges
+from gateway.attachments import ATTACHMENT_LIMITS
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.replies.manager import merge_params
@@ -131,7 +134,7 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     models.sort(key=lambda m: m["id"] != model)
     return {"model": model, "models": models, "max_model_len": info.max_model_len if info else None,
             "format": info.format if info and info.format else None,
-            "limits": config.limits.public(), "ranges": sampling_ranges(),
+            "limits": {**config.limits.public(), **ATTACHMENT_LIMITS.public()}, "ranges": sampling_ranges(),
             "reasoning": {"open": config.think_markers.open, "close": config.think_markers.close},
             "defaults": {**d.sampling(), "system_prompt": d.system_prompt}}
 
@@ -165,13 +168,13 @@ async def create_session(request: Request) -> Response:
 
 
 def _check_model(state: Any, model: str | None) -> None:
-    """Raises ``model_not_found`` for a model name no engine serves (None or "": the default)."""
+    """Raises ``model_not_found`` for a model name no engine serves (None or "": none)."""
     if model:
         state.generations.check_model(model)
 
 
-PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "status", "finish_reason", "cut_reason", "usage", "timings", "error",
-                         "created_at", "versions", "reasoning_ms", "model")
+PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "attachments", "status", "finish_reason", "cut_reason", "usage",
+                         "timings", "error", "created_at", "versions", "reasoning_ms", "model")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:
@@ -241,7 +244,7 @@ def _is_operator(request: Request) -> bool:
 @api
 async def engine_stats(request: Request) -> Response:
     """GET /api/engine/stats: each engine's name, health and counters (KV blocks,
-    requests), for operators and tests (stop frees the engine (docs/acceptance.md)
+    requests), for operators and tests (stop frees the engine (docs/acceptance.md#stop-frees-the-engine)
     checks that a cancel frees blocks); its ``url`` only with the API key."""
     out = []
     operator = _is_operator(request)
@@ -270,3 +273,10 @@ def api_routes() -> list[Route]:
         Route("/api/sessions/{sid:str}/versions", switch_version, methods=["POST"]),
         Route("/api/engine/stats", engine_stats, methods=["GET"]),
     ]
+
+
+def script_safe_json(obj: Any) -> Markup:
+    """JSON that can sit inside a ``<script>`` element as is: ``<``, ``>`` and ``&``
+    are escaped as ``\\u003c`` etc. (valid JSON, and no ``</script>`` can appear)."""
+    text = json.dumps(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return Markup(text)

@@ -30,27 +30,34 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
+from gateway.api import api_to_engine as a2e
+from gateway.api.anthropic_api import (
+    CountWriter,
+    MessagesWriter,
+    anthropic_error_response,
+    new_message_id,
+    parse_messages_request,
+)
 from gateway.api.auth import UserIds, cookie_value, request_user
+from gateway.api.completions import CompletionWriter, parse_completion_request
+from gateway.api.openai_chat import ChatWriter
+from gateway.api.openai_choices import ChoiceSet
 from gateway.api.openai_replies import (
     ClientGone,
-    Delta,
     DisconnectWatcher,
     EngineReply,
     Failed,
-    Finished,
     ReplyEvent,
     ReplySource,
     Revoked,
@@ -65,14 +72,15 @@ from gateway.api.openai_request import (
     openai_error_from,
     parse_chat_request,
 )
+from gateway.api.responses_api import ResponsesWriter, new_response_id, parse_responses_request
 from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
+from gateway.api.sse import SSE_HEADERS, SSEResponse, json_bytes
 from gateway.api.validation import BadJson, loads_json
-from gateway.config import GatewayConfig
+from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
-from gateway.replies.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
 
 log = logging.getLogger("gateway.openai")
 
@@ -80,14 +88,7 @@ MODEL_ALIASES = ("", "default")  # besides the served name; an omitted model is 
 SESSION_HEADER = "x-chat-session"
 IDEMPOTENCY_HEADER = "idempotency-key"
 _IDEMPOTENCY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-BIG_BODY_BYTES = 256 * 1024  # bodies above this are JSON-decoded off the event loop
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-def json_bytes(obj: Any) -> bytes:
-    """Compact UTF-8 JSON; a lone surrogate (never expected) becomes "?" instead of
-    failing the whole response (valid UTF-8 always (docs/acceptance.md))."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
+__all__ = ["SSE_HEADERS", "SSEResponse", "json_bytes", "openai_routes"]  # re-exported for older imports
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -105,26 +106,6 @@ def key_user_id(secret: str, api_key: str) -> str:
     """The user that owns chats linked with ``api_key`` and no user cookie: 32 hex
     characters of HMAC-SHA256(gateway secret, key), the shape of a cookie user id."""
     return hmac.new(secret.encode(), b"openai-api-key\0" + api_key.encode(), hashlib.sha256).hexdigest()[:32]
-
-
-class SSEResponse:
-    """An ASGI response streaming Server-Sent Events written by ``produce(emit)``;
-    ``emit(data)`` sends one ``data: ...`` event (``data`` is its JSON or ``[DONE]``)."""
-
-    def __init__(self, produce: Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]],
-                 headers: dict[str, str]) -> None:
-        self.produce = produce
-        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
-            (k.encode("latin-1"), v.encode("latin-1")) for k, v in {**SSE_HEADERS, **headers}.items()]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-
-        async def emit(data: bytes) -> None:
-            await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
-
-        await self.produce(emit)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def resolve_model(router: EngineRouter, requested: str | None) -> str | None:
@@ -147,7 +128,24 @@ def resolve_model(router: EngineRouter, requested: str | None) -> str | None:
     return requested
 
 
-def affinity_key(messages: list[dict[str, str]]) -> str:
+class Writer(Protocol):
+    """Builds one API's answer from a request's reply events (``openai_chat.ChatWriter``
+    and the other APIs' writers): streamed events (whole SSE frames) or a whole body."""
+
+    def start_events(self) -> list[bytes]: ...
+
+    def stream_events(self, index: int, ev: ReplyEvent) -> list[bytes]: ...
+
+    def end_events(self) -> list[bytes]: ...
+
+    def error_event(self, e: OpenAIError) -> list[bytes]: ...
+
+    def take(self, index: int, ev: ReplyEvent) -> None: ...
+
+    def body(self) -> dict[str, Any]: ...
+
+
+def affinity_key(messages: list[dict[str, Any]]) -> str:
     """The engine-routing key of a stateless conversation: its first two messages, which
     every later turn repeats, so all turns land on the engine that caches them."""
     return hashlib.blake2b(json_bytes(messages[:2]), digest_size=16).hexdigest()
@@ -168,7 +166,8 @@ class OpenAIApi:
     # ---- who is asking ------------------------------------------------------------------
 
     def authorize(self, request: Request) -> None:
-        """Check ``Authorization: Bearer`` against the configured key (if any).
+        """Check ``Authorization: Bearer`` (or Anthropic's ``x-api-key``) against the
+        configured key (if any).
 
         Raises:
             OpenAIError: 401 ``invalid_api_key``.
@@ -176,6 +175,8 @@ class OpenAIApi:
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not request.headers.get("authorization") and request.headers.get("x-api-key"):
+            scheme, token = "bearer", request.headers["x-api-key"]  # how Anthropic's clients send the key
         if scheme.lower() != "bearer" or not token.strip():
             raise OpenAIError(401, "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
                               "invalid_request_error", None, "invalid_api_key")
@@ -243,43 +244,118 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
         """``POST /v1/chat/completions`` (see module doc)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            creq = parse_chat_request(await self._read_json(request))
+            choices = await self._start(request, creq)
+            src = choices.first
+            extra = {"session_id": src.session_id} if isinstance(src, SessionReply) else {}
+            headers = {"x-chat-session": src.session_id} if isinstance(src, SessionReply) else {}
+            markers = request.app.state.config.think_markers  # reasoning_content
+            return (choices, ChatWriter(creq, _completion_id(src), src.model_name, extra, markers), creq.stream,
+                    headers)
+        return await self.serve(request, start)
+
+    # ---- POST /v1/completions ---------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/completions``: raw prompts (``gateway/api/completions.py``)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            creq = parse_completion_request(await self._read_json(request))
+            model = resolve_model(request.app.state.router, creq.model)
+            sources: list[ReplySource] = []
+            try:
+                for p in creq.prompts:
+                    key = hashlib.blake2b(json_bytes(p)[:4096], digest_size=16).hexdigest()
+                    text = p.get("prompt")
+                    started = await self.start_engine_choices(
+                        request, [], creq.params, creq.n, model, extra={"prompt": text} if text is not None else None,
+                        prompt_token_ids=p.get("prompt_token_ids"), routing=key)
+                    sources += started.sources
+            except BaseException:
+                started_all = ChoiceSet(sources)
+                await started_all.abort()
+                started_all.close()
+                raise
+            choices = ChoiceSet(sources)
+            return choices, CompletionWriter(creq, f"cmpl-{choices.request_id}", choices.model_name), creq.stream, {}
+        return await self.serve(request, start)
+
+    # ---- Anthropic Messages, Responses ----------------------------------------------------
+
+    async def messages(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/messages`` (``gateway/api/anthropic_api.py``)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            mreq = parse_messages_request(await self._read_json(request))
+            choices = await self.start_engine_choices(request, mreq.messages, mreq.params, 1,
+                                                      resolve_model(request.app.state.router, mreq.model),
+                                                      extra=mreq.extra)
+            return choices, MessagesWriter(new_message_id(), choices.model_name), mreq.stream, {}
+        return await self.serve(request, start, anthropic_error_response)
+
+    async def count_tokens(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/messages/count_tokens``: the prompt's tokens, from a one-token run."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            mreq = parse_messages_request(await self._read_json(request), count_only=True)
+            choices = await self.start_engine_choices(request, mreq.messages, {**mreq.params, "max_tokens": 1}, 1,
+                                                      resolve_model(request.app.state.router, mreq.model),
+                                                      extra=mreq.extra)
+            return choices, CountWriter("", choices.model_name), False, {}
+        return await self.serve(request, start, anthropic_error_response)
+
+    async def responses(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/responses`` (``gateway/api/responses_api.py``)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            rreq = parse_responses_request(await self._read_json(request))
+            choices = await self.start_engine_choices(request, rreq.messages, rreq.params, 1,
+                                                      resolve_model(request.app.state.router, rreq.model),
+                                                      extra=rreq.extra)
+            return choices, ResponsesWriter(rreq, new_response_id(), choices.model_name), rreq.stream, {}
+        return await self.serve(request, start)
+
+    async def serve(self, request: Request,
+                    start: Callable[[], Awaitable[tuple[ChoiceSet, Writer, bool, dict[str, str]]]],
+                    errors: Callable[[OpenAIError], Response] | None = None) -> Response | SSEResponse:
+        """Answer one API request: authorize, ``start`` (parse the body, start its
+        choices, make its writer), wait for the first events before sending anything (so
+        a refused request gets a real HTTP error status even when streamed), then stream
+        or collect the reply with the writer. ``errors`` shapes error answers (OpenAI's,
+        ``error_response``, by default)."""
+        errors = errors or error_response
         try:
             self.authorize(request)
-            creq = parse_chat_request(await self._read_json(request))
-            source = await self._start(request, creq)
+            choices, writer, stream, headers = await start()
         except OpenAIError as e:
-            return error_response(e)
+            return errors(e)
         except GatewayError as e:
-            return error_response(from_gateway_error(e))
+            return errors(from_gateway_error(e))
         except ClientDisconnect:  # hung up while sending the body: not an error (gateway/server/disconnects.py)
             return Response(status_code=499)
         except Exception:
-            log.exception("starting a chat completion failed")
-            return error_response(openai_error_from("internal_error", "something went wrong; try again"))
+            log.exception("starting a completion failed")
+            return errors(openai_error_from("internal_error", "something went wrong; try again"))
         watcher = DisconnectWatcher(request.receive)
         watcher.on_close = self._hold(request, watcher)
         try:
-            first = await watcher.race(source.next())
+            first = await watcher.race(choices.next())
         except BaseException as e:
-            await self._abandon(source, watcher)
+            await self._abandon(choices, watcher)
             if isinstance(e, Revoked):
-                return error_response(revoked_error(e.reason))
+                return errors(revoked_error(e.reason))
             if isinstance(e, ClientGone):
                 return Response(status_code=499)  # nobody reads it
             raise
-        headers = {"x-request-id": _completion_id(source)}
-        markers = request.app.state.config.think_markers  # reasoning_content (gateway/replies/reasoning.py)
-        if isinstance(source, SessionReply):
-            headers["x-chat-session"] = source.session_id
-        if isinstance(first[0], Failed):  # refused before any output: a real error status
-            watcher.close()
-            source.close()
-            if isinstance(source, SessionReply) and source.created_chat:
-                await _delete_quietly(request, source.owner, source.session_id)
-            return error_response(openai_error_from(first[0].code, first[0].message, status=first[0].status))
-        if creq.stream:
-            return SSEResponse(lambda emit: self._stream(source, watcher, first, creq, emit, markers), headers)
-        return await self._collect(source, watcher, first, headers, markers)
+        headers = {"x-request-id": _completion_id(choices.first), **headers}
+        refused = next((ev for _, ev in first if isinstance(ev, Failed)), None)
+        if refused is not None:  # refused before any output: a real error status
+            await self._abandon(choices, watcher)
+            src = choices.first
+            if isinstance(src, SessionReply) and src.created_chat:
+                await _delete_quietly(request, src.owner, src.session_id)
+            return errors(openai_error_from(refused.code, refused.message, _refused_param(refused.message),
+                                            refused.status))
+        if stream:
+            return SSEResponse(lambda emit: self._stream(choices, watcher, first, writer, emit), headers)
+        return await self._collect(choices, watcher, first, writer, headers, errors)
 
     @staticmethod
     def _hold(request: Request, watcher: DisconnectWatcher) -> Callable[[], None]:
@@ -302,27 +378,62 @@ class OpenAIApi:
             if len(body) > limit:
                 raise openai_error_from("frame_too_large", f"request body over {limit} bytes")
         try:
-            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_BODY_BYTES \
+            return await asyncio.to_thread(loads_json, bytes(body)) if len(body) > BIG_FRAME_CHARS \
                 else loads_json(bytes(body))
         except BadJson as e:
             raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
 
-    async def _start(self, request: Request, creq: ChatRequest) -> ReplySource:
-        state = request.app.state
-        model = resolve_model(state.router, creq.model)
+    async def _start(self, request: Request, creq: ChatRequest) -> ChoiceSet:
+        model = resolve_model(request.app.state.router, creq.model)
         sid = session_link(request, creq)
         if sid is not None:
-            return await self._start_linked(request, creq, sid)
+            last = creq.messages[-1]
+            if last["role"] != "user" or not last["content"].strip():
+                raise bad("with a session link, the last message must be a non-empty user message "
+                          "(the chat's stored history is the rest of the prompt)", "messages")
+            if not creq.plain:
+                raise bad("with a session link, only text replies are served (no tools, response_format, "
+                          "logprobs, logit_bias, n or continue_final_message)", "session_id")
+            return ChoiceSet([await self._start_linked(request, creq, sid)])
+        return await self.start_engine_choices(request, creq.messages, creq.params, creq.n, model,
+                                               extra=creq.extra)
+
+    async def start_engine_choices(self, request: Request, messages: list[dict[str, Any]], params: dict[str, Any],
+                                   n: int, model: str | None, extra: dict[str, Any] | None = None,
+                                   prompt_token_ids: list[int] | None = None,
+                                   routing: str | None = None) -> ChoiceSet:
+        """Start ``n`` stateless choices of one prompt on one engine (the same routing
+        key), choice i with its own seed (``api_to_engine.choice_params``): the engine
+        computes their shared prompt once. ``params`` lack ``max_tokens``: the gateway's
+        default. ``extra``: ``generate`` frame fields (``prompt``, ``tools``...).
+
+        Raises:
+            GatewayError: ``engine_unavailable`` (the started choices are closed).
+        """
+        state = request.app.state
         events: GenerationEvents = getattr(state.generations, "events", None) or EventFanout()
-        params = {"max_tokens": state.config.defaults.max_tokens, **creq.params}
+        params = {"max_tokens": state.config.defaults.max_tokens, **params}
         # the cache namespace of the request's first user (docs/reliability.md, cache isolation)
         isolation = state.generations.isolation
-        source = EngineReply(state.router, events, uuid.uuid4().hex, creq.messages, params,
-                             affinity_key(creq.messages), model, state.config.cancel_grace_s,
-                             isolation.salt(self.owners(request)[0]), isolation.shared_messages(creq.messages),
-                             think_open=state.config.think_markers.open)
-        await source.start()
-        return source
+        salt = isolation.salt(self.owners(request)[0])
+        shared = isolation.shared_messages(messages) if messages else None
+        key = routing or affinity_key(messages)
+        base_id = uuid.uuid4().hex
+        sources: list[ReplySource] = []
+        try:
+            for i in range(n):
+                source = EngineReply(state.router, events, base_id if i == 0 else f"{base_id}-{i}", messages,
+                                     a2e.choice_params(params, i), key, model, state.config.cancel_grace_s,
+                                     salt, shared, extra=extra, prompt_token_ids=prompt_token_ids,
+                                     think_open=state.config.think_markers.open)
+                await source.start()
+                sources.append(source)
+        except BaseException:
+            choices = ChoiceSet(sources)
+            await choices.abort()
+            choices.close()
+            raise
+        return ChoiceSet(sources)
 
     async def _start_linked(self, request: Request, creq: ChatRequest, sid: str) -> SessionReply:
         """Append the request's last (user) message to chat ``sid`` and start its reply."""
@@ -354,93 +465,73 @@ class OpenAIApi:
         return SessionReply(state.generations, state.streams, owner, started, info.model if info else "",
                             created_chat=created)
 
-    async def _abandon(self, source: ReplySource, watcher: DisconnectWatcher) -> None:
-        """The client left (or the server is stopping): abort the reply."""
+    async def _abandon(self, choices: ChoiceSet, watcher: DisconnectWatcher) -> None:
+        """The client left (or the server is stopping, or the request failed): abort the reply."""
         watcher.close()
         try:
-            await source.abort()
+            await choices.abort()
         finally:
-            source.close()
+            choices.close()
 
-    async def _collect(self, source: ReplySource, watcher: DisconnectWatcher, events: list[ReplyEvent],
-                       headers: dict[str, str], markers: ThinkMarkers = DEFAULT_MARKERS) -> Response:
-        """A non-streaming answer: wait for the whole reply (its reasoning, if any, as the
-        message's ``reasoning_content``)."""
-        parts: list[str] = []
+    async def _collect(self, choices: ChoiceSet, watcher: DisconnectWatcher, events: list[tuple[int, ReplyEvent]],
+                       writer: Writer, headers: dict[str, str],
+                       errors: Callable[[OpenAIError], Response]) -> Response:
+        """A non-streaming answer: wait for every choice's whole reply."""
         try:
             while True:
-                for ev in events:
-                    if isinstance(ev, Delta):
-                        parts.append(ev.text)
-                    elif isinstance(ev, Failed):
-                        return error_response(openai_error_from(ev.code, ev.message, status=ev.status))
-                    elif isinstance(ev, Finished):
-                        return json_response(_completion(source, "".join(parts), ev, markers), headers=headers)
-                events = await watcher.race(source.next())
+                for i, ev in events:
+                    if isinstance(ev, Failed):
+                        await self._abandon(choices, watcher)
+                        return errors(openai_error_from(ev.code, ev.message, status=ev.status))
+                    writer.take(i, ev)
+                if choices.done:
+                    return json_response(writer.body(), headers=headers)
+                events = await watcher.race(choices.next())
         except BaseException as e:
-            await self._abandon(source, watcher)
+            await self._abandon(choices, watcher)
             if isinstance(e, Revoked):
-                return error_response(revoked_error(e.reason))
+                return errors(revoked_error(e.reason))
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
         finally:
             watcher.close()
-            source.close()
+            choices.close()
 
-    async def _stream(self, source: ReplySource, watcher: DisconnectWatcher, events: list[ReplyEvent],
-                      creq: ChatRequest, emit: Callable[[bytes], Awaitable[None]],
-                      markers: ThinkMarkers = DEFAULT_MARKERS) -> None:
-        """A streaming answer: role chunk, content chunks (the reply's reasoning, if any,
-        as ``reasoning_content`` deltas first), finish chunk, usage chunk (with
-        ``stream_options.include_usage``), ``[DONE]``; an error after the start is sent
-        as a ``data: {"error": ...}`` event (as OpenAI does)."""
-        think = ReasoningSplitter(markers)
-
-        async def text(reasoning: str, content: str) -> None:
-            if reasoning:
-                await emit(chunk({"reasoning_content": reasoning}))
-            if content:
-                await emit(chunk({"content": content}))
-        base = {"id": _completion_id(source), "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": source.model_name, "system_fingerprint": None}
-        if creq.include_usage:
-            base["usage"] = None
-
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-            return json_bytes({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                    "finish_reason": finish_reason}]})
+    async def _stream(self, choices: ChoiceSet, watcher: DisconnectWatcher, events: list[tuple[int, ReplyEvent]],
+                      writer: Writer, emit: Callable[[bytes], Awaitable[None]]) -> None:
+        """A streaming answer, as the writer frames it; an error after the start is sent
+        as the writer's error event (OpenAI's: a ``data: {"error": ...}`` event)."""
+        async def send(frames: list[bytes]) -> None:
+            for f in frames:
+                await emit(f)
 
         try:
-            await emit(chunk({"role": "assistant", "content": ""}))
+            await send(writer.start_events())
             while True:
-                for ev in events:
-                    if isinstance(ev, Delta) and ev.text:
-                        await text(*think.feed(ev.text))
-                    elif isinstance(ev, Failed):
-                        await emit(json_bytes(openai_error_from(ev.code, ev.message, status=ev.status).body()))
+                for i, ev in events:
+                    if isinstance(ev, Failed):
+                        await send(writer.error_event(openai_error_from(ev.code, ev.message, status=ev.status)))
+                        await self._abandon(choices, watcher)
                         return
-                    elif isinstance(ev, Finished):
-                        await text(*think.finish())
-                        await emit(chunk({}, ev.finish_reason))
-                        if creq.include_usage:
-                            await emit(json_bytes({**base, "choices": [], "usage": _usage(ev)}))
-                        await emit(b"[DONE]")
-                        return
-                events = await watcher.race(source.next())
+                    await send(writer.stream_events(i, ev))
+                if choices.done:
+                    await send(writer.end_events())
+                    return
+                events = await watcher.race(choices.next())
         except Revoked as e:  # the client is still there: tell it why the stream ends
             try:
-                await emit(json_bytes(revoked_error(e.reason).body()))
+                await send(writer.error_event(revoked_error(e.reason)))
             finally:
-                await self._abandon(source, watcher)
+                await self._abandon(choices, watcher)
         except ClientGone:
-            await self._abandon(source, watcher)
+            await self._abandon(choices, watcher)
         except BaseException:
-            await self._abandon(source, watcher)  # a failed send, or the server stopping
+            await self._abandon(choices, watcher)  # a failed send, or the server stopping
             raise
         finally:
             watcher.close()
-            source.close()
+            choices.close()
 
 
 async def _delete_quietly(request: Request, owner: str, sid: str) -> None:
@@ -471,6 +562,17 @@ def session_link(request: Request, creq: ChatRequest) -> str | None:
     return sid
 
 
+# the engine's refusal of a grammar it cannot compile -> the request field at fault
+_GRAMMAR_REFUSALS = {"the response format cannot be used": "response_format",
+                     "the tools' parameters cannot be used": "tools"}
+
+
+def _refused_param(message: str) -> str | None:
+    """The request field an engine refusal names (a schema the grammar library cannot
+    compile), or None."""
+    return next((p for prefix, p in _GRAMMAR_REFUSALS.items() if message.startswith(prefix)), None)
+
+
 def revoked_error(reason: str) -> OpenAIError:
     """The answer to a request whose token was revoked (or user deleted) while it ran."""
     return OpenAIError(401, f"{reason}: this request was stopped", "invalid_request_error", None, "invalid_token")
@@ -480,33 +582,27 @@ def _completion_id(source: ReplySource) -> str:
     return f"chatcmpl-{source.request_id}"
 
 
-def _usage(done: Finished) -> dict[str, Any]:
-    u = done.usage
-    prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
-
-
-def _completion(source: ReplySource, text: str, done: Finished, markers: ThinkMarkers = DEFAULT_MARKERS
-                ) -> dict[str, Any]:
-    reasoning, text = split_reasoning(text, markers)
-    body: dict[str, Any] = {
-        "id": _completion_id(source), "object": "chat.completion", "created": int(time.time()),
-        "model": source.model_name, "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": done.finish_reason}],
-        "usage": _usage(done),
-    }
-    if reasoning is not None:
-        body["choices"][0]["message"]["reasoning_content"] = reasoning
-    if isinstance(source, SessionReply):
-        body["session_id"] = source.session_id
-    return body
-
-
 def openai_routes(api_key: str | None = None) -> list[Route]:
-    """``POST /v1/chat/completions`` and ``GET /v1/models``; with ``api_key`` every
-    request must send ``Authorization: Bearer <api_key>``."""
+    """The ``/v1`` routes (``chat/completions``, ``completions``, Anthropic's
+    ``messages`` and ``messages/count_tokens``, ``responses``, ``models``, and an OpenAI
+    error for any other ``/v1`` path); with ``api_key`` every request must send
+    ``Authorization: Bearer <api_key>``."""
     api = OpenAIApi(api_key)
-    return [Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-            Route("/v1/models", api.models, methods=["GET"])]
+    routes = [Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/v1/completions", api.completions, methods=["POST"]),
+              Route("/v1/messages", api.messages, methods=["POST"]),
+              Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
+              Route("/v1/responses", api.responses, methods=["POST"]),
+              Route("/v1/models", api.models, methods=["GET"])]
+    known = {r.path for r in routes}
+
+    async def unknown(request: Request) -> Response:
+        path = request.url.path
+        if path in known:
+            return error_response(OpenAIError(405, f"{request.method} is not allowed on {path}",
+                                              "invalid_request_error", None, "method_not_allowed"))
+        return error_response(OpenAIError(404, f"Invalid URL ({request.method} {path}): no such route",
+                                          "invalid_request_error", None, "not_found"))
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+    return routes + [Route("/v1/{path:path}", unknown, methods=methods), Route("/v1", unknown, methods=methods)]

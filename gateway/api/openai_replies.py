@@ -15,7 +15,8 @@ from one of two sources:
 
 ``DisconnectWatcher`` listens for ``http.disconnect`` while the reply runs; every wait
 on the source is raced against it, so a client that leaves during the prefill, the
-queue or the decode is noticed at once and its reply aborted (stop frees the engine (docs/acceptance.md)).
+queue or the decode is noticed at once and its reply aborted (stop frees the engine
+(docs/acceptance.md#stop-frees-the-engine)).
 """
 
 from __future__ import annotations
@@ -41,26 +42,40 @@ from gateway.store.reply_streams import ReplyStreams, done_payload
 log = logging.getLogger("gateway.openai")
 
 T = TypeVar("T")
-USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+# cached_disk_tokens: of cached_tokens, those our engine restored from its disk KV tier
+USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cached_disk_tokens")
 TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 @dataclass
 class Delta:
-    """New reply text; ``n_tokens`` engine tokens (0 when the source does not know)."""
+    """New reply text; ``n_tokens`` engine tokens (0 when the source does not know).
+    From an engine (protocol 7, when asked for): ``logprobs`` (an entry per token),
+    ``tool_calls`` (call deltas), ``prompt_logprobs`` (once, an entry per prompt token),
+    in the engine's wire shapes (docs/protocol.md section 1)."""
 
     text: str
     n_tokens: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
 class Finished:
-    """The reply ended: ``finish_reason`` "stop", "length" or "abort"; ``usage`` in tokens
-    (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``); ``timings`` in ms."""
+    """The reply ended: ``finish_reason`` "stop", "length", "abort", "tool_calls" or
+    "error"; ``usage`` in tokens (``prompt_tokens``, ``cached_tokens``,
+    ``completion_tokens``); ``timings`` in ms. From an engine: ``tool_calls``, every call
+    whole (a request with tools), ``stop_reason`` (the stop string or token matched, or
+    why the engine could not go on), the prompt's and reply's token ids."""
 
     finish_reason: str
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    tool_calls: list[dict[str, Any]] | None = None
+    stop_reason: str | int | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -171,20 +186,24 @@ class EngineReply:
         model: only engines serving this model name, or None for any.
         abort_grace_s: how long ``abort`` waits for the engine's final frame.
         cache_salt, shared_messages: its cache scope (``gateway/engines/cache_scope.py``).
+        extra: protocol 7's ``generate`` fields (``prompt``, ``tools``, ...).
+        prompt_token_ids: a prompt of token ids instead of ``messages``.
         think_open: the opening reasoning marker (``EngineRun``).
     """
 
     def __init__(self, router: EngineRouter, events: GenerationEvents, request_id: str,
-                 messages: list[dict[str, str]], params: dict[str, Any], affinity_key: str,
+                 messages: list[dict[str, Any]], params: dict[str, Any], affinity_key: str,
                  model: str | None, abort_grace_s: float, cache_salt: str = "",
-                 shared_messages: list[dict[str, str]] | None = None, think_open: str = "<think>") -> None:
+                 shared_messages: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None,
+                 prompt_token_ids: list[int] | None = None, think_open: str = "<think>") -> None:
         self.router = router
         self.events = events
         self.request_id = request_id
         self.model = model
         self.abort_grace_s = abort_grace_s
         self.run = EngineRun(router, request_id, affinity_key, messages, params=params, model=model,
-                             cache_salt=cache_salt, shared_messages=shared_messages, think_open=think_open)
+                             cache_salt=cache_salt, shared_messages=shared_messages, extra=extra,
+                             prompt_token_ids=prompt_token_ids, think_open=think_open)
         self._ended = False
 
     @property
@@ -219,8 +238,9 @@ class EngineReply:
             if batch is None:
                 continue
             events: list[ReplyEvent] = []
-            if batch.text or batch.token_ids:
-                events.append(Delta(batch.text, len(batch.token_ids)))
+            if batch.text or batch.token_ids or batch.tool_calls:
+                events.append(Delta(batch.text, len(batch.token_ids), batch.logprobs, batch.tool_calls,
+                                    batch.prompt_logprobs))
                 self.events.on_delta(self.request_id, len(batch.token_ids), len(batch.text), time.perf_counter())
             if batch.end is not None:
                 events.append(self._end(batch.end))
@@ -236,7 +256,8 @@ class EngineReply:
             return Failed(code, end.message or "the engine refused the request", error_status(end))
         usage = {k: int(getattr(end.usage, k)) for k in USAGE_KEYS}
         timings = {k: float(getattr(end.timings, k)) for k in TIMING_KEYS}
-        done = Finished(end.finish_reason or "stop", usage, timings)
+        done = Finished(end.finish_reason or "stop", usage, timings, end.output_tool_calls, end.stop_reason,
+                        list(end.prompt_token_ids), list(end.output_token_ids))
         self.events.on_finish(self.request_id, done.finish_reason, done.usage, done.timings, now)
         return done
 

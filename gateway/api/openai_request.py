@@ -1,34 +1,42 @@
 """The OpenAI chat-completions request: validation into engine terms, and OpenAI errors.
 
 ``parse_chat_request`` turns a decoded ``POST /v1/chat/completions`` body into a
-``ChatRequest``: text-only messages with the engine's roles and the engine
-``SamplingParams`` keys the client set. What it accepts (docs/protocol.md section 4):
+``ChatRequest``: messages with the engine's roles (tool calls and tool results
+included), the engine ``SamplingParams`` keys the client set, and the ``generate``
+frame's tool and continuation fields. What it accepts (docs/protocol.md section 4):
 
 * supported: ``messages``, ``model``, ``temperature``, ``top_p``, ``max_tokens``,
   ``max_completion_tokens``, ``stop``, ``seed``, ``frequency_penalty``,
-  ``presence_penalty``, ``n`` (1 only), ``stream``, ``stream_options``;
-  extensions (as vLLM names them): ``top_k``, ``min_p``, ``repetition_penalty``,
-  ``ignore_eos``; the session link field ``session_id``.
-* ignored as harmless: ``IGNORED_FIELDS`` (``user``, ``metadata``, ...), and
-  feature fields at their "off" value (``tools: []``, ``response_format: {"type": "text"}``...).
-* refused with 400: any other field, a feature we do not serve (tools, images,
-  logprobs), a value out of the engine's range (``engine.sampling_params.RANGES``, the
-  same text as every other entry point), or text that is not valid Unicode.
+  ``presence_penalty``, ``n`` (1-8), ``stream``, ``stream_options``,
+  ``response_format`` (text, ``json_object``, ``json_schema``), ``tools``,
+  ``tool_choice``, ``parallel_tool_calls``, the legacy ``functions``/``function_call``,
+  ``logprobs``/``top_logprobs``, ``logit_bias``; extensions (as vLLM and llama.cpp name
+  them): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+  ``continue_final_message``, ``add_generation_prompt``, ``guided_json``,
+  ``guided_regex``, ``guided_grammar``, ``guided_choice``, ``json_schema``, ``grammar``;
+  the session link field ``session_id``.
+* ignored as harmless: ``IGNORED_FIELDS`` (``user``, ``metadata``, ...).
+* refused with 400: any other field, a feature we do not serve (images, audio), a
+  value out of the engine's range (``engine.sampling_params.RANGES``, the same text as
+  every other entry point), a schema the grammar library cannot compile (its reason),
+  or text that is not valid Unicode.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, STOP_ERROR, SamplingParams, param_error
 from engine.text_checks import text_error
+from gateway.api import api_to_engine as a2e
 from gateway.errors import GatewayError
 
-# OpenAI fields with no effect on a text reply here; accepted and dropped.
+# OpenAI fields with no effect on a reply here; accepted and dropped.
 IGNORED_FIELDS = frozenset({
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
+    "user", "metadata", "store", "service_tier", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "verbosity", "web_search_options",
 })
 NEW_SESSION = "new"
@@ -104,25 +112,40 @@ class ChatRequest:
     """A validated chat-completions request.
 
     Attributes:
-        messages: ``[{"role": "system"|"user"|"assistant", "content": str}]`` (``developer``
-            is folded into ``system``; text parts joined with newlines).
+        messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}]``
+            (``developer`` is folded into ``system``; text parts joined with newlines); an
+            assistant message may carry ``tool_calls`` (OpenAI's shape), a tool message
+            ``tool_call_id``.
         model: the requested model name, or None when omitted.
-        params: engine ``SamplingParams`` keys the client set (validated); unset keys
-            take the gateway's defaults later.
+        params: engine ``SamplingParams`` keys the client set (validated; ``structured``,
+            ``logprobs``, ``logit_bias`` included); unset keys take the gateway's defaults later.
         stream: answer with Server-Sent Events.
         include_usage: with ``stream``, send a final chunk holding ``usage``.
         session_id: the body's session link (an id or ``"new"``), or None.
+        n: the number of choices (1-8).
+        logprobs: answer with each token's logprobs.
+        extra: the engine ``generate`` frame's ``tools``, ``tool_choice``,
+            ``parallel_tool_calls`` and ``continue_final_message`` (only those set).
     """
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     model: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
+    n: int = 1
+    logprobs: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> bool:
+        """A request a stored chat can take: one text choice, nothing but sampling settings."""
+        return (self.n == 1 and not self.logprobs and not self.extra
+                and not any(k in self.params for k in ("structured", "logit_bias", "logprobs")))
 
 
-def _text(value: Any, field: str, param: str | None = None) -> None:
+def check_text(value: Any, field: str, param: str | None = None) -> None:
     """Refuse a string that is not valid Unicode (``engine.text_checks``)."""
     message = text_error(value, field)
     if message is not None:
@@ -133,9 +156,9 @@ def _content(i: int, role: str, content: Any) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text"}`` parts."""
     param = f"messages[{i}].content"
     if isinstance(content, str):
-        _text(content, param)
+        check_text(content, param)
         return content
-    if content is None and role == "assistant":
+    if content is None and role in ("assistant", "tool"):
         return ""
     if isinstance(content, list):
         texts = []
@@ -143,56 +166,122 @@ def _content(i: int, role: str, content: Any) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad(f"only text content parts are supported; {param}[{j}] is {kind!r}", param)
-            _text(part["text"], f"{param}[{j}].text", param)
+            check_text(part["text"], f"{param}[{j}].text", param)
             texts.append(part["text"])
         return "\n".join(texts)
     raise bad(f"{param} must be a string or a list of text parts", param)
 
 
-def _messages(raw: Any) -> list[dict[str, str]]:
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked for OpenAI's shape (arguments as a
+    JSON text; an object some clients send is written as one)."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(f"{param} must be a list", param)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or c.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
+            raise bad(f'{param}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        if not isinstance(args, str):
+            raise bad(f"{param}[{j}].function.arguments must be a JSON text", param)
+        call_id = c.get("id") or f"call_{i}_{j}"
+        if not isinstance(call_id, str):
+            raise bad(f"{param}[{j}].id must be a string", param)
+        for text, where in ((call_id, "id"), (fn["name"], "function.name"), (args, "function.arguments")):
+            check_text(text, f"{param}[{j}].{where}", param)
+        out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
         if role == "developer":
             role = "system"  # OpenAI's newer name for the system role
-        if role not in ("system", "user", "assistant"):
-            raise bad(f"messages[{i}].role must be system, developer, user or assistant, got {role!r}"
-                      " (tool and function messages are not supported)", f"messages[{i}].role")
-        if m.get("tool_calls") or m.get("function_call") or m.get("audio"):
-            raise bad(f"messages[{i}]: tool calls and audio are not supported", f"messages[{i}]")
+        if role == "function":  # the legacy name of a tool result
+            role = "tool"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}",
+                      f"messages[{i}].role")
+        if m.get("audio"):
+            raise bad(f"messages[{i}]: audio is not supported", f"messages[{i}]")
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise bad(f"messages[{i}].name must be a string", f"messages[{i}].name")
-        _text(name, f"messages[{i}].name")
-        out.append({"role": role, "content": _content(i, role, m.get("content"))})
+        check_text(name, f"messages[{i}].name")
+        calls = m.get("tool_calls")
+        if calls is None and isinstance(m.get("function_call"), dict):  # the legacy single call
+            calls = [{"id": f"call_{i}", "type": "function", "function": m["function_call"]}]
+        msg: dict[str, Any] = {"role": role, "content": _content(i, role, m.get("content"))}
+        if calls:
+            if role != "assistant":
+                raise bad(f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            msg["tool_calls"] = _tool_calls(i, calls)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None:
+                if not isinstance(call_id, str):
+                    raise bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
+                check_text(call_id, f"messages[{i}].tool_call_id")
+                msg["tool_call_id"] = call_id
+            if name is not None:
+                msg["name"] = name
+        out.append(msg)
     return out
 
 
 def _off_features(body: dict[str, Any]) -> None:
-    """Refuse features we do not serve unless they are set to their "off" value."""
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad(f"'{name}' is not supported by this server", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
-            raise bad(f"'{name}' is not supported by this server", name)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported by this server", "logit_bias")
+    """Refuse output kinds we do not serve (audio, predicted outputs)."""
     if body.get("modalities") not in (None, ["text"]) or body.get("audio") is not None:
         raise bad("only text output is supported", "modalities")
     if body.get("prediction") is not None:
         raise bad("'prediction' is not supported by this server", "prediction")
-    if body.get("logprobs") not in (None, False):
-        raise bad("logprobs are not supported by this server", "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise bad("'top_logprobs' needs logprobs, which this server does not support", "top_logprobs")
+
+
+def _engine_fields(body: dict[str, Any], messages: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The request's engine features: (``SamplingParams`` keys ``structured``,
+    ``logprobs``, ``logit_bias``; ``generate`` frame fields ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``, ``continue_final_message``), each only when set.
+
+    Raises:
+        OpenAIError: 400 naming the field and the engine's reason.
+    """
+    params: dict[str, Any] = {}
+    try:
+        structured = a2e.structured_from_response_format(body.get("response_format"))
+        ext = a2e.structured_from_extensions(body)
+        if ext is not None:
+            if structured is not None:
+                raise a2e.FieldError(ext[0], f"give response_format or {ext[0]}, not both")
+            structured = ext[1]
+        if structured is not None:
+            params["structured"] = structured
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if body.get("functions") is not None:
+            if tools:
+                raise a2e.FieldError("functions", "give tools or functions, not both")
+            tools, choice = a2e.tools_from_functions(body["functions"], body.get("function_call"))
+        elif body.get("function_call") is not None and choice is None:
+            raise a2e.FieldError("function_call", "function_call needs functions")
+        extra = a2e.tool_fields(tools or None, choice, body.get("parallel_tool_calls")) if tools else {}
+        if not tools and choice not in (None, "none", "auto"):
+            raise a2e.FieldError("tool_choice", "tool_choice needs tools")
+        params.update(a2e.chat_logprob_params(body.get("logprobs"), body.get("top_logprobs")))
+        params.update(a2e.logit_bias_param(body.get("logit_bias")))
+        if a2e.continue_final_message(messages, body):
+            extra["continue_final_message"] = True
+    except a2e.FieldError as e:
+        raise bad(e.message, e.param) from None
+    return params, extra
 
 
 KNOWN_FIELDS = frozenset({
@@ -200,7 +289,9 @@ KNOWN_FIELDS = frozenset({
     "frequency_penalty", "presence_penalty", "n", "stream", "stream_options", "session_id",
     "top_k", "min_p", "repetition_penalty", "ignore_eos",
     "tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "modalities",
-    "audio", "prediction", "logprobs", "top_logprobs",
+    "audio", "prediction", "logprobs", "top_logprobs", "parallel_tool_calls", "continue_final_message",
+    "add_generation_prompt", "guided_json", "guided_regex", "guided_grammar", "guided_choice", "json_schema",
+    "grammar",
 }) | IGNORED_FIELDS
 
 
@@ -213,7 +304,7 @@ NUMERIC_FIELDS: dict[str, str] = {
 }
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     """The engine parameters the client set, each checked against the engine's own
     ranges (``RANGES``) with the engine's error text, naming the OpenAI field."""
     p: dict[str, Any] = {}
@@ -236,7 +327,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
                 or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops)):
             raise bad(STOP_ERROR, "stop")
         for i, s in enumerate(stops):
-            _text(s, f"stop[{i}]", "stop")
+            check_text(s, f"stop[{i}]", "stop")
         if stops:
             p["stop"] = stops
     try:  # the engine's own rules, so that nothing it would refuse is sent
@@ -261,10 +352,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
-    _text(model, "model")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad(f"only n=1 is supported (one choice per request), got {n!r}", "n")
+    check_text(model, "model")
+    try:
+        n = a2e.choice_count(body.get("n"))
+    except a2e.FieldError as e:
+        raise bad(e.message, e.param) from None
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
@@ -274,7 +366,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
     sid = body.get("session_id")
     if sid is not None and not isinstance(sid, str):
         raise bad("'session_id' must be a string", "session_id")
-    _text(sid, "session_id")
+    check_text(sid, "session_id")
     _off_features(body)
-    return ChatRequest(messages=messages, model=model, params=_sampling(body), stream=bool(stream),
-                       include_usage=bool((opts or {}).get("include_usage", False)), session_id=sid)
+    features, extra = _engine_fields(body, messages)
+    params = sampling_fields(body)
+    params.update(features)
+    return ChatRequest(messages=messages, model=model, params=params, stream=bool(stream),
+                       include_usage=bool((opts or {}).get("include_usage", False)), session_id=sid, n=n,
+                       logprobs="logprobs" in features, extra=extra)

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.api.access_tokens import TokenStore
-from gateway.retry import Backoff
+from gateway.retry import Backoff, Outage, keep_connected
+from gateway.store.connection import close_quietly
+from gateway.store.keys import Keys
 
 __all__ = ["TOKEN_REVOKED", "USER_DELETED", "Revocations"]
 
@@ -70,7 +72,7 @@ class Revocations:
     def __init__(self, redis: aioredis.Redis, tokens: TokenStore, prefix: str = "") -> None:
         self.redis = redis
         self.tokens = tokens
-        self.channel = f"{prefix}chat:revocations"
+        self.channel = Keys(prefix).revocations_channel()
         self._holders: dict[int, _Holder] = {}
         self._ids = itertools.count()
         self._recent: deque[tuple[float, str, str, str | None]] = deque()  # (time, kind, uid, token id)
@@ -152,31 +154,26 @@ class Revocations:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _listen(self) -> None:
-        backoff = Backoff(*BACKOFF_S)
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.channel)
-                await self._recheck_tokens()  # what a broken subscription may have missed
-                backoff.reset()
-                async for msg in pubsub.listen():
-                    if msg.get("type") != "message":
-                        continue
-                    try:
-                        d = json.loads(msg["data"])
-                        self._apply(str(d["kind"]), str(d["uid"]), d.get("id"))
-                    except (ValueError, KeyError, TypeError):
-                        log.warning("ignored a malformed revocation message")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.info("revocations: %s; resubscribing", e)
-                await backoff.sleep()
-            finally:
+        await keep_connected(self._session, outage=Outage("revocations", log), backoff=Backoff(*BACKOFF_S))
+
+    async def _session(self, connected: Callable[[], None]) -> None:
+        """One subscription: re-checks the open tokens (what a broken subscription may have
+        missed), then applies each revocation it hears."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.channel)
+            await self._recheck_tokens()
+            connected()
+            async for msg in pubsub.listen():
+                if msg.get("type") != "message":
+                    continue
                 try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-                except Exception:
-                    pass  # the connection is already gone
+                    d = json.loads(msg["data"])
+                    self._apply(str(d["kind"]), str(d["uid"]), d.get("id"))
+                except (ValueError, KeyError, TypeError):
+                    log.warning("ignored a malformed revocation message")
+        finally:
+            await close_quietly(pubsub)
 
     async def _recheck_tokens(self) -> None:
         """Close the connections whose token no longer exists in Redis."""

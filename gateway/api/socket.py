@@ -5,13 +5,15 @@ per reply the socket watches (``tails.ReplyTail``: from the reply task's memory 
 reply runs on this gateway, else from its Redis Stream). Everything sent goes through a
 bounded outbox: a tail that finds the outbox full waits, so it reads no faster than the
 client reads the socket, and the gateway holds at most ``ws_max_pending_frames`` frames
-plus one read batch per tail for a slow client (bounded outbound buffers (docs/acceptance.md)). A frame the client
+plus one read batch per tail for a slow client (bounded outbound buffers
+(docs/acceptance.md#bounded-outbound-buffers)). A frame the client
 has not taken within ``ws_send_timeout_s`` marks the socket stalled: it is closed and
 its tails stop; the replies themselves go on and are stored.
 
 Frames are handled concurrently (at most ``ws_max_inflight`` per socket), so a ``ping``
 is answered while a big ``chat`` of the same or another socket is being processed;
-large frames are JSON-decoded off the event loop (the event loop is never blocked (docs/acceptance.md)).
+large frames are JSON-decoded off the event loop (the event loop is never blocked
+(docs/acceptance.md#the-event-loop-is-never-blocked)).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from gateway.api.socket_frames import (
     error_from,
     parse_client_frame,
 )
-from gateway.config import GatewayConfig
+from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.replies.manager import GenerationManager, StartedTurn
 from gateway.replies.tail import TAIL_BLOCK_MS, ReplyLog, ReplyTail
@@ -55,7 +57,6 @@ from gateway.api.validation import printable
 
 log = logging.getLogger("gateway.api.socket")
 
-BIG_FRAME_CHARS = 256 * 1024  # frames above this are decoded in a worker thread
 REVOKED_CLOSE_CODE = 1008  # policy violation: the socket's token was revoked (or its user deleted)
 
 
@@ -208,7 +209,8 @@ class Connection:
             if isinstance(frame, ChatFrame):
                 # shielded: a socket that goes away must not cut a turn half-begun
                 started = await asyncio.shield(self.gens.chat(self.uid, frame.session_id, frame.content,
-                                                              frame.params, frame.client_msg_id, model=frame.model))
+                                                              frame.params, frame.client_msg_id,
+                                                              attachments=frame.attachments, model=frame.model))
                 await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, RegenerateFrame):
                 started = await asyncio.shield(self.gens.regenerate(self.uid, frame.session_id, frame.params,
@@ -230,7 +232,7 @@ class Connection:
         """``edit`` and ``continue``: start the turn (shielded, as ``chat``) and follow it."""
         if isinstance(frame, EditFrame):
             turn = self.gens.edit(self.uid, frame.session_id, frame.message_id, frame.content, frame.params,
-                                  frame.client_msg_id)
+                                  frame.client_msg_id, attachments=frame.attachments)
         else:
             turn = self.gens.continue_reply(self.uid, frame.session_id, frame.message_id, frame.params)
         started = await asyncio.shield(turn)

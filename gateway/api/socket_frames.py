@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.text_checks import text_error
 from gateway.api.validation import BadJson, loads_json
+from gateway.attachments import ATTACHMENT_LIMITS, parse_attachments
 from gateway.errors import GatewayError
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -46,6 +47,7 @@ class ChatFrame:
     params: dict[str, Any] = field(default_factory=dict)
     client_msg_id: str | None = None
     model: str | None = None
+    attachments: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class EditFrame:
     content: str
     params: dict[str, Any] = field(default_factory=dict)
     client_msg_id: str | None = None
+    attachments: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -179,8 +182,12 @@ def parse_client_frame(obj: Any) -> ClientFrame:
         return EventsFrame(on=on)
     if kind in ("chat", "edit"):
         content = obj.get("content")
-        if not isinstance(content, str) or not content.strip():
-            raise ProtocolError("'content' must be a non-empty string", **ctx)
+        try:  # checked here, so a bad file never reaches the store or the engine
+            files = [a.to_json() for a in parse_attachments(obj.get("attachments"), ATTACHMENT_LIMITS)]
+        except GatewayError as e:
+            raise ProtocolError(e.message, code="invalid_request", **ctx) from None
+        if not isinstance(content, str) or not (content.strip() or files):
+            raise ProtocolError("'content' must be a non-empty string (it may be empty with attachments)", **ctx)
         bad_text = text_error(content, "content")
         if bad_text is not None:
             raise ProtocolError(bad_text, code="invalid_request", **ctx)
@@ -190,7 +197,7 @@ def parse_client_frame(obj: Any) -> ClientFrame:
         if kind == "edit":
             return EditFrame(session_id=_id(obj, "session_id", required=True, ctx=ctx),  # type: ignore[arg-type]
                              message_id=_id(obj, "message_id", required=True, ctx=ctx),  # type: ignore[arg-type]
-                             content=content, params=_params(obj, ctx), client_msg_id=cmid)
+                             content=content, params=_params(obj, ctx), client_msg_id=cmid, attachments=files)
         model = obj.get("model")
         if model is not None and not (isinstance(model, str) and 0 < len(model) <= MAX_MODEL_CHARS):
             raise ProtocolError(f"'model' must be a model name of 1-{MAX_MODEL_CHARS} characters", **ctx)
@@ -200,6 +207,7 @@ def parse_client_frame(obj: Any) -> ClientFrame:
             params=_params(obj, ctx),
             client_msg_id=cmid,
             model=model,
+            attachments=files,
         )
     if kind == "cancel":
         return CancelFrame(request_id=_id(obj, "request_id", required=True, ctx=ctx))  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from engine.block_hash import namespace_of, prompt_block_hashes
 from engine.protocol import (
+    SECRET_HEADER,
     AbortFrame,
     DeltaFrame,
     DoneFrame,
@@ -47,6 +48,7 @@ from engine.protocol import (
     decode_engine_frame,
     encode,
 )
+from gateway.config import BIG_FRAME_CHARS
 from gateway.engines.prefix_index import PrefixIndex
 from gateway.engines.prompt_ids import RoutingTokenizer
 from gateway.engines.routing import (
@@ -59,9 +61,8 @@ from gateway.engines.routing import (
     snapshot_load,
 )
 from gateway.errors import GatewayError
-from gateway.retry import Backoff
+from gateway.retry import Backoff, Outage, keep_connected
 
-SECRET_HEADER = "X-Engine-Secret"  # the engine link's shared secret (engine/server.py checks it)
 log = logging.getLogger("gateway.engines.client")
 
 __all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "RoutePrompt", "engine_unavailable"]
@@ -69,22 +70,6 @@ __all__ = ["EngineClient", "EngineInfo", "EngineRequest", "EngineRouter", "Route
 KvListener = Callable[[str, KvEventsFrame | None], None]  # (engine url, frame, or None: its link was lost)
 
 UNREACHABLE_WARN_S = 5.0  # an engine down this long (seconds) is logged as a warning
-BIG_FRAME_CHARS = 256 * 1024  # frames above this are JSON-encoded off the event loop
-
-
-def log_unreachable(what: str, url: str, error: BaseException, down_since: float | None) -> float:
-    """Log that ``what`` at ``url`` cannot be reached (no traceback): at info level for its
-    first ``UNREACHABLE_WARN_S`` seconds down, a warning after (a restart, or an engine
-    stopping with the gateway on Ctrl-C, is a second or two of refused connections).
-
-    Returns:
-        When it went down (``time.monotonic()`` seconds): ``down_since``, or now.
-    """
-    now = time.monotonic()
-    down_since = now if down_since is None else down_since
-    level = logging.WARNING if now - down_since >= UNREACHABLE_WARN_S else logging.INFO
-    log.log(level, "%s %s unreachable: %s", what, url, str(error) or type(error).__name__)
-    return down_since
 
 
 def engine_unavailable(detail: str = "") -> GatewayError:
@@ -207,37 +192,37 @@ class EngineClient:
         self._lost("gateway shutting down")
 
     async def _run(self) -> None:
-        backoff = Backoff(0.1, self.max_backoff_s, jitter=0.5)
-        down_since: float | None = time.monotonic()
-        while True:
-            try:
-                async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
-                                   ping_interval=20, ping_timeout=60, close_timeout=2,
-                                   additional_headers=self._headers) as ws:
-                    hello = decode_engine_frame(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
-                    if not isinstance(hello, HelloFrame):
-                        raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")
-                    self.info, self.protocol_version = hello.info, hello.protocol_version
-                    self._ws = ws
-                    if self.kv_listener is not None and self.protocol_version >= 4:
-                        await ws.send(encode(KvSubscribeFrame()))
-                    self._ready.set()
-                    backoff.reset()
-                    down_since = None
-                    log.info("connected to engine %s (%s)", self.url, self.info.model)
-                    async for raw in ws:
-                        try:
-                            self._dispatch(decode_engine_frame(raw))
-                        except FrameError as e:
-                            log.warning("engine %s sent a malformed frame (%s); ignored", self.url, e)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # any failure means "reconnect"; log without a traceback
-                down_since = log_unreachable("engine", self.url, e, down_since)
-            if down_since is None:
-                down_since = time.monotonic()
+        outage = Outage(f"engine {self.url}", log, warn_after_s=UNREACHABLE_WARN_S, log_every_s=UNREACHABLE_WARN_S,
+                        since=time.monotonic())
+        await keep_connected(self._session, outage=outage, backoff=Backoff(0.1, self.max_backoff_s, jitter=0.5))
+
+    async def _session(self, connected: Callable[[], None]) -> None:
+        """One connection to the engine: hello, then its frames until it closes."""
+        try:
+            async with connect(self.url, max_size=None, compression=None, open_timeout=self.open_timeout_s,
+                               ping_interval=20, ping_timeout=60, close_timeout=2,
+                               additional_headers=self._headers) as ws:
+                hello = decode_engine_frame(await asyncio.wait_for(ws.recv(), self.open_timeout_s))
+                if not isinstance(hello, HelloFrame):
+                    raise ConnectionError(f"engine sent {type(hello).__name__} instead of hello")
+                self.info, self.protocol_version = hello.info, hello.protocol_version
+                self._ws = ws
+                if self.kv_listener is not None and self.protocol_version >= 4:
+                    await ws.send(encode(KvSubscribeFrame()))
+                self._ready.set()
+                connected()
+                log.info("connected to engine %s (%s)", self.url, self.info.model)
+                async for raw in ws:
+                    try:
+                        self._dispatch(decode_engine_frame(raw))
+                    except FrameError as e:
+                        log.warning("engine %s sent a malformed frame (%s); ignored", self.url, e)
+        except asyncio.CancelledError:
+            raise  # close() says why
+        except Exception:
             self._lost("connection to the engine was lost")
-            await backoff.sleep()
+            raise
+        self._lost("connection to the engine was lost")
 
     def _route(self, item: ReplyItem) -> None:
         req = self._requests.get(item.request_id) if item.request_id is not None else None
@@ -288,14 +273,17 @@ class EngineClient:
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
-                       shared_messages: list[dict[str, str]] | None = None) -> EngineRequest:
+                       shared_messages: list[dict[str, str]] | None = None,
+                       extra: dict[str, Any] | None = None) -> EngineRequest:
         """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
         (docs/protocol.md section 1) instead of refusing the request; ``continued_tokens``:
         the last that many ``prompt_token_ids`` are a cut reply to continue (sent to
         engines of protocol 5 and later; an older one continues without the seam's text);
         ``cache_salt`` and ``shared_messages`` place its KV pages (``gateway/engines/cache_scope.py``;
-        the shared messages go to engines of protocol 6 and later).
+        the shared messages go to engines of protocol 6 and later). ``extra``: protocol 7's
+        ``GenerateFrame`` fields (``prompt``, ``tools``, ``tool_choice``,
+        ``parallel_tool_calls``, ``continue_final_message``), for the APIs that use them.
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected.
@@ -305,8 +293,9 @@ class EngineClient:
         continued = continued_tokens if self.protocol_version >= 5 else 0
         frame = GenerateFrame(request_id, messages, prompt_token_ids, prefix_token_ids or None, params or None,
                               cache_salt or "", clamp_max_tokens, continued,
-                              shared_messages if cache_salt and self.protocol_version >= 6 else None)
-        size = sum(len(m.get("content", "")) for m in messages or []) + 8 * len(prefix_token_ids or [])
+                              shared_messages if cache_salt and self.protocol_version >= 6 else None,
+                              **(extra or {}))
+        size = sum(len(m.get("content") or "") for m in messages or []) + 8 * len(prefix_token_ids or [])
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
         try:

@@ -57,68 +57,16 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.config import POLICIES, RoutingPolicy
+from gateway.store.keys import Keys
+
 __all__ = ["POLICIES", "EngineLoad", "Placements", "RoutingPolicy", "choose", "choose_cache_aware",
            "rendezvous_rank", "snapshot_load"]
-
-POLICIES = ("cache_aware", "sticky", "hash", "round_robin", "random")
-
 
 def rendezvous_rank(key: str, url: str) -> int:
     """The rendezvous-hashing weight of engine ``url`` for ``key`` (a 64-bit int; the
     highest-weight engine is the key's choice). BLAKE2b of ``"key|url"``."""
     return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
-
-
-@dataclass(frozen=True)
-class RoutingPolicy:
-    """Which rule routes, and its weights (see the module doc).
-
-    Attributes:
-        policy: one of ``POLICIES``: ``cache_aware`` (the default), ``sticky`` (home
-            unless overloaded), ``hash`` (rendezvous hashing of the chat id alone),
-            ``round_robin`` or ``random`` (baselines for the routing benchmark).
-        load_tokens: in ``cache_aware``, what one request of load (running or waiting)
-            weighs against prompt tokens still to compute (tokens). 0 ignores load (the
-            longest match wins, a new chat goes to its rendezvous home); with 16 a
-            chat's turn leaves an engine holding 160 more of its tokens only when that
-            engine carries 10 more requests (the shed test usually acts first). Chosen
-            with bench/routing_sim.py (64 engines, 10,000 users, loads 0.6-1.2: 16 and 64
-            within a point of each other, both ahead of hashing) and bench/routing.py
-            (two 1-thread CPU engines: 64 moved a busy user's later turns off their
-            history, hit ratio 0.42 against 0.65 at 16; docs/benchmarks.md).
-        max_index_pages: the most KV page hashes the gateway's prefix index keeps.
-        tokenizer: a folder with the engines' tokenizer and chat template, read by the
-            gateway to compute prompt ids for ``cache_aware`` (``gateway/engines/prompt_ids.py``);
-            None uses the folder the engines name in their hello when it is readable
-            here, else prompts are matched only by the chat's stored ids.
-        abs_threshold: requests (running + waiting) the chosen engine must carry beyond
-            the least-loaded engine before a request sheds. SGLang's router defaults are
-            sized for GPUs that batch hundreds of requests; 8 and 2.0 were chosen with
-            bench/routing_sim.py on CPU engines (4 and 1.5 shed so eagerly at 90% load
-            that moved chats re-read their histories and TTFT p99 doubled).
-        rel_threshold: and the home's load must exceed ``rel_threshold`` times the
-            least-loaded engine's.
-        max_stats_age_s: a stats snapshot older than this (seconds) is not trusted.
-        stats_interval_s: how often the gateway asks each engine for its stats while
-            it has more than one (seconds; 0 turns the refresh off).
-    """
-
-    abs_threshold: int = 8
-    rel_threshold: float = 2.0
-    max_stats_age_s: float = 10.0
-    stats_interval_s: float = 1.0
-    policy: str = "cache_aware"
-    load_tokens: float = 16.0
-    max_index_pages: int = 2_000_000
-    tokenizer: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.load_tokens < 0:
-            raise ValueError(f"routing load_tokens must be >= 0, got {self.load_tokens}")
-        if self.max_index_pages < 1:
-            raise ValueError(f"max_index_pages must be >= 1, got {self.max_index_pages}")
 
 
 @dataclass(frozen=True)
@@ -221,11 +169,8 @@ class Placements:
 
     def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int | None, default_ttl_s: int = 7 * 86400) -> None:
         self.redis = redis
-        self.prefix = prefix
+        self._key = Keys(prefix).route
         self.ttl_s = ttl_s or default_ttl_s
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}chat:route:{key}"
 
     async def get(self, key: str) -> str | None:
         """The url the chat was moved to, or None."""

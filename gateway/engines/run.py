@@ -42,13 +42,18 @@ class Batch:
     deltas (and of the final item), ``end``, the final item, once it came, and
     ``progress``, the newest prompt-progress item among them (transient: only the browser
     socket shows it). ``trim_prior`` (a continued reply): characters to take off the end
-    of the reply's earlier text before ``text`` (docs/protocol.md, continuing a cut reply)."""
+    of the reply's earlier text before ``text`` (docs/protocol.md, continuing a cut reply).
+    ``logprobs``, ``tool_calls``, ``prompt_logprobs``: the items' entries of those
+    (protocol 7; the HTTP APIs' requests that ask for them)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     end: DoneFrame | ErrorFrame | None = None
     progress: ProgressFrame | None = None
     trim_prior: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 class EngineRun:
@@ -65,19 +70,23 @@ class EngineRun:
         cache_salt, shared_messages: where its KV pages live in the engines' prefix cache
             (its user's salt and the leading messages declared shared:
             ``gateway/engines/cache_scope.py``).
+        extra: protocol 7's ``generate`` fields (a raw ``prompt``, ``tools``, ...; the
+            HTTP APIs' requests), passed as they are.
         think_open: the opening reasoning marker, put in front of the reply's first text
             when the engine's generation prompt already opened the reasoning (its hello's
             ``think_in_prompt``), so the text says where its reasoning is
             (``gateway/replies/reasoning.py``); not for a prompt of token ids (a continued
-            reply's text already has it).
+            reply's text already has it) or a raw ``prompt`` or a continued final message.
     """
 
     def __init__(self, router: EngineRouter, request_id: str, affinity_key: str, messages: list[dict[str, str]],
                  prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                  clamp_max_tokens: bool = False, model: str | None = None,
                  prompt_token_ids: list[int] | None = None, continued_tokens: int = 0, cache_salt: str = "",
-                 shared_messages: list[dict[str, str]] | None = None, think_open: str = "<think>") -> None:
+                 shared_messages: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None,
+                 think_open: str = "<think>") -> None:
         self.router = router
+        self.extra = extra or None
         self.request_id = request_id
         self.affinity_key = affinity_key
         self.messages = messages
@@ -124,11 +133,11 @@ class EngineRun:
                 return routed(ids, len(ids))
             except Exception:  # noqa: BLE001 - a chat the template rejects: the engine says why
                 pass
-        new_chars = len(self.messages[-1].get("content", "")) if self.messages else 0
+        new_chars = len(self.messages[-1].get("content") or "") if self.messages else 0
         if self.prefix_token_ids:
             return routed(self.prefix_token_ids, len(self.prefix_token_ids) + estimate_tokens(new_chars))
         if not any(m.get("role") == "assistant" for m in self.messages):
-            return routed([], estimate_tokens(sum(len(m.get("content", "")) for m in self.messages)))
+            return routed([], estimate_tokens(sum(len(m.get("content") or "") for m in self.messages)))
         return None
 
     def _excluded(self) -> Iterable[EngineClient]:
@@ -151,17 +160,21 @@ class EngineRun:
             engine = await self.router.choose(self.affinity_key, exclude=self._excluded(), prompt=prompt)
             self._tried.append(engine)
             self.engine = engine
-            opens = engine.info is not None and engine.info.think_in_prompt
-            self._think_prefix = self.think_open if opens and self.prompt_token_ids is None else ""
+            extra = self.extra or {}
+            opens = (engine.info is not None and engine.info.think_in_prompt and self.prompt_token_ids is None
+                     and not extra.get("prompt") and not extra.get("continue_final_message"))
+            self._think_prefix = self.think_open if opens else ""
             try:
-                scope: dict[str, Any] = {"cache_salt": self.cache_salt, "shared_messages": self.shared_messages}
+                scope: dict[str, Any] = {"cache_salt": self.cache_salt, "shared_messages": self.shared_messages,
+                                         "extra": self.extra}
                 if self.prompt_token_ids is not None:
                     self.request = await engine.generate(self.request_id, params=self.params,
                                                          prompt_token_ids=self.prompt_token_ids,
                                                          clamp_max_tokens=self.clamp_max_tokens,
                                                          continued_tokens=self.continued_tokens, **scope)
                 else:
-                    self.request = await engine.generate(self.request_id, self.messages, self.prefix_token_ids,
+                    self.request = await engine.generate(self.request_id, self.messages or None,
+                                                         self.prefix_token_ids,
                                                          self.params, clamp_max_tokens=self.clamp_max_tokens,
                                                          **scope)
                 return
@@ -188,6 +201,9 @@ class EngineRun:
         text: list[str] = []
         ids: list[int] = []
         trim = 0
+        logprobs: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        prompt_logprobs: list[dict[str, Any]] | None = None
         end: DoneFrame | ErrorFrame | None = None
         progress: ProgressFrame | None = None
         for it in items:
@@ -199,6 +215,10 @@ class EngineRun:
                     trim += it.trim_prior
                 text.append(it.text)
                 ids.extend(it.token_ids)
+                logprobs.extend(it.logprobs or ())
+                calls.extend(it.tool_calls or ())
+                if it.prompt_logprobs:
+                    prompt_logprobs = it.prompt_logprobs
             if isinstance(it, (DoneFrame, ErrorFrame)):
                 end = it
                 break
@@ -211,12 +231,12 @@ class EngineRun:
                 return Batch()
             except GatewayError:
                 pass  # nothing left: report this engine's error
-        if text or ids:
+        if text or ids or calls:
             self.produced = True
         joined = "".join(text)
         if joined and self._think_prefix:
             joined, self._think_prefix = self._think_prefix + joined, ""
-        return Batch(joined, ids, end, progress, trim)
+        return Batch(joined, ids, end, progress, trim, logprobs, calls, prompt_logprobs)
 
     def wake(self) -> None:
         """Make a waiting ``next`` return None now."""

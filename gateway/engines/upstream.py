@@ -59,10 +59,10 @@ import httpx
 
 from engine.protocol import DeltaFrame, DoneFrame, EngineInfo, ErrorFrame, ReplyItem, Timings, Usage
 from gateway.config import GatewayConfig
-from gateway.engines.client import EngineClient, EngineRequest, engine_unavailable, log_unreachable
+from gateway.engines.client import UNREACHABLE_WARN_S, EngineClient, EngineRequest, engine_unavailable
 from gateway.errors import GatewayError
 from gateway.replies.reasoning import DEFAULT_MARKERS, ThinkMarkers
-from gateway.retry import Backoff
+from gateway.retry import Backoff, Outage
 
 log = logging.getLogger("gateway.engines.upstream")
 
@@ -330,7 +330,8 @@ class UpstreamClient(EngineClient):
     async def _run(self) -> None:
         """The health loop (replaces the WebSocket client's connection loop)."""
         backoff = Backoff(0.1, self.max_backoff_s, jitter=0.5)
-        down_since: float | None = time.monotonic()
+        outage = Outage(f"upstream {self.url}", log, warn_after_s=UNREACHABLE_WARN_S,
+                        log_every_s=UNREACHABLE_WARN_S, since=time.monotonic())
         while True:
             try:
                 info = await asyncio.wait_for(self._probe(), self.open_timeout_s)
@@ -339,12 +340,12 @@ class UpstreamClient(EngineClient):
                 self.info = info
                 self._ready.set()
                 backoff.reset()
-                down_since = None
+                outage.up()
                 wait = self.health_interval_s
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure means "down, probe again"; logged without a traceback
-                down_since = log_unreachable("upstream", self.url, e, down_since)
+                outage.down(e)
                 self._ready.clear()
                 wait = backoff.next_delay()
             self._probe_now.clear()
@@ -401,11 +402,13 @@ class UpstreamClient(EngineClient):
                        prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
-                       shared_messages: list[dict[str, str]] | None = None) -> EngineRequest:
+                       shared_messages: list[dict[str, str]] | None = None,
+                       extra: dict[str, Any] | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
         ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens`` and
         ``clamp_max_tokens`` are ignored (the upstream tokenizes the text itself and keeps its own cache, and
-        refuses a too-long request instead of lowering ``max_tokens``).
+        refuses a too-long request instead of lowering ``max_tokens``); ``extra`` (protocol 7's
+        fields) is refused.
 
         Raises:
             GatewayError: ``engine_unavailable`` when the upstream is down;
@@ -416,6 +419,9 @@ class UpstreamClient(EngineClient):
         if prompt_token_ids is not None or messages is None:
             raise GatewayError("invalid_request", "this engine is an OpenAI-compatible upstream: it takes the "
                                                   "chat's text, not token ids")
+        if extra:  # tools, raw prompts...: the protocol's own fields, not relayed
+            raise GatewayError("invalid_request", "this engine is an OpenAI-compatible upstream: it serves "
+                                                  f"plain chat replies here, not {', '.join(sorted(extra))}")
         assert self.info is not None  # healthy: a probe set it
         body = upstream_body(self.model_id, messages, params, self.flavor)
         req = EngineRequest(self, request_id)

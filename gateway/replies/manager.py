@@ -50,7 +50,8 @@ from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
 from gateway.replies.reasoning import ReasoningSplitter, split_reasoning, without_reasoning
 from gateway.replies.tail import ReplyLog
-from gateway.retry import Backoff, is_store_unavailable, retry
+from gateway.retry import Backoff, Outage, is_store_unavailable, keep_connected, retry
+from gateway.store.connection import close_quietly
 from gateway.store.reply_streams import ReplyStreams, StreamEntry
 from gateway.store.sessions import History, SessionStore, TurnBegun, dumps
 
@@ -73,7 +74,6 @@ NO_IDS_TO_CONTINUE = ("this reply cannot be continued: its token ids are not sto
 # Stop, a shutdown: the engine's abort flushes the text of every sampled token, so the
 # stored ids and text agree and the continuation is exact)
 CONTINUABLE = ("length", "abort")
-LISTENER_LOG_EVERY_S = 60.0  # while Redis stays down, the cancel listener logs at most this often
 
 
 @dataclass
@@ -210,37 +210,21 @@ class GenerationManager:
             t.cancel()
 
     async def _listen_cancels(self) -> None:
-        channel = self.store.keys.cancel_channel()
-        down_since: float | None = None
-        last_log = 0.0
-        backoff = Backoff(*STORE_BACKOFF_S)
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(channel)
-                if down_since is not None:
-                    log.info("cancel listener: Redis is back after %.0f s", time.monotonic() - down_since)
-                    down_since = None
-                    backoff.reset()
-                async for msg in pubsub.listen():
-                    turn = self.running.get(str(msg.get("data")))
-                    if turn is not None:
-                        await self._cancel_local(turn)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                now = time.monotonic()
-                if down_since is None or now - last_log >= LISTENER_LOG_EVERY_S:
-                    # once when Redis goes away, then at most once a minute (not per retry)
-                    log.warning("cancel listener: %s; retrying in the background", e)
-                    last_log = now
-                down_since = down_since if down_since is not None else now
-                await backoff.sleep()
-            finally:
-                try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-                except Exception:
-                    pass  # the connection is already gone
+        await keep_connected(self._cancel_session, outage=Outage("cancel listener", log),
+                             backoff=Backoff(*STORE_BACKOFF_S))
+
+    async def _cancel_session(self, connected: Callable[[], None]) -> None:
+        """One subscription to the cancel channel: cancels the replies it names that run here."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.store.keys.cancel_channel())
+            connected()
+            async for msg in pubsub.listen():
+                turn = self.running.get(str(msg.get("data")))
+                if turn is not None:
+                    await self._cancel_local(turn)
+        finally:
+            await close_quietly(pubsub)
 
     async def _store_retrying(self, rid: str, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run one store write, retrying while Redis is unreachable (exponential backoff
@@ -268,10 +252,12 @@ class GenerationManager:
     # ---- starting a reply ------------------------------------------------------------
 
     async def chat(self, owner: str, session_id: str | None, content: str, params: dict[str, Any],
-                   client_msg_id: str | None, clamp_max_tokens: bool = True, model: str | None = None) -> StartedTurn:
+                   client_msg_id: str | None, clamp_max_tokens: bool = True,
+                   attachments: list[dict[str, Any]] | None = None, model: str | None = None) -> StartedTurn:
         """Append a user message (creating the chat when ``session_id`` is None) and
         start its reply. ``clamp_max_tokens`` lets the engine lower ``max_tokens`` to the
         context left (the browser chat); the OpenAI API passes False (strict check).
+        ``attachments`` (checked ``gateway.attachments`` dicts) are stored with the message.
         ``model``: the model the chat's replies come from from now on (kept with the chat).
 
         Raises:
@@ -297,7 +283,7 @@ class GenerationManager:
                 info.model = model
         try:
             begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
-                                                client_msg_id=client_msg_id)
+                                                client_msg_id=client_msg_id, attachments=attachments)
             return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
                                       clamp_max_tokens, created_chat=session_id is None, model=info.model)
         except Exception:
@@ -325,7 +311,7 @@ class GenerationManager:
         turn = self.running.get(request_id)
         return turn.log if turn is not None else None
     async def edit(self, owner: str, session_id: str, message_id: str, content: str, params: dict[str, Any],
-                   client_msg_id: str | None) -> StartedTurn:
+                   client_msg_id: str | None, attachments: list[dict[str, Any]] | None = None) -> StartedTurn:
         """Replace the user message ``message_id`` (and everything after it) with
         ``content`` and start its reply; the old branch stays as a version the user can
         switch back to (``SessionStore.switch_version``). Same errors as ``chat``, and
@@ -335,7 +321,8 @@ class GenerationManager:
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
         self._require_engine(info.model)
         begun = await self.store.begin_turn(owner, info.id, mode="edit", content=content,
-                                            client_msg_id=client_msg_id, replaces=message_id)
+                                            client_msg_id=client_msg_id, replaces=message_id,
+                                            attachments=attachments)
         return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
                                   model=info.model)
 
@@ -678,6 +665,8 @@ class GenerationManager:
         reason = end.finish_reason
         usage = {"prompt_tokens": end.usage.prompt_tokens, "cached_tokens": end.usage.cached_tokens,
                  "completion_tokens": end.usage.completion_tokens}
+        if end.usage.cached_disk_tokens:  # of cached_tokens, restored from the engine's disk KV tier
+            usage["cached_disk_tokens"] = end.usage.cached_disk_tokens
         t = end.timings
         # acceptance_rate / tokens_per_step: how speculative decoding went (0.0 / 1.0 without it)
         timings = {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms, "e2e_ms": t.e2e_ms,

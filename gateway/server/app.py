@@ -9,7 +9,6 @@ OpenAI API and ``/metrics`` plug in there) and ``events`` hooks on every reply.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
@@ -17,7 +16,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import redis.asyncio as aioredis
-from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -29,10 +27,13 @@ from starlette.templating import Jinja2Templates
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.access_tokens import TokenAuthMiddleware, TokenStore
+from gateway.api.attachments_api import attachment_routes
 from gateway.api.auth import UserCookieMiddleware, UserIds
 from gateway.api.chat_export import export_routes
-from gateway.api.http import api_routes, config_body
+from gateway.api.cors import ApiCorsMiddleware
+from gateway.api.http import api_routes, config_body, script_safe_json
 from gateway.api.revocation import Revocations
+from gateway.api.shares import share_routes
 from gateway.api.socket import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not_found
 from gateway.api.user_api import user_routes
 from gateway.config import GatewayConfig
@@ -44,9 +45,10 @@ from gateway.replies.hooks import GenerationEvents
 from gateway.replies.manager import GenerationManager
 from gateway.server.disconnects import ClientDisconnects, DisconnectMiddleware
 from gateway.store.connection import resilience_options
+from gateway.store.keys import Keys
 from gateway.store.live_events import LiveHub
 from gateway.store.reply_streams import ReplyStreams
-from gateway.store.sessions import Keys, SessionStore
+from gateway.store.sessions import SessionStore
 from gateway.store.user_defaults import UserDefaultsStore
 
 log = logging.getLogger("gateway")
@@ -96,13 +98,6 @@ class RevalidatedStaticFiles(StaticFiles):
         response = super().file_response(*args, **kwargs)
         response.headers["Cache-Control"] = "no-cache"
         return response
-
-
-def script_safe_json(obj: Any) -> Markup:
-    """JSON that can sit inside a ``<script>`` element as is: ``<``, ``>`` and ``&``
-    are escaped as ``\\u003c`` etc. (valid JSON, and no ``</script>`` can appear)."""
-    text = json.dumps(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    return Markup(text)
 
 
 FALLBACK_PAGE = """<!doctype html><meta charset="utf-8"><title>chat</title>
@@ -221,6 +216,8 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         *api_routes(),
         *user_routes(),
         *export_routes(),
+        *attachment_routes(),
+        *share_routes(),
         *extra_routes,
         WebSocketRoute("/{path:path}", websocket_not_found),
         Mount("/static", app=RevalidatedStaticFiles(directory=str(config.static_dir), check_dir=False), name="static"),
@@ -232,6 +229,8 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     disconnects = ClientDisconnects()
     middleware = [Middleware(DisconnectMiddleware, stats=disconnects),
                   Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
+                  # a browser page of an allowed origin may call /v1 (preflight answered here)
+                  *([Middleware(ApiCorsMiddleware, origins=config.cors_origins)] if config.cors_origins else []),
                   Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
                   Middleware(UserCookieMiddleware, ids=ids)]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

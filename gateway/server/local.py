@@ -27,10 +27,10 @@ from urllib.parse import urlparse
 
 import redis
 
+from engine.protocol import SECRET_ENV
 from gateway.retry import Backoff
 
 READY_PREFIX = "ENGINE READY "
-ENGINE_SECRET_ENV = "ENGINE_SECRET"  # what engine/server.py reads (never a command-line argument)
 
 REDIS_HELP = (
     "No Redis answered at {url}, and redis-server is not installed to start a private one.\n"
@@ -202,7 +202,7 @@ class LocalEngine:
         self.secret = secret
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         if secret:
-            self.env[ENGINE_SECRET_ENV] = secret
+            self.env[SECRET_ENV] = secret  # never a command-line argument (ps shows those)
         self.echo = echo
         self.cwd = cwd
         self.process: subprocess.Popen[str] | None = None

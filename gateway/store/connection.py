@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError, TimeoutError
@@ -31,3 +32,11 @@ def resilience_options() -> dict[str, Any]:
     return {"retry": Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
             "retry_on_error": [ConnectionError, TimeoutError],
             "health_check_interval": HEALTH_CHECK_INTERVAL_S}
+
+
+async def close_quietly(pubsub: PubSub) -> None:
+    """Close a pub/sub connection that may already be gone (then there is nothing to close)."""
+    try:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+    except Exception:
+        pass

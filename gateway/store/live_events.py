@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.store.sessions import Keys
+from gateway.retry import Backoff, Outage, keep_connected
+from gateway.store.connection import close_quietly
+from gateway.store.keys import Keys
 
 log = logging.getLogger("gateway.store.live_events")
 
@@ -90,46 +91,35 @@ class LiveHub:
                 self.skipped_total += 1
 
     async def _run(self) -> None:
-        backoff = BACKOFF_S[0]
-        down_since: float | None = None
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            subscribed: set[str] = set()
-            try:
-                while True:
-                    wanted = set(self.sinks)
-                    gone, new = subscribed - wanted, wanted - subscribed
-                    if new:
-                        self._uid_of.update({self._channel(u): u for u in new})
-                        await pubsub.subscribe(*(self._channel(u) for u in new))
-                    if gone:
-                        await pubsub.unsubscribe(*(self._channel(u) for u in gone))
-                        for u in gone:
-                            self._uid_of.pop(self._channel(u), None)
-                    subscribed = wanted
-                    self.subscribed = frozenset(subscribed)
-                    if down_since is not None:
-                        log.info("live events: Redis is back after %.0f s", time.monotonic() - down_since)
-                        down_since, backoff = None, BACKOFF_S[0]
-                    if not pubsub.subscribed:
-                        await asyncio.sleep(POLL_S)
-                        continue
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
-                    while msg is not None:
-                        if msg.get("type") == "message":
-                            self._dispatch(str(msg["channel"]), str(msg["data"]))
-                        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                if down_since is None:
-                    log.warning("live events: %s; retrying in the background", e)
-                    down_since = time.monotonic()
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, BACKOFF_S[1])
-            finally:
-                self.subscribed = frozenset()
-                try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-                except Exception:
-                    pass  # the connection is already gone
+        await keep_connected(self._session, outage=Outage("live events", log), backoff=Backoff(*BACKOFF_S))
+
+    async def _session(self, connected: Callable[[], None]) -> None:
+        """One pub/sub connection: keeps the subscriptions to the users connected here and
+        forwards their events until the connection fails."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        subscribed: set[str] = set()
+        try:
+            while True:
+                wanted = set(self.sinks)
+                gone, new = subscribed - wanted, wanted - subscribed
+                if new:
+                    self._uid_of.update({self._channel(u): u for u in new})
+                    await pubsub.subscribe(*(self._channel(u) for u in new))
+                if gone:
+                    await pubsub.unsubscribe(*(self._channel(u) for u in gone))
+                    for u in gone:
+                        self._uid_of.pop(self._channel(u), None)
+                subscribed = wanted
+                self.subscribed = frozenset(subscribed)
+                connected()
+                if not pubsub.subscribed:
+                    await asyncio.sleep(POLL_S)
+                    continue
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+                while msg is not None:
+                    if msg.get("type") == "message":
+                        self._dispatch(str(msg["channel"]), str(msg["data"]))
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+        finally:
+            self.subscribed = frozenset()
+            await close_quietly(pubsub)

@@ -30,7 +30,8 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
 from gateway.errors import GatewayError
-from gateway.store.sessions import Keys, dumps, redis_errors
+from gateway.store.keys import Keys
+from gateway.store.sessions import dumps, redis_errors
 
 TTL_REFRESH_S = 60.0  # a running reply's stream TTL is refreshed at least this often (seconds)
 

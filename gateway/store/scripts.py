@@ -20,7 +20,8 @@ entries are ``{"m": [message JSON...], "t": {message id: segment JSON}}`` for st
 branches and ``{"cur": true}`` for the branch the list holds now. Switching swaps the
 list's tail with a stored one; nothing is ever dropped.
 
-Writes refresh the TTL of KEYS[1..5] and KEYS[8] in the same script (TTLs are kept (docs/acceptance.md): a TTL is
+Writes refresh the TTL of KEYS[1..5] and KEYS[8] in the same script (TTLs are kept
+(docs/acceptance.md#ttls-are-kept): a TTL is
 never lost by a rewrite, and active chats slide forward); the lock has its own lease.
 Every script that changes a chat publishes ``{"kind", "session_id", "request_id"}`` on
 the owner's channel ``KEYS[5] .. ':events'`` (``notify``), so the user's other tabs

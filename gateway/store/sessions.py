@@ -1,16 +1,7 @@
 """The chat store: chats, their messages and token ids in Redis (``redis.asyncio``).
 
-Layout (every key under the configured prefix):
-
-    chat:user:{uid}:sessions       sorted set  sid -> updated_at (newest first on read)
-    chat:user:{uid}:gens           sorted set  request id -> lease expiry (ms): replies in progress
-    chat:user:{uid}:rate:{minute}  counter of chat/regenerate frames in that clock minute
-    chat:session:{sid}             hash        owner, title, system_prompt, params, model, times, active
-    chat:session:{sid}:messages    list        message JSON, appended only (RPUSH)
-    chat:session:{sid}:tokens      hash        message id -> token-id segment {"ids", "base"}
-    chat:session:{sid}:cmids       hash        client_msg_id -> turn (idempotent resend)
-    chat:session:{sid}:lock        string      request id holding the chat (SET NX PX lease)
-    chat:session:{sid}:versions    hash        anchor message id -> the chat's versions after it
+Layout: the ``chat:user:{uid}:...`` and ``chat:session:{sid}:...`` keys of the key table
+(``gateway.store.keys``).
 
 Every change that touches more than one key is one Lua script (``store_scripts``),
 so two tabs writing at once lose nothing and no history is ever rewritten whole.
@@ -36,8 +27,10 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
+from gateway.attachments import prompt_content
 from gateway.errors import GatewayError, not_found, store_unavailable
 from gateway.store import scripts as store_scripts
+from gateway.store.keys import Keys
 
 
 def new_id() -> str:
@@ -57,48 +50,6 @@ async def redis_errors() -> AsyncIterator[None]:
         yield
     except (rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError, OSError) as e:
         raise store_unavailable() from e
-
-
-class Keys:
-    """Redis key names under one prefix."""
-
-    def __init__(self, prefix: str = "") -> None:
-        self.prefix = prefix
-
-    def user_sessions(self, uid: str) -> str:
-        """Sorted set of the user's chat ids by update time."""
-        return f"{self.prefix}chat:user:{uid}:sessions"
-
-    def user_events(self, uid: str) -> str:
-        """Pub/sub channel of the user's chat events (``gateway.store.live_events``); the store scripts
-        publish on it (``KEYS[5] .. ':events'``)."""
-        return self.user_sessions(uid) + ":events"
-
-    def user_gens(self, uid: str) -> str:
-        """Sorted set of the user's replies in progress by lease expiry (ms)."""
-        return f"{self.prefix}chat:user:{uid}:gens"
-
-    def user_rate(self, uid: str, minute: int) -> str:
-        """Counter of the user's chat/regenerate frames in clock minute ``minute``."""
-        return f"{self.prefix}chat:user:{uid}:rate:{minute}"
-
-    def session(self, sid: str) -> str:
-        """The chat's metadata hash (its other keys append ``:messages`` etc.)."""
-        return f"{self.prefix}chat:session:{sid}"
-
-    def gen(self, rid: str) -> str:
-        """The reply's Redis Stream."""
-        return f"{self.prefix}chat:gen:{rid}"
-
-    def cancel_channel(self) -> str:
-        """Pub/sub channel carrying cancels to the replica that runs the reply."""
-        return f"{self.prefix}chat:cancel"
-
-    def script_keys(self, sid: str, uid: str) -> list[str]:
-        """The KEYS list every store script takes (see ``store_scripts``)."""
-        base = self.session(sid)
-        return [base, base + ":messages", base + ":tokens", base + ":cmids",
-                self.user_sessions(uid), base + ":lock", self.user_gens(uid), base + ":versions"]
 
 
 @dataclass
@@ -403,7 +354,7 @@ class SessionStore:
         if model:
             segments = {k: v for k, v in segments.items() if v.get("model", model) == model}
         msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        msgs += [{"role": m["role"], "content": m["content"]} for m in stored]
+        msgs += [{"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))} for m in stored]
         prefix, split = plan_prefix(stored, segments)
         return History(msgs, prefix, split, stored, full_prefix(stored, segments))
 
@@ -411,13 +362,15 @@ class SessionStore:
 
     async def begin_turn(self, owner: str, sid: str, *, mode: str, content: str = "",
                          client_msg_id: str | None = None, title_chars: int = 60,
-                         replaces: str | None = None) -> TurnBegun:
+                         replaces: str | None = None, attachments: list[dict[str, Any]] | None = None
+                         ) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
         message (``mode="chat"``), replace the user message ``replaces`` and everything
         after it with ``content``, keeping the old branch as a version (``mode="edit"``),
         or take the last reply off the list (``mode="regenerate"``, and ``"continue"``,
         which keeps the reply's id; with ``replaces``, only when the last reply is the
-        message of that id; the reply comes back in ``popped_json``).
+        message of that id; the reply comes back in ``popped_json``). ``attachments``
+        (``gateway.attachments`` dicts) are stored in the user message.
 
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
@@ -430,9 +383,13 @@ class SessionStore:
         uid_msg = new_id() if mode in ("chat", "edit") else ""
         user_json = ""
         if mode in ("chat", "edit"):
-            user_json = dumps({"role": "user", "id": uid_msg, "content": content, "status": "complete",
-                               "created_at": now, "client_msg_id": client_msg_id})
-        title = title_from(content, title_chars) if mode in ("chat", "edit") else ""
+            user: dict[str, Any] = {"role": "user", "id": uid_msg, "content": content, "status": "complete",
+                                    "created_at": now, "client_msg_id": client_msg_id}
+            if attachments:
+                user["attachments"] = attachments
+            user_json = dumps(user)
+        named = content if content.strip() or not attachments else attachments[0]["name"]
+        title = title_from(named, title_chars) if mode in ("chat", "edit") else ""
         async with redis_errors():
             old_title = await self._first_title(sid, owner, title_chars) if mode == "edit" else ""
             res = await self._begin(
@@ -460,7 +417,7 @@ class SessionStore:
 
     async def _first_title(self, sid: str, owner: str, title_chars: int) -> str:
         """The title the chat's first message gives (``title_from``), or "" without one."""
-        raw = await self.redis.lindex(self.keys.script_keys(sid, owner)[1], 0)
+        raw = await self.redis.lindex(self.keys.session_messages(sid), 0)
         first = json.loads(raw) if raw else None
         return title_from(first["content"], title_chars) if first and first.get("role") == "user" else ""
 

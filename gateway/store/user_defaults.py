@@ -14,6 +14,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.store.keys import Keys
 from gateway.store.sessions import dumps, redis_errors
 
 
@@ -26,10 +27,7 @@ class UserDefaultsStore:
 
     def __init__(self, redis: aioredis.Redis, prefix: str = "") -> None:
         self.redis = redis
-        self.prefix = prefix
-
-    def _key(self, uid: str) -> str:
-        return f"{self.prefix}chat:user:{uid}:defaults"
+        self._key = Keys(prefix).user_defaults
 
     async def get(self, uid: str) -> dict[str, Any]:
         """The user's stored defaults: ``{"system_prompt"?: str, "params"?: dict}`` ({} when none)."""

@@ -89,4 +89,30 @@ export const api = {
    */
   switchVersion: (id, messageId, index) =>
     request("POST", `/api/sessions/${encodeURIComponent(id)}/versions`, { message_id: messageId, index }),
+  /**
+   * @param {string} id  @param {number|null} expiresInS  null: the link does not expire
+   * @returns {Promise<{id:string, url:string, session_id:string, title:string, created_at:number, expires_at:number|null}>}
+   */
+  createShare: (id, expiresInS) => request("POST", `/api/sessions/${encodeURIComponent(id)}/shares`, { expires_in_s: expiresInS }),
+  /** @param {string} id  a chat @returns {Promise<Array<object>>} its live share links, newest first */
+  listShares: async (id) => (await request("GET", `/api/shares?session_id=${encodeURIComponent(id)}`)).shares || [],
+  /** @param {string} shareId */
+  revokeShare: (shareId) => request("DELETE", `/api/shares/${encodeURIComponent(shareId)}`),
+  /**
+   * Import one export file (ours, or ChatGPT's conversations.json / -NNN.json / zip).
+   * @param {File} file
+   * @returns {Promise<{imported:number, skipped:number, chats:Array<{id:string, title:string}>}>}
+   */
+  importChats: async (file) => {
+    let resp;
+    try {
+      resp = await fetch("/api/import", { method: "POST", body: file, credentials: "same-origin",
+        headers: { Accept: "application/json", "Content-Type": "application/octet-stream" } });
+    } catch (err) {
+      throw new ApiError("network", String(err && err.message ? err.message : err), 0);
+    }
+    const data = await resp.json().catch(() => null);
+    if (!resp.ok) throw new ApiError((data && data.error && data.error.code) || "internal_error", (data && data.error && data.error.message) || resp.statusText, resp.status);
+    return data;
+  },
 };

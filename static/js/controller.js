@@ -48,9 +48,9 @@ export function isBusyNotice(text) {
  *   it; with `onlyBusy` only a notice that says the chat is busy, see isBusyNotice)
  * @property {(message:string)=>void} announce  polite screen-reader announcement (the status region)
  * @property {import("./progress.js").ContextMeter} [meter]  how full the open chat's context is
- * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string,
+ * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string, restoreFiles?:object[],
  *   loaded:boolean, model:string})=>void} onChange
- *   refresh of the composer and header; `restore` is a refused message to put back in the
+ *   refresh of the composer and header; `restore` (and `restoreFiles`, its attachments) is a refused message to put back in the
  *   composer; `loaded` is false while the open chat's history is being fetched
  */
 
@@ -73,6 +73,8 @@ export class ChatController {
     this.creating = false;
     /** @type {string|undefined} see restoreInput */
     this.restoreText = undefined;
+    /** @type {object[]|undefined} see restoreInput */
+    this.restoreFiles = undefined;
     this.limits = { maxFrameBytes: Number((deps.config.limits || {}).max_frame_bytes) || 0 };
     /** Chats renamed on this page (a later `done` title must not undo that). */
     this.renamed = new Set();
@@ -179,11 +181,13 @@ export class ChatController {
   /**
    * Send a user message in the open chat, creating the chat first when it is new.
    * @param {string} content
+   * @param {Array<object>} [attachments]  files read by POST /api/attachments (static/js/attachments.js)
    * @returns {Promise<boolean>} false when nothing was sent (the caller keeps the text)
    */
-  async send(content) {
-    if (!content.trim() || this.isBusy() || this.creating) return false;
-    const bytes = new TextEncoder().encode(content).length;
+  async send(content, attachments = []) {
+    if ((!content.trim() && !attachments.length) || this.isBusy() || this.creating) return false;
+    const files = attachments.map(({ name, kind, text, size, pages }) => ({ name, kind, text, size, ...(pages ? { pages } : {}) }));
+    const bytes = new TextEncoder().encode(content + files.map((f) => f.text).join("")).length;
     if (this.limits.maxFrameBytes && bytes + 512 > this.limits.maxFrameBytes) {
       this.notify(errorText("frame_too_large", "", this.limits));
       return false;
@@ -211,7 +215,7 @@ export class ChatController {
       this.createdDraft = this.draft;
       this.draft = null;
       // Until `done` brings the server's title, the first line stands in for it.
-      const provisional = titleFrom(content);
+      const provisional = titleFrom(content.trim() ? content : files[0].name);
       this.sidebar.upsert({ id, title: s.title || provisional, created_at: s.created_at, updated_at: s.updated_at });
       if (token === this.loadToken) {
         this.currentId = id;
@@ -222,8 +226,9 @@ export class ChatController {
       } // else the user opened another chat meanwhile: the message still goes to the new one
     }
     const frame = { type: "chat", session_id: id, content, client_msg_id: randomId() };
-    const userEl = id === this.currentId ? this.view.addUser(content, null) : null;
-    this.book.pending.set(id, { sessionId: id, kind: "chat", frame, sent: false, content, userEl, cancelRequested: false, createdHere });
+    if (files.length) frame.attachments = files;
+    const userEl = id === this.currentId ? this.view.addUser(content, null, { attachments: attachments }) : null;
+    this.book.pending.set(id, { sessionId: id, kind: "chat", frame, sent: false, content, attachments, userEl, cancelRequested: false, createdHere });
     this.flushPending();
     this.changed();
     return true;
@@ -253,9 +258,12 @@ export class ChatController {
    */
   edit(messageId, content) {
     const id = this.currentId;
-    if (!id || !content.trim() || this.isBusy()) return false;
+    const li = [...this.view.listEl.querySelectorAll(".msg.user")].find((el) => el.dataset.messageId === messageId);
+    const files = (li && li.attachments) || []; // an edited message keeps its files
+    if (!id || (!content.trim() && !files.length) || this.isBusy()) return false;
     this.notify("");
     const frame = { type: "edit", session_id: id, message_id: messageId, content, client_msg_id: randomId() };
+    if (files.length) frame.attachments = files;
     this.book.pending.set(id, { sessionId: id, kind: "edit", frame, sent: false, content, userEl: null, cancelRequested: false,
       editedId: messageId });
     this.flushPending();
@@ -495,7 +503,7 @@ export class ChatController {
     if (!p) return;
     this.book.pending.delete(f.session_id);
     const r = this.book.attach(f.request_id, f.session_id, f.message_id);
-    Object.assign(r, { kind: p.kind, content: p.content, userEl: p.userEl, createdHere: !!p.createdHere });
+    Object.assign(r, { kind: p.kind, content: p.content, attachments: p.attachments, userEl: p.userEl, createdHere: !!p.createdHere });
     if (p.userEl && f.user_message_id) p.userEl.dataset.messageId = f.user_message_id;
     if (f.session_id === this.currentId) {
       let regenerated = null;
@@ -610,7 +618,7 @@ export class ChatController {
         if (r.el) r.el.remove();
         if (r.userEl) r.userEl.remove();
         if (f.code !== "not_found") {
-          if (r.kind === "chat" || r.kind === "edit") this.restoreInput(r.content);
+          if (r.kind === "chat" || r.kind === "edit") this.restoreInput(r.content, r.kind === "chat" ? r.attachments : null);
           this.notify(text);
         }
         if (r.createdHere && f.code !== "not_found" && this.view.isEmpty()) this.dropNewChat(r.sessionId);
@@ -626,7 +634,7 @@ export class ChatController {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
       if (p.sessionId === this.currentId) {
-        if (p.kind === "chat" || p.kind === "edit") this.restoreInput(p.content);
+        if (p.kind === "chat" || p.kind === "edit") this.restoreInput(p.content, p.kind === "chat" ? p.attachments : null);
         this.notify(f.code === "busy" ? "This chat is still writing a reply (started in another tab); it is shown below, where you can stop it." : text);
         this.openChat(this.currentId);
       }
@@ -636,7 +644,9 @@ export class ChatController {
     if (p) {
       this.book.pending.delete(p.sessionId);
       if (p.userEl) p.userEl.remove();
-      if ((p.kind === "chat" || p.kind === "edit") && p.sessionId === this.currentId) this.restoreInput(p.content);
+      if ((p.kind === "chat" || p.kind === "edit") && p.sessionId === this.currentId) {
+        this.restoreInput(p.content, p.kind === "chat" ? p.attachments : null);
+      }
       this.view.updateRegenerate(true);
       if (p.sessionId === this.currentId || !this.currentId) this.notify(text);
       if (p.createdHere && p.sessionId === this.currentId && this.view.isEmpty()) this.dropNewChat(p.sessionId);
@@ -690,8 +700,25 @@ export class ChatController {
    * (the page does so only if nothing new was typed).
    * @private
    */
-  restoreInput(content) {
+  restoreInput(content, files = null) {
     this.restoreText = content;
+    this.restoreFiles = files && files.length ? files : undefined;
+  }
+
+  /**
+   * Whether a message whose files take `pendingTokens` fits the model's context after
+   * the open chat's; says why not (nothing is sent) when it does not.
+   * @param {number} pendingTokens
+   * @returns {boolean}
+   */
+  fitsContext(pendingTokens) {
+    const max = Number(this.config.max_model_len) || 0;
+    const used = this.meter ? this.meter.tokens : 0;
+    if (!max || !pendingTokens || used + pendingTokens < max) return true;
+    const fmt = (n) => new Intl.NumberFormat("en-US").format(n);
+    this.notify(`The attached files take ${fmt(pendingTokens)} tokens${used ? ` and this chat already ${fmt(used)}` : ""}; `
+      + `the model's context holds ${fmt(max)}. Remove a file${used ? " or start a new chat" : ""}.`);
+    return false;
   }
 
   /** Tell the page to refresh its composer and header. */
@@ -703,9 +730,10 @@ export class ChatController {
     const title = this.currentId ? (this.sidebar.get(this.currentId)?.title || (this.session && this.session.title) || "New chat") : "New chat";
     this.view.updateRegenerate(!busy);
     const restore = this.restoreText;
-    this.restoreText = undefined;
+    const restoreFiles = this.restoreFiles;
+    this.restoreText = this.restoreFiles = undefined;
     const loaded = !this.currentId || (!!this.session && this.session.id === this.currentId);
-    this.onChange({ id: this.currentId, busy, stopping, title, restore, loaded, model: this.modelOf() });
+    this.onChange({ id: this.currentId, busy, stopping, title, restore, restoreFiles, loaded, model: this.modelOf() });
   }
 
   /** @returns {string} the model the open chat's replies come from (a new chat's: the one it will be created with) */

@@ -4,9 +4,10 @@
 /**
  * Speed figures for one reply, from the `usage` and `timings` objects of a
  * `done` frame or a stored message (docs/protocol.md §2).
- * @param {{prompt_tokens?:number, cached_tokens?:number, completion_tokens?:number}|null|undefined} usage  counts in tokens
+ * @param {{prompt_tokens?:number, cached_tokens?:number, cached_disk_tokens?:number, completion_tokens?:number}|null|undefined} usage
+ *   counts in tokens (cached_disk_tokens: of cached_tokens, those restored from the engine's disk KV tier)
  * @param {{ttft_ms?:number, tpot_ms?:number, e2e_ms?:number}|null|undefined} timings  durations in ms
- * @returns {{ttftMs:number|null, tokensPerSecond:number|null, cachedTokens:number|null, completionTokens:number|null}}
+ * @returns {{ttftMs:number|null, tokensPerSecond:number|null, cachedTokens:number|null, diskTokens:number|null, completionTokens:number|null}}
  *   tokensPerSecond is the decode rate: completion tokens after the first
  *   divided by the time after the first token, else 1000 / tpot_ms.
  */
@@ -25,7 +26,8 @@ export function replyStats(usage, timings) {
   } else if (tpot !== null && tpot > 0) {
     rate = 1000 / tpot;
   }
-  return { ttftMs: ttft, tokensPerSecond: rate, cachedTokens: num(u.cached_tokens), completionTokens: completion };
+  return { ttftMs: ttft, tokensPerSecond: rate, cachedTokens: num(u.cached_tokens), diskTokens: num(u.cached_disk_tokens),
+    completionTokens: completion };
 }
 
 const COUNT = new Intl.NumberFormat("en-US");
@@ -49,7 +51,10 @@ export function formatStats(s) {
   const parts = [];
   if (s.completionTokens !== null) parts.push(`${COUNT.format(s.completionTokens)} ${s.completionTokens === 1 ? "token" : "tokens"}`);
   if (s.tokensPerSecond !== null) parts.push(formatRate(s.tokensPerSecond));
-  if (s.cachedTokens) parts.push(`${COUNT.format(s.cachedTokens)} from cache`);
+  if (s.cachedTokens) {
+    // restored from the engine's disk KV tier (a chat that came back after eviction or a restart)
+    parts.push(`${COUNT.format(s.cachedTokens)} from cache` + (s.diskTokens ? ` (${COUNT.format(s.diskTokens)} from disk)` : ""));
+  }
   return parts.join(" · ");
 }
 
@@ -66,7 +71,8 @@ export function formatStatDetails(usage, timings) {
   const parts = [];
   if (t.ttft_ms != null) parts.push(`First token after ${COUNT.format(Math.round(t.ttft_ms))} ms (TTFT)`);
   if (u.prompt_tokens != null) {
-    parts.push(`prompt ${COUNT.format(u.prompt_tokens)} tokens` + (u.cached_tokens ? `, ${COUNT.format(u.cached_tokens)} from cache` : ""));
+    parts.push(`prompt ${COUNT.format(u.prompt_tokens)} tokens` + (u.cached_tokens ? `, ${COUNT.format(u.cached_tokens)} from cache` : "")
+      + (u.cached_disk_tokens ? ` (${COUNT.format(u.cached_disk_tokens)} from disk)` : ""));
   }
   if (t.tpot_ms != null && t.tpot_ms > 0) parts.push(`${Number(t.tpot_ms).toFixed(1)} ms per token`);
   if (t.e2e_ms != null) parts.push(`${(t.e2e_ms / 1000).toFixed(2)} s in all`);

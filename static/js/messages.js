@@ -5,6 +5,7 @@ import { replyStats, formatStats, formatStatDetails, formatRate, liveRate } from
 import { userMeta, continueButton, timeElement, setTime, setVersions, updateContinue } from "./branches.js";
 import { icon, ICONS } from "./icons.js";
 import { splitReasoning, thoughtFor } from "./reasoning.js";
+import { chipElement } from "./attachments.js";
 
 // Why a partial reply stopped, when it was not the user's Stop (the gateway stores
 // `cut_reason` with it: docs/protocol.md).
@@ -101,8 +102,9 @@ export class MessageView {
   /**
    * @param {string} content  shown as plain text
    * @param {string|null} [id]  the stored message id, once known
-   * @param {{created_at?:number, versions?:{index:number, count:number}, deferFit?:boolean}} [info]  time
-   *   and versions; `deferFit`: the caller collapses a long message itself (`collapseLong`, once for many)
+   * @param {{created_at?:number, versions?:{index:number, count:number}, deferFit?:boolean,
+   *   attachments?:Array<object>}} [info]  time and versions; `deferFit`: the caller collapses a long
+   *   message itself (`collapseLong`, once for many); `attachments`: its files, shown as chips
    * @returns {HTMLLIElement}
    */
   addUser(content, id, info = {}) {
@@ -115,7 +117,17 @@ export class MessageView {
     body.className = "msg-body";
     body.id = `msg-body-${++this.bodyIds}`;
     body.textContent = content;
-    li.append(sr, body, userMeta(this.doc, info));
+    li.append(sr);
+    if (info.attachments && info.attachments.length) {
+      li.attachments = info.attachments; // an edit resends them
+      const chips = this.doc.createElement("ul");
+      chips.className = "attachment-chips in-message";
+      chips.setAttribute("aria-label", "Attached files");
+      for (const a of info.attachments) chips.append(chipElement(this.doc, a));
+      li.append(chips);
+      if (!content) body.hidden = true;
+    }
+    li.append(body, userMeta(this.doc, info));
     this.listEl.append(li);
     if (!info.deferFit) this.collapseLong([li]);
     this.updateEmpty();

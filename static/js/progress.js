@@ -89,6 +89,8 @@ export class ContextMeter {
     this.el = el;
     this.max = Number(maxModelLen) || 0;
     this.tokens = 0;
+    /** tokens of the files attached to the message being written (counted before it is sent) */
+    this.pending = 0;
     if (!el) return;
     const d = el.ownerDocument;
     this.track = d.createElement("span");
@@ -109,20 +111,39 @@ export class ContextMeter {
    */
   set(tokens) {
     this.tokens = Math.max(0, Number(tokens) || 0);
+    this.draw();
+  }
+
+  /**
+   * Count `tokens` of attached files on top of the chat's (0: none attached).
+   * @param {number} tokens
+   */
+  setPending(tokens) {
+    this.pending = Math.max(0, Number(tokens) || 0);
+    this.draw();
+  }
+
+  /** @private */
+  draw() {
     const el = this.el;
     if (!el) return;
-    if (!(this.max > 0) || this.tokens === 0) {
+    const total = this.tokens + this.pending;
+    if (!(this.max > 0) || total === 0) {
       el.hidden = true;
       return;
     }
-    const frac = Math.min(1, this.tokens / this.max);
+    const frac = Math.min(1, total / this.max);
     const pct = Math.round(frac * 100);
     const level = frac >= FULL_AT ? "full" : frac >= WARN_AT ? "warn" : "ok";
     el.hidden = false;
-    el.dataset.level = level;
     this.fill.style.width = `${(frac * 100).toFixed(1)}%`;
-    this.label.textContent = level === "full" ? `${pct}% of context: nearly full, start a new chat`
-      : level === "warn" ? `${pct}% of context: nearing the limit` : `${pct}% of context`;
-    el.title = `${NUMBER.format(this.tokens)} of ${NUMBER.format(this.max)} tokens of the model's context in use`;
+    const over = total >= this.max;
+    const files = this.pending ? ` with the attached files (${NUMBER.format(this.pending)} tokens)` : "";
+    this.label.textContent = over ? `Over the context${files}: remove a file or start a new chat`
+      : level === "full" ? `${pct}% of context${files}: nearly full, start a new chat`
+      : level === "warn" ? `${pct}% of context${files}: nearing the limit` : `${pct}% of context${files}`;
+    el.dataset.level = over ? "full" : level;
+    el.title = `${NUMBER.format(total)} of ${NUMBER.format(this.max)} tokens of the model's context in use`
+      + (this.pending ? ` (${NUMBER.format(this.pending)} of them in the attached files, not sent yet)` : "");
   }
 }

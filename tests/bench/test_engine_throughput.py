@@ -46,7 +46,7 @@ def test_decode_step_bench_times_every_format_against_its_floor(tiny_model_dir, 
     for fmt in r.values():
         assert set(fmt["step_ms"]) == {"1", "3"} and all(ms > 0 for ms in fmt["step_ms"].values())
         assert fmt["kv_bytes"] > 0
-    assert "int8 weights" in r["default"]["format"] and "(exact)" in r["exact"]["format"]
+    assert "int4 weights" in r["default"]["format"] and "(exact)" in r["exact"]["format"]
     # held: float32 4 bytes a weight, bfloat16 2, int8 1 plus its bfloat16 copy (3);
     # read at batch 1: int8 1 byte, about half of bfloat16's 2
     assert r["bfloat16"]["weight_bytes"] < r["int8+bf16"]["weight_bytes"] < r["exact"]["weight_bytes"]

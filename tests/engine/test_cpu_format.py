@@ -1,5 +1,5 @@
 """The CPU serving format (engine/formats.py): which format "auto" picks, and that the
-kernel path (int8 weights, float32 activations, bfloat16 KV on engine/cpu's kernels)
+kernel path (int8 or 4-bit weights, float32 activations, bfloat16 KV on engine/cpu's kernels)
 computes what the torch reference computes on the same weights, that its fused layers
 equal its per-op kernels bit for bit, that its greedy output does not depend on the
 batch, the cache or the prefill chunking at all, and that on the real model it scores
@@ -20,17 +20,17 @@ from engine.formats import resolve_format, resolved_config
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.loader import load_model
-from engine.model_runner import make_attention_backend
+from engine.model_runner import make_attention_backend, make_layer_runner
 from engine.outputs import GenerateRequest
 from tests.engine_helpers import collect, greedy, make_engine
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels did not build (no C compiler)")
 
 
-def test_auto_picks_int8_float32_bfloat16_kv_on_the_cpu_kernels_and_float32_alone_is_exact():
+def test_auto_picks_int4_float32_bfloat16_kv_on_the_cpu_kernels_and_float32_alone_is_exact():
     fmt = resolve_format(EngineConfig(device="cpu"))
-    assert (fmt.dtype, fmt.quantization, fmt.kv_cache_dtype, fmt.cpu_kernels) == ("float32", "int8", "bfloat16", True)
-    assert "int8 weights, float32 activations, bfloat16 KV (CPU kernels)" == fmt.describe()
+    assert (fmt.dtype, fmt.quantization, fmt.kv_cache_dtype, fmt.cpu_kernels) == ("float32", "int4", "bfloat16", True)
+    assert "int4 weights, float32 activations, bfloat16 KV (CPU kernels)" == fmt.describe()
     exact = resolve_format(EngineConfig(device="cpu", dtype="float32"))
     assert exact.exact and exact.quantization is None and exact.kv_cache_dtype == "float32"
     assert resolve_format(EngineConfig(device="cpu", quantization="int8")).dtype == "float32"
@@ -41,7 +41,7 @@ def test_auto_picks_int8_float32_bfloat16_kv_on_the_cpu_kernels_and_float32_alon
     with pytest.raises(ConfigError, match="KV"):  # torch's ops need one dtype throughout
         resolve_format(EngineConfig(device="cpu", dtype="float32", quantization="none", kv_cache_dtype="bfloat16"))
     concrete, _ = resolved_config(EngineConfig(device="cpu"))
-    assert (concrete.dtype, concrete.quantization, concrete.kv_cache_dtype) == ("float32", "int8", "bfloat16")
+    assert (concrete.dtype, concrete.quantization, concrete.kv_cache_dtype) == ("float32", "int4", "bfloat16")
 
 
 def prefill_and_decode_logits(folder, ids: list[int], decode: list[int], **overrides) -> torch.Tensor:
@@ -55,15 +55,16 @@ def prefill_and_decode_logits(folder, ids: list[int], decode: list[int], **overr
     table = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
     kv = KVCache.allocate(lm.model_config, blocks, bs, cfg.kv_torch_dtype, "cpu")
     attn = make_attention_backend(cfg.attention_backend, torch.device("cpu"), lm.cpu_kernels)
+    layers = make_layer_runner(lm.model, kv, attn, lm.cpu_kernels)  # as the engine runs them
     rows = []
     b = ForwardBatch.build(token_chunks=[ids], prefix_lens=[0], block_tables=[table], sample_mask=[True],
                            block_size=bs)
     b.logits_indices = torch.arange(len(ids))
-    rows.append(lm.model(b, kv, attn))
+    rows.append(lm.model(b, kv, attn, layers))
     for i, tok in enumerate(decode):
         b = ForwardBatch.build(token_chunks=[[tok]], prefix_lens=[len(ids) + i], block_tables=[table],
                                sample_mask=[True], block_size=bs)
-        rows.append(lm.model(b, kv, attn))
+        rows.append(lm.model(b, kv, attn, layers))
     return torch.cat(rows).double()
 
 
@@ -89,25 +90,68 @@ def test_kernel_path_computes_what_torch_computes_on_the_same_int8_weights(which
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_fused_layers_equal_the_per_op_kernels_bit_for_bit(tiny_qwen2_dir):
-    """One C call per layer (engine/cpu/fused.py) runs the same kernels in the same order
-    as the model's per-op path, so the logits are identical, not just close."""
-    cfg, _ = resolved_config(EngineConfig(model=str(tiny_qwen2_dir), device="cpu"))
+@pytest.mark.parametrize("quant", ["int4", "int4-sym"])
+def test_kernel_path_computes_what_torch_computes_on_the_same_int4_weights(quant, tiny_qwen2_dir):
+    """4-bit weights: the kernels (int8 activation blocks, integer products, fused
+    layers) against torch's float32 ops over the same dequantized weights (the kernel's
+    own arithmetic is checked exactly in test_cpu_int4.py)."""
+    ids, decode = list(range(300, 340)), [7, 900, 31, 5000]
+    ref = prefill_and_decode_logits(tiny_qwen2_dir, ids, decode, dtype="float32", quantization=quant,
+                                    cpu_kernels=False)
+    ours = prefill_and_decode_logits(tiny_qwen2_dir, ids, decode, dtype="float32", quantization=quant,
+                                     kv_cache_dtype="float32")
+    # int8 activations (1/254 of each block's range) through every layer of a random model
+    assert ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.1
+    assert (ours.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.9
+
+
+def test_the_forced_avx2_engine_computes_what_the_best_isa_computes(tiny_model_dir):
+    """The AVX2-only machines' kernels, forced here (cpu_isa "avx2"), give the same logits
+    as the best build this CPU runs, on the default format (4-bit weights)."""
+    from engine.cpu.build import best_isa
+
+    if best_isa() in ("portable", "avx2"):
+        pytest.skip("this CPU runs no build above AVX2")
+    ids, decode = list(range(300, 340)), [7, 900, 31]
+    best = prefill_and_decode_logits(tiny_model_dir, ids, decode)
+    avx2 = prefill_and_decode_logits(tiny_model_dir, ids, decode, cpu_isa="avx2")
+    assert torch.allclose(best, avx2, rtol=1e-4, atol=1e-4)
+    assert torch.equal(best.argmax(-1), avx2.argmax(-1))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_fused_layers_equal_the_per_op_kernels_bit_for_bit(quant, tiny_qwen2_dir):
+    """One C call per layer (engine/cpu/fused.py, the layer runner the model runner picks
+    on the kernels) runs the same kernels in the same order as the model's per-op path,
+    so the logits are identical, not just close."""
+    from engine.cpu.fused import FusedLayers
+
+    cfg, _ = resolved_config(EngineConfig(model=str(tiny_qwen2_dir), device="cpu", quantization=quant))
     lm = load_model(cfg)
     ids = list(range(500, 530))
 
     def logits(fuse: bool) -> torch.Tensor:
-        lm.model.use_cpu_kernels(lm.cpu_kernels, fuse=fuse)
         kv = KVCache.allocate(lm.model_config, 8, 16, cfg.kv_torch_dtype, "cpu")
         attn = make_attention_backend("cpu", torch.device("cpu"), lm.cpu_kernels)
+        layers = make_layer_runner(lm.model, kv, attn, lm.cpu_kernels)
+        assert isinstance(layers, FusedLayers)
         b = ForwardBatch.build(token_chunks=[ids, [3]], prefix_lens=[0, 0], block_tables=[[0, 1], [2]],
                                sample_mask=[True, True], block_size=16)
         b.logits_indices = torch.arange(31)
-        return lm.model(b, kv, attn)
+        return lm.model(b, kv, attn, layers if fuse else None)
 
     fused, per_op = logits(True), logits(False)
-    assert lm.model._fused is None  # the per-op run did not use it
     assert torch.equal(fused, per_op)
+
+
+def test_the_model_does_not_import_the_cpu_executor():
+    """The model runner picks the layer runner; the model module stays free of it (no
+    import circle between engine/models and engine/cpu/fused.py)."""
+    import subprocess
+    import sys
+
+    code = "import sys, engine.models.llama; sys.exit('engine.cpu.fused' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 async def test_kernel_engine_greedy_output_is_the_same_alone_in_a_crowd_chunked_and_cache_off(tiny_model_dir):

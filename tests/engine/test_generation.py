@@ -72,7 +72,8 @@ async def test_preemption_keeps_greedy_output_when_pool_is_too_small(tiny_model_
 
 
 async def test_repeated_cached_runs_and_cache_off_give_identical_tokens(tiny_model_dir, tiny_tok, start_engine):
-    """Exact prefix reuse (docs/acceptance.md): reused KV must be exact, run to run and against cache-off."""
+    """Exact prefix reuse (docs/acceptance.md#exact-prefix-reuse): reused KV must be exact, run to run and against
+    cache-off."""
     rng = random.Random(1)
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
     texts = ["".join(rng.choice(alphabet) for _ in range(200)) + " Repeat the first 20 characters."
@@ -95,7 +96,7 @@ async def test_repeated_cached_runs_and_cache_off_give_identical_tokens(tiny_mod
 
 
 async def test_seeded_request_is_reproducible_beside_unseeded_neighbours(tiny_model_dir, tiny_tok, start_engine):
-    """Seeded requests are reproducible (docs/acceptance.md)."""
+    """Seeded requests are reproducible (docs/acceptance.md#seeded-requests-are-reproducible)."""
     eng = start_engine(tiny_model_dir)
     a_ids, b_ids = _ids(tiny_tok, "The capital of France is"), _ids(tiny_tok, "The capital of Germany is")
     a_params = SamplingParams(max_tokens=16, temperature=0.8, seed=42, ignore_eos=True)
@@ -109,7 +110,8 @@ async def test_seeded_request_is_reproducible_beside_unseeded_neighbours(tiny_mo
 
 
 async def test_sampling_edge_values_never_crash_and_tiny_top_p_is_greedy(tiny_model_dir, tiny_tok, start_engine):
-    """Sampling edge values (docs/acceptance.md): valid edge values work; invalid ones are refused before any work."""
+    """Sampling edge values (docs/acceptance.md#sampling-edge-values): valid edge values work; invalid ones are
+    refused before any work."""
     eng = start_engine(tiny_model_dir)
     ids = _ids(tiny_tok, "Name a fruit.")
     ref = (await collect(eng, GenerateRequest("g", ids, params=greedy(8)))).final.output_token_ids
@@ -141,7 +143,8 @@ async def test_high_temperature_streams_never_fail_to_encode(tiny_model_dir, tin
 
 
 async def test_max_tokens_n_streams_exactly_n_tokens_and_final_frame_keeps_them(tiny_model_dir, tiny_tok, start_engine):
-    """The finishing step's tokens are delivered (docs/acceptance.md): tokens of the finishing step are delivered."""
+    """The finishing step's tokens are delivered (docs/acceptance.md#the-finishing-steps-tokens-are-delivered):
+    tokens of the finishing step are delivered."""
     eng = start_engine(tiny_model_dir)
     ids = _ids(tiny_tok, "Say hi.")
     for n in (1, 7, 20):
@@ -167,7 +170,8 @@ async def test_smollm2_answers_capital_of_france_like_transformers(smollm2_dir, 
 
 
 async def test_greedy_output_does_not_depend_on_staggered_neighbours(tiny_model_dir, tiny_tok, start_engine):
-    """Batch-invariant greedy output (docs/acceptance.md): P alone N times is identical; P beside 7 staggered prompts of
+    """Batch-invariant greedy output (docs/acceptance.md#batch-invariant-greedy-output): P alone N times is
+    identical; P beside 7 staggered prompts of
     50-600 tokens matches per the policy (here, exactly on float32)."""
     eng = start_engine(tiny_model_dir, num_blocks=1024, max_num_batched_tokens=128)
     rng = random.Random(4)

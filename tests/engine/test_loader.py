@@ -118,7 +118,7 @@ def test_chat_prompt_has_one_bos_per_turn_and_no_doubled_bos(tiny_model_dir: Pat
     ids = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # ChatML's BOS (<|im_start|>) opens every turn: each comes from the template, and
-    # encoding the rendered text adds none (one BOS (docs/acceptance.md)).
+    # encoding the rendered text adds none (one BOS (docs/acceptance.md#one-bos)).
     assert tok(text, add_special_tokens=False)["input_ids"] == ids
     assert tok(text)["input_ids"] == ids
     bos = tok.bos_token_id

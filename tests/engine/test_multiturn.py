@@ -43,7 +43,8 @@ async def test_five_turn_chat_reuses_previous_turn_and_matches_cache_off(tiny_mo
 
 
 async def test_first_turn_prompt_equals_chat_template_with_one_bos(tiny_model_dir, start_engine):
-    """One BOS (docs/acceptance.md): the engine's ids equal apply_chat_template(tokenize=True); no doubled specials."""
+    """One BOS (docs/acceptance.md#one-bos): the engine's ids equal apply_chat_template(tokenize=True); no doubled
+    specials."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     eng = start_engine(tiny_model_dir)
     chats = [
@@ -85,7 +86,8 @@ async def test_template_rendering_history_differently_still_reuses_exact_ids(tin
 
 
 async def test_different_cache_salt_never_shares_kv(tiny_model_dir, start_engine):
-    """Cache namespaces (docs/acceptance.md): blocks made under one namespace are invisible to another."""
+    """Cache namespaces (docs/acceptance.md#cache-namespaces): blocks made under one namespace are invisible to
+    another."""
     eng = start_engine(tiny_model_dir)
     msgs = [{"role": "system", "content": "You are a terse assistant."},
             {"role": "user", "content": "List three colors."}]

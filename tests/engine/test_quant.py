@@ -101,7 +101,7 @@ def test_int8_embedding_returns_the_dequantized_rows():
 
 def test_engine_config_refuses_an_unknown_quantization_and_float16_activations():
     with pytest.raises(ConfigError, match="quantization"):
-        EngineConfig(quantization="int4", dtype="bfloat16")
+        EngineConfig(quantization="int3", dtype="bfloat16")
     with pytest.raises(ConfigError, match="float16"):  # x @ Q^T could pass float16's range
         EngineConfig(quantization="int8", dtype="float16")
     for dtype in ("bfloat16", "float32"):  # float32 activations run on the CPU kernels
@@ -163,7 +163,8 @@ def test_quantized_model_replaces_every_projection_and_stays_close(which, tiny_m
 
 
 def test_quantization_gets_its_own_prefix_cache_namespace(tiny_model_dir):
-    """Cache namespaces (docs/acceptance.md): a quantized twin of the same files never shares KV with them."""
+    """Cache namespaces (docs/acceptance.md#cache-namespaces): a quantized twin of the same files never shares KV
+    with them."""
     base = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
     q8 = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16", quantization="int8"))
     assert base.weights_id != q8.weights_id

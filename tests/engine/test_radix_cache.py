@@ -200,7 +200,8 @@ def test_duplicate_insert_reports_callers_blocks_and_refcounts_are_exact():
 
 
 def test_shared_prefix_drain_keeps_accounting_exact():
-    # Block accounting (docs/acceptance.md) in miniature: block size 16, a long shared system prompt, many sessions.
+    # Block accounting (docs/acceptance.md#block-accounting) in miniature: block size 16, a long shared system
+    # prompt, many sessions.
     bs, total = 16, 400
     pool = BlockPool(total)
     cache = RadixCache(pool, block_size=bs)

@@ -1,4 +1,5 @@
-"""Sampler: greedy equivalences (sampling edge values (docs/acceptance.md)), exact top-k/top-p/min-p masks,
+"""Sampler: greedy equivalences (sampling edge values (docs/acceptance.md#sampling-edge-values)), exact
+top-k/top-p/min-p masks,
 penalties, per-request seeds independent of batch neighbours (seeded requests are reproducible), logprobs, and
 robustness to non-finite logits."""
 

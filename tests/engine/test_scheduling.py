@@ -21,7 +21,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def test_shared_system_prompt_drains_to_exact_accounting(core):
-    """Block accounting (docs/acceptance.md): after a shared-prefix burst drains, free + evictable == total exactly,
+    """Block accounting (docs/acceptance.md#block-accounting): after a shared-prefix burst drains, free + evictable
+    == total exactly,
     evicting everything frees every block, and the engine still serves."""
     rng = random.Random(3)
     system = _tokens(rng, 300)
@@ -176,7 +177,7 @@ def _record_batches(core) -> list[list[tuple[str, int]]]:
 
 
 def test_every_step_stays_within_the_token_budget_counting_running_decodes(core):
-    """No decode starvation (docs/acceptance.md) needs steps of bounded size: a 500-token
+    """No decode starvation (docs/acceptance.md#no-decode-starvation) needs steps of bounded size: a 500-token
     prompt at budget 128 is prefilled in chunks of exactly 128, 128, 128, 116; beside a
     running decode, that decode's token counts in the same budget (127-token chunks)."""
     budget = core.scheduler.config.max_num_batched_tokens

@@ -48,3 +48,35 @@ async def test_retry_gives_up_when_the_budget_is_spent():
 
     with pytest.raises(GatewayError, match="down"):
         await retry(down, budget_s=0.05, retryable=is_store_unavailable, backoff=Backoff(0.01, 0.02))
+
+
+async def test_a_link_reconnects_after_each_failure_and_logs_an_outage_once_and_its_end_once(caplog):
+    import asyncio
+    import logging
+
+    from gateway.retry import Outage, keep_connected
+
+    log = logging.getLogger("gateway.test_link")
+    caplog.set_level(logging.INFO, logger="gateway.test_link")
+    tries: list[int] = []
+    served = asyncio.Event()
+
+    async def session(connected):
+        tries.append(len(tries))
+        if len(tries) <= 3:
+            raise ConnectionError("refused")  # down three times in a row
+        connected()
+        served.set()
+        await asyncio.Event().wait()  # up until cancelled
+
+    backoff = Backoff(0.001, 0.002)
+    task = asyncio.create_task(keep_connected(session, outage=Outage("test link", log), backoff=backoff))
+    await asyncio.wait_for(served.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(tries) == 4
+    assert messages[0] == "test link: refused; reconnecting in the background"
+    assert len(messages) == 2 and messages[1].startswith("test link: back after")  # not once per retry
+    assert backoff.peek() == 0.001  # reset once connected

@@ -1,5 +1,5 @@
-"""Accessibility of the chat page in a real Chromium (the fixtures and helpers of
-tests/web/test_browser.py): axe-core (vendored in tests/web/vendor/axe-core) finds no
+"""Accessibility of the chat page in a real Chromium (the fixtures of
+tests/web/conftest.py, the helpers of tests/web/page.py): axe-core (vendored in tests/web/vendor/axe-core) finds no
 serious or critical violation in the main states (desktop and phone, light and dark,
 each dialog open, a reply streaming, a code block); the transcript is a quiet log while
 a status region says when a reply starts and reads it when it ends, and an assertive one
@@ -19,8 +19,7 @@ import pytest
 from playwright.sync_api import Browser, Page
 
 from tests.engine_gate import EngineGate, text_delta
-from tests.web import test_browser as tb
-from tests.web.test_browser import (
+from tests.web.page import (
     DESKTOP,
     LONG,
     PHONE,
@@ -37,10 +36,7 @@ from tests.web.test_browser import (
     wait_streaming_text,
 )
 
-# the browser fixtures of tests/web/test_browser.py, used here by name
-browser, gateway, new_page, watch = tb.browser, tb.gateway, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.timeout(240)]
 
 AXE = Path(__file__).resolve().parent / "vendor" / "axe-core" / "axe.min.js"
 BLOCKING = ("serious", "critical")

@@ -9,21 +9,17 @@ from collections.abc import Callable
 
 from playwright.sync_api import Page
 
-from tests.web.test_browser import (  # noqa: F401  (fixtures used by name)
+from tests.web.page import (
     DESKTOP,
     PHONE,
     SHORT,
     WAIT_MS,
-    browser,
     create_chat,
-    gateway,
     get_chat,
-    new_page,
     open_chat,
     send,
     shot,
     wait_finished,
-    watch,
 )
 
 

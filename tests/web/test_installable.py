@@ -1,5 +1,5 @@
 """The chat installs as an app, in a real Chromium (the fixtures of
-tests/web/test_browser.py): a web app manifest with its icons, and a service worker that
+tests/web/conftest.py): a web app manifest with its icons, and a service worker that
 keeps the app shell for starting without the server, whose cached shell is replaced as
 soon as the server serves a new version, and that never caches the API. The gateway here
 serves a copy of web/ and static/ that the test changes, as an upgrade would.
@@ -15,13 +15,9 @@ from typing import Any
 import pytest
 from playwright.sync_api import Browser, Page
 
-from tests.web import test_browser as tb
-from tests.web.test_browser import DESKTOP, WAIT_MS, PageWatch, shot
+from tests.web.page import DESKTOP, WAIT_MS, PageWatch, shot
 
-# the browser fixtures of tests/web/test_browser.py, used here by name
-browser, watch = tb.browser, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,19 +12,16 @@ from typing import Any
 from playwright.sync_api import Browser, Page
 
 from tests.engine_gate import EngineGate, text_delta
-from tests.web.test_browser import (  # noqa: F401  (fixtures used by name)
+from tests.web.page import (
     DESKTOP,
     LONG,
     SHORT,
     WAIT_MS,
     PageWatch,
-    browser,
-    gateway,
     miss_live_events,
     send,
     shot,
     wait_finished,
-    watch,
 )
 
 

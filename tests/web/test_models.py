@@ -13,13 +13,10 @@ import pytest
 from playwright.sync_api import Page
 
 from tests.engine_gate import EngineGate
-from tests.gateway.test_models import both_up
-from tests.web import test_browser as tb
+from tests.gateway.engines.test_models import both_up
+from tests.web.page import PHONE, WAIT_MS, get_chat, open_chat, send, shot, wait_finished
 from tests.web.test_accessibility import axe_violations
-from tests.web.test_browser import PHONE, WAIT_MS, get_chat, open_chat, send, shot, wait_finished
 from tests.web.test_reasoning import user_of
-
-browser, new_page, watch = tb.browser, tb.new_page, tb.watch
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 

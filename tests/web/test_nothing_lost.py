@@ -11,8 +11,7 @@ import pytest
 from playwright.sync_api import Page
 
 from tests.engine_gate import EngineGate, text_delta
-from tests.web import test_browser as tb
-from tests.web.test_browser import (
+from tests.web.page import (
     LONG,
     PHONE,
     SHORT,
@@ -27,10 +26,7 @@ from tests.web.test_browser import (
     wait_streaming_text,
 )
 
-# the browser fixtures of tests/web/test_browser.py, used here by name
-browser, gateway, new_page, watch = tb.browser, tb.gateway, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 
 def reply_state(page: Page) -> tuple[str, str, str]:

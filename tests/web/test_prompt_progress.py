@@ -1,5 +1,5 @@
-"""Prompt progress and the context meter in a real Chromium (the fixtures and helpers of
-tests/web/test_browser.py), on the tiny model served with a 64-token step budget
+"""Prompt progress and the context meter in a real Chromium (the fixtures of
+tests/web/conftest.py, the helpers of tests/web/page.py), on the tiny model served with a 64-token step budget
 (``chunked_gate``), so a prompt of a few hundred tokens is read in several steps. The
 engine is paused at its first ``progress`` item, so the page is looked at while the
 prompt is being read: the typing dots give way to "Reading N / M tokens" and a thin bar;
@@ -19,8 +19,7 @@ from playwright.sync_api import Page
 
 from tests.engine_gate import EngineGate, of_type
 from tests.fixtures_servers import CHUNK_TOKENS, CHUNKED_MAX_MODEL_LEN
-from tests.web import test_browser as tb
-from tests.web.test_browser import (
+from tests.web.page import (
     DESKTOP,
     PHONE,
     WAIT_MS,
@@ -32,9 +31,7 @@ from tests.web.test_browser import (
     wait_finished,
 )
 
-browser, new_page, watch = tb.browser, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 PARAMS = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 

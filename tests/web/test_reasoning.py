@@ -15,11 +15,8 @@ from playwright.sync_api import Page
 
 from gateway.api.auth import COOKIE_NAME, UserIds
 from tests.engine_gate import EngineGate, text_delta
-from tests.web import test_browser as tb
+from tests.web.page import PHONE, WAIT_MS, create_chat, open_chat, send, shot, wait_finished
 from tests.web.test_accessibility import axe_violations
-from tests.web.test_browser import PHONE, WAIT_MS, create_chat, open_chat, send, shot, wait_finished
-
-browser, new_page, watch = tb.browser, tb.new_page, tb.watch
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 

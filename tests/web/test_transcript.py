@@ -1,5 +1,5 @@
-"""The transcript as a user reads it, in a real Chromium (the fixtures and helpers of
-tests/web/test_browser.py): a long paste collapsed with "Show more" / "Show less", a
+"""The transcript as a user reads it, in a real Chromium (the fixtures of
+tests/web/conftest.py, the helpers of tests/web/page.py): a long paste collapsed with "Show more" / "Show less", a
 notice about a busy chat that goes when the reply ends or the chat is deleted, focus
 kept on something useful after a delete, and a chat named after its first message that
 follows an edit of that message. Screenshots go to artifacts/screenshots/transcript-*.png."""
@@ -14,8 +14,7 @@ import pytest
 from playwright.sync_api import Page, Route
 
 from tests.engine_gate import EngineGate, text_delta
-from tests.web import test_browser as tb
-from tests.web.test_browser import (
+from tests.web.page import (
     LONG,
     PHONE,
     SHORT,
@@ -30,10 +29,7 @@ from tests.web.test_browser import (
     wait_streaming_text,
 )
 
-# the browser fixtures of tests/web/test_browser.py, used here by name
-browser, gateway, new_page, watch = tb.browser, tb.gateway, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 # A 10,000-character paste of 123 lines (a log or a table): about 370 tokens of the
 # tiny model's tokenizer, so the chat fits its context.

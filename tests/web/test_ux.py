@@ -1,5 +1,5 @@
 """The chat UI's identity, settings, export/search and small-fault flows in a real
-Chromium (the fixtures and helpers of tests/web/test_browser.py): access tokens created
+Chromium (the fixtures of tests/web/conftest.py, helpers of tests/web/page.py): access tokens created
 in the page continue its chats from the terminal client and the OpenAI API, the extra
 sampling settings and per-user defaults, export links and sidebar search, and the small
 faults of a first session (repeated advice, a blank pane, unexplained Enter, a notice
@@ -21,8 +21,7 @@ import pytest
 from playwright.sync_api import Browser, Page
 
 from tests.engine_gate import EngineGate, text_delta
-from tests.web import test_browser as tb
-from tests.web.test_browser import (
+from tests.web.page import (
     DESKTOP,
     LONG,
     PHONE,
@@ -31,6 +30,7 @@ from tests.web.test_browser import (
     PageWatch,
     create_chat,
     get_chat,
+    miss_live_events,
     open_chat,
     send,
     shot,
@@ -39,10 +39,7 @@ from tests.web.test_browser import (
     wait_streaming_text,
 )
 
-# the browser fixtures of tests/web/test_browser.py, used here by name
-browser, gateway, new_page, watch = tb.browser, tb.gateway, tb.new_page, tb.watch
-
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -258,7 +255,7 @@ def test_a_stale_tab_regenerating_gets_a_friendly_conflict_text(
     try:
         a, b = watch.attach(context.new_page()), watch.attach(context.new_page())
 
-        tb.miss_live_events(b)  # the live events would refresh b (two tabs acting at once)
+        miss_live_events(b)  # the live events would refresh b (two tabs acting at once)
         sid = create_chat(a, SHORT)
         open_chat(a, sid)
         send(a, "Hello")

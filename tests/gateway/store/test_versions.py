@@ -5,21 +5,12 @@ ids, a refused edit puts everything back, and a continued reply keeps its id."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.errors import GatewayError
 from gateway.store.sessions import full_prefix
-from tests.gateway.test_sessions import ALICE, finish_ok, make_store
-
-
-@pytest.fixture
-async def rds(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
+from tests.gateway.store.store_helpers import ALICE, finish_ok, make_store
 
 
 async def two_turns(store, sid):

@@ -21,7 +21,7 @@ import redis
 from gateway.api.auth import COOKIE_NAME
 from gateway.server.local import LocalStartError, ensure_redis
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
@@ -324,7 +324,7 @@ async def test_ctrl_c_mid_reply_logs_no_warning_and_stores_the_reply_as_cut_by_t
     from websockets.asyncio.client import connect
 
     from bench.soak import child_pids
-    from gateway.store.sessions import Keys
+    from gateway.store.keys import Keys
 
     proc, base, lines = start_gateway(["--model", str(tiny_model_dir)], gateway_env(redis_url, key_prefix, tmp_path))
     try:

@@ -13,31 +13,10 @@ import pytest
 import redis.asyncio as aioredis
 from websockets.exceptions import InvalidStatus
 
-from gateway.api.auth import UserIds
 from gateway.engines.routing import rendezvous_rank
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import gate_in_front_of
-from tests.gateway_helpers import Reply, chat, read_reply, recv, send, wait_for
-
-BLOCK = 16  # the engine fixture's --block-size
-
-
-async def stored(gw, cookie: str, sid: str) -> dict:
-    async with gw.http(cookie) as c:
-        r = await c.get(f"/api/sessions/{sid}")
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def token_messages(gw, owner: str, sid: str) -> list[dict]:
-    """The stored messages with their token segments, read on the gateway's own loop."""
-    return gw.run(gw.app.state.store.messages(owner, sid, with_tokens=True))
-
-
-def uid_of(gw, cookie: str) -> str:
-    uid = UserIds(gw.config.secret_key).verify(cookie)
-    assert uid is not None
-    return uid
+from tests.gateway_helpers import BLOCK, Reply, chat, read_reply, recv, send, stored, token_messages, uid_of, wait_for
 
 
 async def test_three_turn_chat_streams_in_order_and_stores_history_with_token_ids(gateway_factory):
@@ -96,7 +75,8 @@ async def idle(gw) -> dict:
 @pytest.mark.parametrize("when", ["after_first_delta", "before_first_delta"])
 async def test_cancel_stops_the_engine_frees_its_blocks_and_stores_the_partial_reply(gateway_factory, engine_gate,
                                                                                      when):
-    """Stop frees the engine (docs/acceptance.md): Stop aborts the engine request at once; only cache blocks stay.
+    """Stop frees the engine (docs/acceptance.md#stop-frees-the-engine): Stop aborts the engine request at once; only
+    cache blocks stay.
     The engine is paused from its first delta (or from before the request) until the abort reaches it."""
     gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
@@ -245,7 +225,7 @@ async def test_handshake_without_allowed_origin_or_valid_cookie_is_refused_with_
 
 
 async def test_second_request_on_a_busy_chat_gets_busy_and_two_tabs_lose_nothing(gateway_factory, engine_gate):
-    """No lost writes (docs/acceptance.md) through the socket: both tabs send at once; one is told busy,
+    """No lost writes (docs/acceptance.md#no-lost-writes) through the socket: both tabs send at once; one is told busy,
     retries, and every message and reply is stored in the order the tabs saw."""
     gw = gateway_factory(engine_urls=[engine_gate.url])
     cookie = gw.new_cookie()
@@ -423,7 +403,7 @@ async def test_one_dead_engine_among_three_is_routed_around_by_hashing(gateway_f
 
 
 async def test_keys_written_by_a_conversation_all_keep_the_configured_ttl(gateway_factory, redis_url, key_prefix):
-    """TTLs are kept (docs/acceptance.md) through the whole gateway (streams included)."""
+    """TTLs are kept (docs/acceptance.md#ttls-are-kept) through the whole gateway (streams included)."""
     gw = gateway_factory(session_ttl_s=1800)
     cookie = gw.new_cookie()
     client = aioredis.from_url(redis_url, decode_responses=True)

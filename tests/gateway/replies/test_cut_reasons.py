@@ -8,7 +8,7 @@ import json
 
 import redis
 
-from gateway.store.sessions import Keys
+from gateway.store.keys import Keys
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import gate_in_front_of
 from tests.gateway_helpers import read_reply, recv, send

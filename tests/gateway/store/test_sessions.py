@@ -1,42 +1,18 @@
 """The Redis session store against the real Redis: ownership, atomic turns, token
-segments, TTLs on every write (TTLs are kept (docs/acceptance.md)) and concurrent writers (no lost writes)."""
+segments, TTLs on every write (TTLs are kept (docs/acceptance.md#ttls-are-kept)) and concurrent writers (no lost
+writes)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import GatewayError
-from gateway.store.sessions import Keys, SessionStore, plan_prefix, title_from
-
-ALICE, BOB = "a" * 32, "b" * 32
-
-
-@pytest.fixture
-async def rds(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
-
-
-def make_store(rds: aioredis.Redis, prefix: str, ttl: int | None = None, **kw: int) -> SessionStore:
-    args = dict(lock_lease_ms=30_000, max_sessions_per_user=50, max_generations_per_user=4)
-    args.update(kw)
-    return SessionStore(rds, Keys(prefix), ttl, **args)
-
-
-async def finish_ok(store: SessionStore, owner: str, sid: str, turn, text: str, user_ids: list[int],
-                    out_ids: list[int], base: bool = False) -> str:
-    return await store.finish_turn(
-        owner, sid, turn,
-        {"content": text, "status": "complete", "finish_reason": "stop",
-         "usage": {"prompt_tokens": len(user_ids), "cached_tokens": 0, "completion_tokens": len(out_ids)},
-         "timings": {"ttft_ms": 1.0, "tpot_ms": 1.0, "e2e_ms": 2.0}, "created_at": 0.0},
-        {"ids": user_ids, "base": base}, {"ids": out_ids, "base": False})
+from gateway.store.sessions import plan_prefix, title_from
+from tests.gateway.store.store_helpers import ALICE, BOB, finish_ok, make_store
 
 
 async def test_chats_are_listed_newest_first_and_renamed_and_deleted(rds, key_prefix):
@@ -187,7 +163,7 @@ async def ttls(rds: aioredis.Redis, prefix: str) -> dict[str, int]:
 
 
 async def test_every_key_keeps_a_ttl_after_every_write_when_one_is_configured(rds, key_prefix):
-    """TTLs are kept (docs/acceptance.md): no write drops a key's TTL; each write slides it forward."""
+    """TTLs are kept (docs/acceptance.md#ttls-are-kept): no write drops a key's TTL; each write slides it forward."""
     store = make_store(rds, key_prefix, ttl=1800)
 
     async def check(step: str) -> None:
@@ -228,7 +204,8 @@ async def test_without_a_ttl_chat_keys_persist(rds, key_prefix):
 
 
 async def test_concurrent_turns_on_one_chat_admit_exactly_one(rds, key_prefix):
-    """No lost writes (docs/acceptance.md): racing writers never both append; the loser is told 'busy'."""
+    """No lost writes (docs/acceptance.md#no-lost-writes): racing writers never both append; the loser is told
+    'busy'."""
     store = make_store(rds, key_prefix)
     chat = await store.create_session(ALICE)
     results = await asyncio.gather(*[store.begin_turn(ALICE, chat.id, mode="chat", content=f"m{i}")
@@ -241,7 +218,8 @@ async def test_concurrent_turns_on_one_chat_admit_exactly_one(rds, key_prefix):
 
 
 async def test_rename_racing_the_reply_store_loses_neither(rds, key_prefix):
-    """No lost writes (docs/acceptance.md): metadata updates and reply persistence touch disjoint fields atomically."""
+    """No lost writes (docs/acceptance.md#no-lost-writes): metadata updates and reply persistence touch disjoint
+    fields atomically."""
     store = make_store(rds, key_prefix)
     chat = await store.create_session(ALICE)
     for i in range(20):

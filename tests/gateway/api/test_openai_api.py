@@ -91,7 +91,8 @@ def test_non_streaming_reply_has_the_openai_shape_and_usage(api_gateway):
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 24])
 def test_streamed_text_equals_the_non_streamed_text_and_counts_every_token(api_gateway, max_tokens):
-    """The finishing step's tokens are delivered (docs/acceptance.md): the finishing step's tokens are streamed too."""
+    """The finishing step's tokens are delivered (docs/acceptance.md#the-finishing-steps-tokens-are-delivered): the
+    finishing step's tokens are streamed too."""
     gw = api_gateway()
     oa = client(gw)
     whole = greedy(oa, QUESTION, max_tokens=max_tokens)
@@ -133,7 +134,7 @@ def _a_stop_string(text: str) -> str:
 
 
 def test_a_stop_string_ends_the_reply_and_no_part_of_it_is_ever_streamed(api_gateway):
-    """Stop strings never leak (docs/acceptance.md), on whatever the model says greedily."""
+    """Stop strings never leak (docs/acceptance.md#stop-strings-never-leak), on whatever the model says greedily."""
     gw = api_gateway()
     oa = client(gw)
     full = greedy(oa, QUESTION, max_tokens=48).choices[0].message.content
@@ -205,7 +206,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 @pytest.mark.parametrize("change, param", [
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -219,11 +220,13 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     ({"stop": ""}, "stop"),
     ({"stop": ["a"] * 17}, "stop"),
     ({"stream": "yes"}, "stream"),
-    ({"logprobs": True}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
 ])
@@ -245,11 +248,11 @@ def test_harmless_openai_fields_are_ignored(api_gateway):
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_n_above_one_and_a_too_long_prompt_are_refused_through_the_sdk(api_gateway):
+def test_n_above_eight_and_a_too_long_prompt_are_refused_through_the_sdk(api_gateway):
     gw = api_gateway()
     oa = client(gw)
     with pytest.raises(openai.BadRequestError) as e:
-        oa.chat.completions.create(model="default", messages=QUESTION, n=2)
+        oa.chat.completions.create(model="default", messages=QUESTION, n=9)
     assert e.value.status_code == 400 and e.value.param == "n"
     long = [{"role": "user", "content": "lighthouse keeper " * 1500}]  # beyond the 2048-token context
     for stream in (False, True):

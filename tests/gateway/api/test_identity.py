@@ -24,7 +24,7 @@ from gateway.client import build_parser, http_base, refusal_text, socket_url
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import RunningGateway
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHORT = {"max_tokens": 4, "temperature": 0.0}
 
 

@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
+from gateway.store.keys import Keys
 from gateway.store.reply_streams import ReplyStreams
-from gateway.store.sessions import Keys
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Documented limits end to end (docs/acceptance.md): frame sizes (large messages), a
+"""Documented limits end to end: frame sizes (large messages, docs/acceptance.md#large-messages), a
 huge message does not stall other sockets (the event loop is never blocked), a client
 that stops reading is bounded (bounded outbound buffers), and the per-user limits
 answer with their error codes."""

@@ -8,8 +8,7 @@ import asyncio
 import pytest
 
 from engine.detokenizer import decode_text
-from tests.gateway.test_e2e import BLOCK, stored, token_messages, uid_of
-from tests.gateway_helpers import chat, openai_client, read_reply, send
+from tests.gateway_helpers import BLOCK, chat, openai_client, read_reply, send, stored, token_messages, uid_of
 
 
 async def test_an_edit_replies_to_the_new_text_and_the_old_branch_can_be_shown_again(gateway_factory):

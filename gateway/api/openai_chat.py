@@ -1,0 +1,164 @@
+"""Chat-completions answers: the ``chat.completion`` body and the streamed
+``chat.completion.chunk`` events, built from a request's reply events, choice by choice.
+
+Streaming follows OpenAI: a first chunk per choice with the role, then content chunks
+(with their tokens' ``logprobs`` when asked), tool calls as ``delta.tool_calls`` (a
+call's first entry has its ``index``, ``id``, ``type`` and function name with arguments
+"", later ones fragments of the arguments), one chunk per choice with its
+``finish_reason``, a ``usage`` chunk with ``stream_options.include_usage``, then
+``[DONE]``. The non-streamed body holds the same text, calls and logprobs whole.
+
+A reply's reasoning (the text between its thinking markers, ``gateway/replies/reasoning.py``)
+is apart, as vLLM and llama.cpp's server answer: ``reasoning_content`` deltas before the
+content, and the message's ``reasoning_content`` (present only when the reply reasoned).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.api import engine_to_api as e2a
+from gateway.api.openai_replies import Delta, Failed, Finished, ReplyEvent
+from gateway.api.openai_request import ChatRequest, OpenAIError
+from gateway.api.sse import json_bytes, sse
+from gateway.replies.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
+
+
+@dataclass
+class ChoiceState:
+    """What one choice wrote so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finished: Finished | None = None
+    think: ReasoningSplitter | None = None  # the streamed split of its reasoning
+
+
+def usage_of(finished: list[Finished]) -> dict[str, Any]:
+    """OpenAI's ``usage`` for a request's choices: the prompt counted once (choice 0's,
+    its cached tokens too), the completion tokens of every choice."""
+    u0 = finished[0].usage if finished else {}
+    prompt = int(u0.get("prompt_tokens", 0))
+    completion = sum(int(f.usage.get("completion_tokens", 0)) for f in finished)
+    cached, disk = int(u0.get("cached_tokens", 0)), int(u0.get("cached_disk_tokens", 0))
+    # cached_tokens stays OpenAI's total; the split says where those tokens' KV came from
+    # (the engine's pool, or its disk KV tier: docs/kv_tiers.md)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached,
+                                      "cached_tokens_by_tier": {"pool": cached - disk, "disk": disk}}}
+
+
+class ChatWriter:
+    """Builds one chat-completions answer (see module doc).
+
+    Args:
+        creq: the request (its ``n``, ``logprobs``, ``include_usage``).
+        completion_id: ``chatcmpl-...``.
+        model: the served model's name.
+        extra_fields: added to the non-streamed body (a linked chat's ``session_id``).
+        markers: the reasoning markers (``reasoning_content``).
+    """
+
+    def __init__(self, creq: ChatRequest, completion_id: str, model: str,
+                 extra_fields: dict[str, Any] | None = None, markers: ThinkMarkers = DEFAULT_MARKERS) -> None:
+        self.creq = creq
+        self.id = completion_id
+        self.model = model
+        self.created = int(time.time())
+        self.extra_fields = extra_fields or {}
+        self.markers = markers
+        self.choices = [ChoiceState(think=ReasoningSplitter(markers)) for _ in range(creq.n)]
+        self._base: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk",
+                                      "created": self.created, "model": model, "system_fingerprint": None}
+        if creq.include_usage:
+            self._base["usage"] = None
+
+    # ---- streaming --------------------------------------------------------------------
+
+    def _chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> bytes:
+        return sse(json_bytes({**self._base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                          "finish_reason": finish_reason}]}))
+
+    def start_events(self) -> list[bytes]:
+        """The first chunk of each choice: its role."""
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.creq.n)]
+
+    def stream_events(self, index: int, ev: ReplyEvent) -> list[bytes]:
+        """The chunks for one event of choice ``index`` (and keeps what it needs for ``end_events``)."""
+        st = self.choices[index]
+        out: list[bytes] = []
+        if isinstance(ev, Delta):
+            lp = e2a.chat_logprobs(ev.logprobs) if self.creq.logprobs and ev.logprobs else None
+            reasoning, text = st.think.feed(ev.text) if st.think is not None and ev.text else ("", ev.text)
+            if reasoning:
+                out.append(self._chunk(index, {"reasoning_content": reasoning}, logprobs=lp))
+                lp = None
+            if text:
+                out.append(self._chunk(index, {"content": text}, logprobs=lp))
+                lp = None
+            if ev.tool_calls:
+                out.append(self._chunk(index, {"tool_calls": e2a.chat_tool_call_deltas(ev.tool_calls)}, logprobs=lp))
+                lp = None
+            if lp is not None:  # tokens that showed no text yet (held back, or a call's marker)
+                out.append(self._chunk(index, {}, logprobs=lp))
+        elif isinstance(ev, Finished):
+            st.finished = ev
+            reasoning, text = st.think.finish() if st.think is not None else ("", "")
+            if reasoning:
+                out.append(self._chunk(index, {"reasoning_content": reasoning}))
+            if text:
+                out.append(self._chunk(index, {"content": text}))
+            out.append(self._chunk(index, {}, ev.finish_reason))
+        return out
+
+    def end_events(self) -> list[bytes]:
+        """After every choice finished: the usage chunk (when asked) and ``[DONE]``."""
+        out = []
+        if self.creq.include_usage:
+            done = [c.finished for c in self.choices if c.finished is not None]
+            out.append(sse(json_bytes({**self._base, "choices": [], "usage": usage_of(done)})))
+        return out + [sse(b"[DONE]")]
+
+    @staticmethod
+    def error_event(e: OpenAIError) -> list[bytes]:
+        """An error after the stream began, as OpenAI sends it (a ``data: {"error"}`` event)."""
+        return [sse(json_bytes(e.body()))]
+
+    # ---- whole -----------------------------------------------------------------------
+
+    def take(self, index: int, ev: ReplyEvent) -> None:
+        """Keep one event of choice ``index`` for ``body``."""
+        st = self.choices[index]
+        if isinstance(ev, Delta):
+            st.text.append(ev.text)
+            st.logprobs.extend(ev.logprobs)
+        elif isinstance(ev, Finished):
+            st.finished = ev
+
+    def body(self) -> dict[str, Any]:
+        """The ``chat.completion`` body, once every choice finished."""
+        choices = []
+        for i, st in enumerate(self.choices):
+            fin = st.finished or Finished("stop")
+            reasoning, text = split_reasoning("".join(st.text), self.markers)
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            if fin.tool_calls:
+                message["tool_calls"] = e2a.chat_message_tool_calls(fin.tool_calls)
+                if not text:
+                    message["content"] = None
+            choices.append({"index": i, "message": message,
+                            "logprobs": e2a.chat_logprobs(st.logprobs) if self.creq.logprobs else None,
+                            "finish_reason": fin.finish_reason})
+        done = [c.finished for c in self.choices if c.finished is not None]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, "usage": usage_of(done), **self.extra_fields}
+
+
+def is_end(ev: ReplyEvent) -> bool:
+    """A choice's last event."""
+    return isinstance(ev, (Finished, Failed))
