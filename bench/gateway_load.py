@@ -1,9 +1,12 @@
 """Gateway overhead under many WebSocket clients, against a real engine.
 
     python bench/gateway_load.py [--quick] [--json] [--write-docs] [--connected 200] [--streaming 32]
-                                 [--requests 256] [--max-tokens 64] [--engine ws://...]
+                                 [--requests 256] [--max-tokens 64] [--engine ws://... | fake]
+                                 [--fake-rate 50]
 
-Starts an engine on the bundled SmolLM2 (unless ``--engine``) and the real gateway in a
+Starts an engine on the bundled SmolLM2 (unless ``--engine``; ``--engine fake`` starts
+``bench/serving_lib/fake_engine.py``, which writes ``--fake-rate`` tokens/s per reply and
+computes nothing, so the figures are the gateway's alone) and the real gateway in a
 child process (``bench.serving_lib.gateway_proc --tap``), opens ``--connected`` browser
 WebSockets (each its own user, cookie and Origin, as the page does), and keeps
 ``--streaming`` of them generating at once until ``--requests`` replies are done
@@ -306,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streaming", type=int, default=None)
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--engine", default=None, help="use this engine instead of starting one")
+    p.add_argument("--engine", default=None,
+                   help="use this engine instead of starting one; 'fake': a fake engine that writes "
+                        "--fake-rate tokens/s per reply and computes nothing, so the gateway alone is measured")
+    p.add_argument("--fake-rate", type=float, default=50.0, help="tokens/s per reply of --engine fake")
     p.add_argument("--model", default=None, help="model folder for the started engine (default: SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="engine torch threads")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -327,7 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     children = []
     try:
         engine_url = a.engine
-        if engine_url is None:
+        if engine_url == "fake":
+            eng = start_child([sys.executable, "-m", "bench.serving_lib.fake_engine", "--rate", str(a.fake_rate)],
+                              r"ENGINE READY (ws://\S+)", 60, env, str(ROOT))
+            children.append(eng)
+            engine_url = eng.match.group(1)
+        elif engine_url is None:
             cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", "0",
                    "--threads", str(a.threads)] + (["--model", a.model] if a.model else [])
             eng = start_child(cmd, r"ENGINE READY (ws://\S+)", 600, env, str(ROOT))

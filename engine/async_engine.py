@@ -58,6 +58,9 @@ class AsyncEngine:
         self._closed = False  # the step loop has ended for good (set under _lock)
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompt")
         self.last_error: str | None = None
+        # KV pulls of prefill/decode disaggregation (engine.disagg.pull), under _lock
+        self._pulls = {"kv_pulls_total": 0, "kv_pull_failures_total": 0, "kv_pull_pages_total": 0,
+                       "kv_pull_bytes_total": 0, "kv_pull_ms_total": 0.0}
         # (counters, monotonic time): replaced whole by the step thread at the end of each
         # step and after each inbox drain; read by any thread without waiting for a step
         self._snapshot: tuple[dict, float] = (self._take_stats(), time.monotonic())
@@ -105,7 +108,7 @@ class AsyncEngine:
                           weights_id=loaded.weights_id, eos_token_ids=sorted(core.eos_ids),
                           quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
                           format=fmt.describe(), tokenizer_dir=str(Path(loaded.path).resolve()),
-                          tool_format=core.tool_format.name)
+                          tool_format=core.tool_format.name, role=config.role)
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
         info.think_markers, info.think_in_prompt = prompts.thinking()
         if verbose:
@@ -174,7 +177,13 @@ class AsyncEngine:
             room = self.core.max_model_len - len(ids)
             if request.clamp_max_tokens and 1 <= room < params.max_tokens:
                 params = dataclasses.replace(params, max_tokens=room)
+            if self.core.config.role == "prefill":  # computes the prompt's KV and its first token only
+                params = dataclasses.replace(params, max_tokens=1)
             self.core.check_fits(len(ids), params)
+            if request.kv_source and self.core.config.role != "prefill":
+                from engine.disagg.pull import pull_prompt
+
+                await pull_prompt(self, ids, request.kv_source, request.cache_salt, shared)
             detok = None
             if request.continued_tokens:  # replay the continued reply's tokens off the step thread
                 detok = await loop.run_in_executor(self._prep, self.core.continuation_detokenizer, ids,
@@ -249,7 +258,23 @@ class AsyncEngine:
     def _take_stats(self) -> dict:
         s = self.core.stats()
         s["model"] = self.info.model
+        s["role"] = self.core.config.role
+        with self._lock:
+            s.update(self._pulls)
         return s
+
+    def count_pull(self, result: Any) -> None:
+        """Count one pull of pages (``engine.disagg.pull.PullResult``) in the stats: pulls
+        that asked for pages, those that fell short, pages adopted, bytes received, ms."""
+        if not result.pages_wanted:
+            return
+        with self._lock:
+            p = self._pulls
+            p["kv_pulls_total"] += 1
+            p["kv_pull_failures_total"] += 1 if result.error else 0
+            p["kv_pull_pages_total"] += result.pages_adopted
+            p["kv_pull_bytes_total"] += result.bytes
+            p["kv_pull_ms_total"] = round(p["kv_pull_ms_total"] + result.ms, 3)
 
     def _publish_stats(self) -> None:
         self._snapshot = (self._take_stats(), time.monotonic())

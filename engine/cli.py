@@ -86,6 +86,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA (for debugging)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--role", default=os.environ.get("ENGINE_ROLE") or d.role, choices=["both", "prefill", "decode"],
+                   help="both, or prefill / decode for prefill-decode disaggregation (default: %(default)s)")
+    p.add_argument("--kv-pull-failure", default=d.kv_pull_failure, choices=["local", "fail"],
+                   help="when pulling a prompt's pages fails: compute them here (local) or end the request "
+                        "(fail) (default: %(default)s)")
     p.add_argument("--engine-seed", type=int, default=0,
                    help="seed of the shared generator for unseeded sampled requests (default: %(default)s)")
 
@@ -112,6 +117,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=not a.no_cpu_kernels,
         cpu_isa=a.cpu_isa, speculative=a.speculative, num_draft_tokens=a.num_draft_tokens,
         spec_ngram_min=ngram[0], spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch,
+        role=a.role, kv_pull_failure=a.kv_pull_failure,
         kv_disk_dir=_kv_disk_dir(a),
         kv_disk_bytes=int(a.kv_disk_gib * 2**30) if a.kv_disk_gib is not None else None,
     )

@@ -11,6 +11,9 @@ from engine.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
+# engine roles of prefill/decode disaggregation (docs/scaling.md)
+ROLES = ("both", "prefill", "decode")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -127,6 +130,14 @@ class EngineConfig:
         num_draft_tokens: most draft tokens verified per request per step.
         spec_ngram_min, spec_ngram_max: n-gram sizes matched against the request's tokens.
         spec_max_batch: speculate only while at most this many requests decode in a step.
+        role: "both" (prefill and decode, the default), "prefill" (every request stops
+            after its first token: the engine computes prompts' KV for a decode engine to
+            pull) or "decode" (serves replies; pulls a prompt's pages from the engine a
+            request names, ``engine.disagg``). Prefill/decode disaggregation, docs/scaling.md.
+        kv_pull_failure: what a request does when pulling its prompt's pages fails
+            (a corrupt page, a cut link, pages gone at the source): "local" computes the
+            missing pages itself, "fail" ends the request with error ``kv_transfer_failed``.
+        kv_pull_timeout_s: the longest one pull of pages may take (seconds).
         kv_disk_dir: the disk KV tier's store directory (``engine.tiers``): pages of the
             prefix cache are written there and restored from it, across evictions and
             restarts; None turns the tier off (``python -m engine serve`` defaults it on,
@@ -164,6 +175,9 @@ class EngineConfig:
     spec_ngram_min: int = 2
     spec_ngram_max: int = 3
     spec_max_batch: int = 4
+    role: str = "both"
+    kv_pull_failure: str = "local"
+    kv_pull_timeout_s: float = 30.0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
 
@@ -197,6 +211,12 @@ class EngineConfig:
         if self.num_draft_tokens < 1 or self.spec_max_batch < 1 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ConfigError("num_draft_tokens and spec_max_batch must be >= 1, and "
                               "1 <= spec_ngram_min <= spec_ngram_max")
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.kv_pull_failure not in ("local", "fail"):
+            raise ConfigError(f"kv_pull_failure must be 'local' or 'fail', got {self.kv_pull_failure!r}")
+        if not self.kv_pull_timeout_s > 0:
+            raise ConfigError("kv_pull_timeout_s must be > 0")
         if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
             raise ConfigError("kv_disk_bytes must be >= 1")
         if not (0 < self.gpu_memory_fraction <= 1):

@@ -15,7 +15,12 @@ Byte layout (little-endian)::
     10+H    P     payload: K and V of the block, C-contiguous
                   [num_layers, 2, block_size, num_kv_heads, head_dim] of the KV dtype
                   (index 0 = K, 1 = V); P = ``PageKey.payload_bytes``
-    10+H+P  16    BLAKE2b-128 digest of bytes [0, 10+H+P)
+    10+H+P  4     CRC-32 (zlib) of bytes [0, 10+H+P)
+
+The checksum is CRC-32 (zlib's, as gzip and PNG use it): it catches every single-bit
+error and every burst up to 32 bits, and reads about 5x faster than BLAKE2b here (0.05
+against 0.26 ms a SmolLM2 page), which is most of a page's decode time on a restore. It
+guards against storage faults, not against someone who can write the store directory.
 
 A page of SmolLM2-135M (30 layers, 3 KV heads of 64, block 16, bfloat16) is
 2 * 30 * 16 * 3 * 64 * 2 = 368,640 payload bytes plus about 400 header bytes.
@@ -33,19 +38,22 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.config import DTYPES
 
 __all__ = ["DIGEST_BYTES", "MAGIC", "PAGE_VERSION", "DecodedPage", "PageError", "PageHeader", "PageKey",
-           "StalePageError", "decode_page", "encode_page", "gather_block", "scatter_block", "scope_digest"]
+           "StalePageError", "decode_page", "encode_page", "gather_block", "gather_blocks", "scatter_block",
+           "scatter_blocks", "scope_digest"]
 
 MAGIC = b"CSKV"
-PAGE_VERSION = 1
-DIGEST_BYTES = 16
+PAGE_VERSION = 2  # 1: a BLAKE2b-128 digest (never read back: recomputed)
+DIGEST_BYTES = 4
 _PREFIX = struct.Struct("<4sHI")  # magic, version, header length
 
 
@@ -57,6 +65,11 @@ class PageError(ValueError):
 class StalePageError(PageError):
     """A sound page written for something else: other weights, weight format, KV dtype,
     block size, model shape, cache scope, chained hash or tokens than expected."""
+
+
+def _digest(body: bytes | memoryview) -> bytes:
+    """The page checksum: CRC-32 of ``body``, 4 bytes little-endian."""
+    return zlib.crc32(body).to_bytes(DIGEST_BYTES, "little")
 
 
 def scope_digest(namespace: str, salt: str = "") -> str:
@@ -194,12 +207,13 @@ def encode_page(header: PageHeader, kv: torch.Tensor) -> bytes:
     head = header.to_json()
     payload = kv.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
     body = _PREFIX.pack(MAGIC, PAGE_VERSION, len(head)) + head + payload
-    return body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest()
+    return body + _digest(body)
 
 
 def decode_page(data: bytes | bytearray | memoryview, expect: PageKey | None = None, *,
                 scope: str | None = None, chain_hash: int | None = None,
-                parent_hash: int | None = None, token_ids: tuple[int, ...] | list[int] | None = None) -> DecodedPage:
+                parent_hash: int | None = None, token_ids: tuple[int, ...] | list[int] | None = None,
+                out: torch.Tensor | None = None) -> DecodedPage:
     """Check and read one page written by ``encode_page``.
 
     The digest is checked first, then the version, then each expectation given.
@@ -209,10 +223,12 @@ def decode_page(data: bytes | bytearray | memoryview, expect: PageKey | None = N
         expect: the key the reader serves (None: any key, as a tool that lists pages).
         scope, chain_hash, parent_hash, token_ids: what the reader expects the page to be
             (each None: not checked).
+        out: a CPU tensor of the payload's shape and dtype to read the KV into (one copy
+            fewer for a reader that gathers pages in one buffer); None: a new tensor.
 
     Returns:
         The header and the KV tensor ([num_layers, 2, block_size, num_kv_heads,
-        head_dim], the key's KV dtype, CPU).
+        head_dim], the key's KV dtype, CPU; ``out`` when given).
 
     Raises:
         PageError: truncated, bad magic, digest mismatch (corrupt), another format
@@ -227,7 +243,7 @@ def decode_page(data: bytes | bytearray | memoryview, expect: PageKey | None = N
     if magic != MAGIC:
         raise PageError(f"not a KV page (magic {bytes(magic)!r})")
     body, digest = buf[:-DIGEST_BYTES], buf[-DIGEST_BYTES:]
-    if hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != bytes(digest):
+    if _digest(body) != bytes(digest):
         raise PageError(f"page checksum mismatch ({len(buf)} bytes): corrupt or truncated")
     if version != PAGE_VERSION:
         raise PageError(f"page format version {version}, this engine reads {PAGE_VERSION}")
@@ -248,6 +264,13 @@ def decode_page(data: bytes | bytearray | memoryview, expect: PageKey | None = N
         raise StalePageError("page holds other tokens")
     if len(body) - start != key.payload_bytes:
         raise PageError(f"page payload is {len(body) - start} bytes, its key says {key.payload_bytes}")
+    if out is not None:
+        if tuple(out.shape) != key.shape or out.dtype != key.torch_dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the page is {key.shape} {key.kv_dtype}")
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError("out must be a contiguous CPU tensor")
+        out.view(torch.uint8).view(-1).numpy()[:] = np.frombuffer(body[start:], dtype=np.uint8)
+        return DecodedPage(header, out)
     raw = bytearray(body[start:])  # own the memory: the caller may drop ``data``
     kv = torch.frombuffer(raw, dtype=torch.uint8).view(key.torch_dtype).reshape(key.shape)
     return DecodedPage(header, kv)
@@ -287,3 +310,45 @@ def scatter_block(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], bl
     for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
         k[block].copy_(kv[layer, 0])
         v[block].copy_(kv[layer, 1])
+
+
+def gather_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], blocks: list[int]) -> torch.Tensor:
+    """Several blocks' K and V at once (one ``index_select`` per layer and K/V).
+
+    Returns:
+        [len(blocks), num_layers, 2, block_size, num_kv_heads, head_dim], the caches'
+        dtype and device (a copy); entry ``i`` is ``gather_block(..., blocks[i])``.
+    """
+    idx = torch.tensor(blocks, dtype=torch.long, device=k_caches[0].device)
+    per_layer = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                 for k, v in zip(k_caches, v_caches)]  # each [n, 2, block_size, heads, head_dim]
+    return torch.stack(per_layer, dim=1)
+
+
+def scatter_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], blocks: list[int],
+                   pages: list[torch.Tensor] | torch.Tensor) -> None:
+    """Write page tensors into blocks (one ``index_copy_`` per layer and K/V; the inverse of
+    ``gather_blocks``).
+
+    Args:
+        pages: one [num_layers, 2, block_size, num_kv_heads, head_dim] tensor per block, of
+            the caches' dtype (any device), or all of them stacked in one tensor.
+
+    Raises:
+        ValueError: a page's shape or dtype disagrees with the caches, or the counts differ.
+    """
+    if len(pages) != len(blocks):
+        raise ValueError(f"{len(pages)} pages for {len(blocks)} blocks")
+    if len(pages) == 0:
+        return
+    k0 = k_caches[0]
+    want = (len(k_caches), 2, *k0.shape[1:])
+    for kv in pages:
+        if tuple(kv.shape) != want or kv.dtype != k0.dtype:
+            raise ValueError(f"page tensor is {tuple(kv.shape)} {kv.dtype}, the cache wants {want} {k0.dtype}")
+    stacked = (pages if isinstance(pages, torch.Tensor) else torch.stack(pages)).to(k0.device)
+    # stacked: [n, layers, 2, block_size, heads, head_dim]
+    idx = torch.tensor(blocks, dtype=torch.long, device=k0.device)
+    for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
+        k.index_copy_(0, idx, stacked[:, layer, 0])
+        v.index_copy_(0, idx, stacked[:, layer, 1])

@@ -56,6 +56,8 @@ class GenerateRequest:
             or None.
         continue_final_message: the last message is the assistant's, and the reply
             continues it (no end of turn, no new generation prompt) instead of answering.
+        kv_source: the URL of an engine holding this prompt's KV (a prefill engine that ran
+            it): the pages this engine lacks are pulled from there first (``engine.disagg``).
     """
 
     request_id: str
@@ -70,6 +72,7 @@ class GenerateRequest:
     prompt: str | None = None
     tools: ToolRequest | None = None
     continue_final_message: bool = False
+    kv_source: str | None = None
 
 
 @dataclass

@@ -7,11 +7,12 @@ functions turn JSON text back into a frame, raising ``FrameError`` (with a messa
 naming the field) on anything malformed.
 
 Gateway -> engine: ``GenerateFrame``, ``AbortFrame``, ``StatsRequest``, ``PingFrame``,
-``KvSubscribeFrame``.
+``KvSubscribeFrame``; engine -> engine (prefill/decode disaggregation): ``KvFetchFrame``.
 Engine -> gateway: ``HelloFrame`` (first, once), ``StepFrame`` (one per engine step per
 connection, carrying that step's ``ProgressFrame``/``DeltaFrame``/``DoneFrame``/``ErrorFrame``
 items of the connection's requests), ``ErrorFrame`` (alone: a refused or malformed frame),
-``StatsFrame``, ``PongFrame`` and, after a ``KvSubscribeFrame``, ``KvEventsFrame``.
+``StatsFrame``, ``PongFrame`` and, after a ``KvSubscribeFrame``, ``KvEventsFrame``; after a
+``KvFetchFrame``, one binary frame per KV page (``engine.kv_page``) and a ``KvFetchDoneFrame``.
 
 The items of a step keep the flat layout of a frame of their own (``{"type": "delta",
 "request_id", ...}``), so a reader that splits a step frame sees per-request frames.
@@ -27,8 +28,9 @@ from typing import Any
 # 5: continuing a cut reply (generate's continued_tokens, the items' trim_prior);
 # 6: per-user cache salts with declared-shared messages (generate's shared_messages);
 # 7: raw prompts, tools and tool calls, continue_final_message, output constraints, logit
-# bias, named logprobs and prompt logprobs
-PROTOCOL_VERSION = 7
+# bias, named logprobs and prompt logprobs; 8: engine roles (hello's role), generate's
+# kv_source and the kv_fetch exchange of prefill/decode disaggregation
+PROTOCOL_VERSION = 8
 # The engine link's shared secret: an engine whose environment sets SECRET_ENV refuses a
 # connection that does not send the same value in SECRET_HEADER (HTTP 403).
 SECRET_ENV = "ENGINE_SECRET"
@@ -98,6 +100,7 @@ class EngineInfo:
             volume) computes prompt ids as the engine does, to route by prefix.
         tool_format: how the model writes tool calls ("hermes", "llama3_json" or
             "generic"; ``engine.tools.formats``).
+        role: "both", "prefill" or "decode" (``EngineConfig.role``; protocol 8).
         think_markers: the opening and closing markers of the model's reasoning, when its
             chat template declares them (``["<think>", "</think>"]``), else empty.
         think_in_prompt: the generation prompt ends with the opening marker, so each
@@ -117,6 +120,7 @@ class EngineInfo:
     format: str = ""
     tokenizer_dir: str = ""
     tool_format: str = ""
+    role: str = "both"
     think_markers: list[str] = field(default_factory=list)
     think_in_prompt: bool = False
 
@@ -134,6 +138,9 @@ class GenerateFrame:
     ``tool_choice``, ``parallel_tool_calls``, OpenAI's chat-completions fields
     (``engine.tools.spec``); ``continue_final_message``, continue the final assistant
     message instead of answering it.
+    Protocol 8: ``kv_source``, the URL of an engine (``ws://host:port``) that holds this
+    prompt's KV pages (a prefill engine that just ran it): the engine pulls the pages it
+    lacks from there before it runs the request (``engine.disagg``).
     """
 
     request_id: str
@@ -150,6 +157,7 @@ class GenerateFrame:
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
+    kv_source: str | None = None
 
 
 @dataclass
@@ -176,7 +184,25 @@ class KvSubscribeFrame:
     (protocol version 4 and later)."""
 
 
-ClientFrame = GenerateFrame | AbortFrame | StatsRequest | PingFrame | KvSubscribeFrame
+@dataclass
+class KvFetchFrame:
+    """Ask for the KV pages of a prompt (engine to engine, protocol 8): the pages
+    ``first_page .. first_page + num_pages - 1`` of ``prompt_token_ids`` in the scope of
+    ``cache_salt`` / ``shared_tokens`` (``engine.radix_cache.CacheScope``), as far as the
+    engine's prefix cache holds them from the start of the prompt. Answered by one binary
+    frame per page, in order (``engine.kv_page``, named by its chained hash), then a
+    ``KvFetchDoneFrame``; one fetch at a time per connection.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_page: int = 0
+    num_pages: int = 0
+    cache_salt: str = ""
+    shared_tokens: int = 0
+
+
+ClientFrame = GenerateFrame | AbortFrame | StatsRequest | PingFrame | KvSubscribeFrame | KvFetchFrame
 
 
 # ----- engine -> gateway ---------------------------------------------------------------
@@ -319,8 +345,24 @@ class KvEventsFrame:
     reset: bool = False
 
 
+@dataclass
+class KvFetchDoneFrame:
+    """The end of a ``KvFetchFrame``'s answer.
+
+    Attributes:
+        request_id: the fetch's id.
+        pages: binary page frames sent (pages; fewer than asked when the cache no longer
+            holds the rest).
+        error: why nothing (or less) was sent, when it was not a plain cache miss ("" otherwise).
+    """
+
+    request_id: str
+    pages: int = 0
+    error: str = ""
+
+
 EngineFrame = (HelloFrame | StepFrame | ProgressFrame | DeltaFrame | DoneFrame | ErrorFrame | StatsFrame | PongFrame
-               | KvEventsFrame)
+               | KvEventsFrame | KvFetchDoneFrame)
 Frame = ClientFrame | EngineFrame
 
 
@@ -389,6 +431,17 @@ def to_dict(frame: Frame) -> dict[str, Any]:
             d["shared_messages"] = frame.shared_messages
         if frame.continue_final_message:
             d["continue_final_message"] = True
+        if frame.kv_source is not None:
+            d["kv_source"] = frame.kv_source
+        return d
+    if isinstance(frame, KvFetchFrame):
+        return {"type": "kv_fetch", "request_id": frame.request_id, "prompt_token_ids": frame.prompt_token_ids,
+                "first_page": frame.first_page, "num_pages": frame.num_pages, "cache_salt": frame.cache_salt,
+                "shared_tokens": frame.shared_tokens}
+    if isinstance(frame, KvFetchDoneFrame):
+        d = {"type": "kv_fetch_done", "request_id": frame.request_id, "pages": frame.pages}
+        if frame.error:
+            d["error"] = frame.error
         return d
     if isinstance(frame, AbortFrame):
         return {"type": "abort", "request_id": frame.request_id}
@@ -538,6 +591,11 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
         if not all(0 <= h < 1 << 64 for h in (*stored, *removed)):
             raise FrameError("kv_events hashes must be unsigned 64-bit integers")
         return KvEventsFrame(stored, removed, bool(_get(d, "reset", bool, False)))
+    if kind == "kv_fetch_done":
+        pages = int(_get(d, "pages", int, 0))
+        if pages < 0:
+            raise FrameError("'pages' of a kv_fetch_done frame must be >= 0")
+        return KvFetchDoneFrame(_rid(d), pages, str(_get(d, "error", str, "")))
     if kind == "hello":
         info = {k: v for k, v in d.items() if k in _INFO_KEYS}
         for key in ("max_model_len", "block_size", "num_blocks"):
@@ -552,7 +610,8 @@ def decode_engine_frame(text: str | bytes) -> EngineFrame:
 
 GENERATE_FIELDS = frozenset({"type", "request_id", "messages", "prompt_token_ids", "prefix_token_ids", "params",
                              "cache_salt", "clamp_max_tokens", "continued_tokens", "shared_messages", "prompt",
-                             "tools", "tool_choice", "parallel_tool_calls", "continue_final_message"})
+                             "tools", "tool_choice", "parallel_tool_calls", "continue_final_message",
+                             "kv_source"})
 
 
 def decode_client_frame(text: str | bytes) -> ClientFrame:
@@ -594,7 +653,19 @@ def decode_client_frame(text: str | bytes) -> ClientFrame:
                                  int(_get(d, "continued_tokens", int, 0)), shared,
                                  _get(d, "prompt", str, None), _dict_list(d, "tools"), tool_choice,
                                  _get(d, "parallel_tool_calls", bool, None),
-                                 bool(_get(d, "continue_final_message", bool, False)))
+                                 bool(_get(d, "continue_final_message", bool, False)),
+                                 _get(d, "kv_source", str, None))
+        except FrameError as e:
+            raise FrameError(e.message, rid) from None
+    if kind == "kv_fetch":
+        rid = _rid(d)
+        try:
+            ids = _int_list(d, "prompt_token_ids")
+            first, num = int(_get(d, "first_page", int, 0)), int(_get(d, "num_pages", int, 0))
+            shared = int(_get(d, "shared_tokens", int, 0))
+            if first < 0 or num < 0 or shared < 0:
+                raise FrameError("first_page, num_pages and shared_tokens of a kv_fetch frame must be >= 0")
+            return KvFetchFrame(rid, ids, first, num, str(_get(d, "cache_salt", str, "")), shared)
         except FrameError as e:
             raise FrameError(e.message, rid) from None
     raise FrameError(f"unknown frame type {kind!r}")

@@ -32,15 +32,14 @@ scheduling (Zheng et al. 2023).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
-from engine.errors import InvariantError
-from engine.radix_cache import RadixCache, as_scope
+from engine.block_pool import BlockPool
+from engine.kv_manager import KVManager
+from engine.radix_cache import RadixCache
 from engine.request import Request, RequestStatus
-from engine.tiers.manager import KVTiers, page_refs
+from engine.tiers.manager import KVTiers
 
 
 @dataclass
@@ -93,7 +92,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running set, and every block a request holds.
+    """Owns the waiting queue, the running set and the requests restoring pages; which
+    blocks they hold is the KV manager's business (``engine.kv_manager``).
 
     Contract: callers ``add`` requests, call ``schedule`` once per step, run the
     returned batch, then call ``on_step_done`` with it (which advances
@@ -107,9 +107,11 @@ class Scheduler:
         self.pool = pool
         self.cache = cache
         self.tiers = tiers
+        # every block reference and tree lock a request takes goes through its verbs
+        self.kv = KVManager(pool, cache, config.block_size, tiers)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # waiting for the tiers to load pages into the blocks they hold (``_try_restore``)
+        # waiting for the tiers to load pages into the blocks they hold (``KVManager.restore``)
         self.restoring: list[Request] = []
         self.num_preemptions = 0
         self.num_deferred = 0  # admissions put off for a prefill in flight (request-steps)
@@ -131,10 +133,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.restoring:
             self.restoring.remove(req)
-            if req.restore_job is not None:
-                req.restore_job.cancelled = True
-                req.restore_job = None
-            self._release(req, cache_pages=False)
+            self.kv.cancel_restore(req)
             req.status = RequestStatus.FINISHED
             return
         else:
@@ -142,75 +141,14 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self._release(req, cache_pages=True)
+        self.kv.release(req, cache_pages=True)
         req.status = RequestStatus.FINISHED
-
-    # ----- block bookkeeping ------------------------------------------------------
-    def _allocate(self, n: int) -> list[int] | None:
-        """n fresh blocks, evicting tree pages if needed; None when even that fails."""
-        if n <= 0:
-            return []
-        short = n - self.pool.num_free
-        if short > 0:
-            self.cache.evict(short)
-        try:
-            return self.pool.allocate(n)
-        except NoFreeBlocksError:
-            return None
-
-    def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
-        """Grow ``req.block_table`` to cover ``num_tokens`` tokens; False if out of blocks."""
-        need = blocks_needed(num_tokens, self.config.block_size) - len(req.block_table)
-        if need <= 0:
-            return True
-        blocks = self._allocate(need)
-        if blocks is None:
-            return False
-        req.block_table.extend(blocks)
-        return True
-
-    def cache_computed_pages(self, req: Request) -> None:
-        """Insert the request's computed full pages into the tree, lock them, and
-        swap its duplicate pages for the tree's copies (freeing the duplicates)."""
-        bs = self.config.block_size
-        n_full = req.num_computed_tokens // bs
-        if not self.cache.enabled or n_full <= req.num_tree_blocks:
-            return
-        tokens = req.token_at(0, n_full * bs)
-        inserted = self.cache.insert(tokens, req.block_table[:n_full], req.namespace)
-        self.cache.lock(inserted.node)
-        if req.tree_node is not None:
-            self.cache.unlock(req.tree_node)
-        req.tree_node = inserted.node
-        for i, b in enumerate(inserted.blocks):
-            if b != req.block_table[i]:
-                self.pool.incref([b])
-                self.pool.decref([req.block_table[i]])
-                req.block_table[i] = b
-        req.num_tree_blocks = len(inserted.blocks)
-        if self.tiers is not None and self.tiers.active and inserted.num_new_tokens:
-            first = inserted.num_existing_tokens // bs
-            refs = page_refs(tokens, as_scope(req.namespace), bs, first, n_full)
-            self.tiers.store_pages(refs, inserted.blocks[first:])
-
-    def _release(self, req: Request, cache_pages: bool) -> None:
-        """Drop every block reference and tree lock the request holds."""
-        if cache_pages and req.block_table:
-            self.cache_computed_pages(req)
-        if req.block_table:
-            self.pool.decref(req.block_table)
-        if req.tree_node is not None:
-            self.cache.unlock(req.tree_node)
-        req.block_table = []
-        req.tree_node = None
-        req.num_tree_blocks = 0
-        req.num_computed_tokens = 0
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and requeue it at the head (recompute later)."""
         self.running.remove(req)
         req.spec_drafts = []
-        self._release(req, cache_pages=True)
+        self.kv.release(req, cache_pages=True)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -222,8 +160,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
-        if self.tiers is not None and self.restoring:
-            self._finish_restores()
+        if self.restoring:
+            # restored requests first in line, in the order their restores finished
+            self.waiting.extendleft(reversed(self.kv.finish_restores(self.restoring)))
 
         # 1. Running requests, oldest first; preempt the newest when out of blocks. A
         # decoding request's drafts (``req.spec_drafts``) ride along while the budget lasts.
@@ -232,7 +171,7 @@ class Scheduler:
             req = self.running[i]
             drafts = req.spec_drafts[: max(0, budget - req.num_uncomputed)] if req.num_uncomputed == 1 else []
             num_new = min(req.num_uncomputed, budget) + len(drafts)
-            while not self._ensure_blocks(req, req.num_computed_tokens + num_new):
+            while not self.kv.grow(req, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 if id(victim) in scheduled:  # never take back blocks given this step
                     victim = req
@@ -259,10 +198,10 @@ class Scheduler:
             if prefilling and self._prefill_in_flight(req, prefilling):
                 deferred.append(self.waiting.popleft())  # next step, from the tree
                 continue
-            if self.tiers is not None and not req.restore_tried and self._try_restore(req):
-                self.waiting.popleft()
+            if self.tiers is not None and not req.restore_tried and self.kv.restore(req):
+                self.restoring.append(self.waiting.popleft())
                 continue
-            if not self._admit(req, budget):
+            if not self.kv.admit(req, budget):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -283,7 +222,7 @@ class Scheduler:
             return False
         bs = self.config.block_size
         tokens = req.all_ids()
-        cached = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1).num_tokens
+        cached = self.kv.cached_prefix(req)
         end = cached + bs
         if end > len(tokens) - 1:
             return False  # nothing more a page could give it
@@ -292,101 +231,12 @@ class Scheduler:
                    and r.prompt_ids[cached:end] == page and r.prompt_ids[:cached] == tokens[:cached]
                    for r in prefilling)
 
-    def _admit(self, req: Request, budget: int) -> bool:
-        """Match the prefix, lock it, and reserve blocks for the first chunk."""
-        bs = self.config.block_size
-        tokens = req.all_ids()
-        # At least one token must be computed to get logits for the next sample; a request
-        # that wants its prompt's logprobs computes the whole prompt (the tree has no logits).
-        match = self.cache.match_prefix(tokens, req.namespace,
-                                        max_tokens=0 if req.wants_prompt_logprobs else len(tokens) - 1)
-        num_new = min(len(tokens) - match.num_tokens, budget)
-        need = blocks_needed(match.num_tokens + num_new, bs) - len(match.blocks)
-        self.cache.lock(match.node)  # protect the match from the eviction below
-        blocks = self._allocate(need)
-        if blocks is None:
-            self.cache.unlock(match.node)
-            return False
-        self.pool.incref(match.blocks)
-        req.block_table = list(match.blocks) + blocks
-        req.tree_node = match.node
-        req.num_tree_blocks = len(match.blocks)
-        req.num_computed_tokens = match.num_tokens
-        if req.num_cached_tokens < 0:  # first admission: report the cache hit (restored pages included)
-            req.num_cached_tokens = match.num_tokens
-            req.num_disk_tokens = min(req.num_disk_tokens, match.num_tokens)
-        if req.first_scheduled_s is None:
-            req.first_scheduled_s = time.monotonic()
-        return True
-
-    # ----- restores from the KV tiers ------------------------------------------------
-    def _try_restore(self, req: Request) -> bool:
-        """Start restoring the pages past the tree's match that the tiers hold (once per
-        request): reserve a block for each, lock the match, and park the request in
-        ``restoring``. False when there is nothing to restore or no blocks for it (the
-        request is then admitted as usual and recomputes)."""
-        assert self.tiers is not None
-        req.restore_tried = True
-        if not self.tiers.active or not self.cache.enabled or req.wants_prompt_logprobs:
-            return False
-        bs = self.config.block_size
-        tokens = req.all_ids()
-        match = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1)
-        have, want = len(match.blocks), (len(tokens) - 1) // bs
-        if want <= have:
-            return False
-        refs = page_refs(tokens, as_scope(req.namespace), bs, have, want)
-        n = self.tiers.probe(refs)
-        if n == 0:
-            return False
-        self.cache.lock(match.node)  # protect the match from the eviction below
-        blocks = self._allocate(n)
-        if blocks is None:
-            self.cache.unlock(match.node)
-            return False
-        self.pool.incref(match.blocks)
-        req.block_table = list(match.blocks) + blocks
-        req.tree_node = match.node
-        req.num_tree_blocks = have
-        req.num_computed_tokens = have * bs
-        req.status = RequestStatus.RESTORING
-        req.restore_job = self.tiers.load(req, refs[:n], blocks)
-        self.restoring.append(req)
-        return True
-
-    def _finish_restores(self) -> None:
-        """Put the pages of finished restores into the tree and their requests back at the
-        head of the queue (in the order they finished). Pages the reader could not serve
-        (missing, corrupt) and everything after them go back to the pool: recomputed."""
-        assert self.tiers is not None
-        bs = self.config.block_size
-        back: list[Request] = []
-        for job in self.tiers.poll():
-            req = job.request
-            if req not in self.restoring or req.restore_job is not job:
-                continue
-            self.restoring.remove(req)
-            req.restore_job = None
-            k = len(job.pages_kv)
-            self.tiers.scatter(job)
-            if k:
-                req.num_computed_tokens = (req.num_tree_blocks + k) * bs
-                before = req.num_tree_blocks
-                self.cache_computed_pages(req)
-                if req.num_cached_tokens < 0:  # reported at its first admission
-                    req.num_disk_tokens = (req.num_tree_blocks - before) * bs
-            self._release(req, cache_pages=False)
-            req.status = RequestStatus.WAITING
-            back.append(req)
-        self.waiting.extendleft(reversed(back))
-
     def _sort_waiting_by_prefix(self) -> None:
         """Longest-prefix-match policy: longest cached prefix first, arrival order on ties."""
         scored = []
         for n, req in enumerate(self.waiting):
-            tokens = req.all_ids()  # a preempted request is re-admitted with its output too
-            m = self.cache.match_prefix(tokens, req.namespace, max_tokens=len(tokens) - 1)
-            scored.append((-m.num_tokens, n, req))
+            # a preempted request is re-admitted with its output too
+            scored.append((-self.kv.cached_prefix(req), n, req))
         scored.sort(key=lambda t: (t[0], t[1]))
         self.waiting = deque(r for _, _, r in scored)
 
@@ -400,29 +250,20 @@ class Scheduler:
         and the kept drafts only, and gives back any block that then holds none of its
         tokens (the radix tree only ever sees pages of kept tokens).
         """
-        bs = self.config.block_size
         for n, item in enumerate(batch.items):
             req = item.request
             rejected = len(item.spec) - (accepted[n] if accepted is not None else len(item.spec))
             req.num_computed_tokens += item.num_new - rejected
             if rejected:
-                keep = blocks_needed(req.num_computed_tokens + 1, bs)  # room for the next token
-                if len(req.block_table) > keep:
-                    self.pool.decref(req.block_table[keep:])
-                    del req.block_table[keep:]
+                self.kv.trim(req, req.num_computed_tokens + 1)  # room for the next token
             if item.sample and item.num_new > 1 and not item.spec:
-                self.cache_computed_pages(req)
+                self.kv.cache_pages(req)
 
     # ----- accounting ---------------------------------------------------------------
     def blocks_held_by_requests(self) -> int:
         """Distinct blocks referenced by running requests and by requests restoring pages
         into them (counted once)."""
-        held: set[int] = set()
-        for r in self.running:
-            held.update(r.block_table)
-        for r in self.restoring:
-            held.update(r.block_table)
-        return len(held)
+        return self.kv.held_blocks([*self.running, *self.restoring])
 
     def check_invariants(self) -> None:
         """free + evictable + held by running and restoring requests == total (block
@@ -433,12 +274,4 @@ class Scheduler:
             InvariantError: with the four numbers, when the identity fails (or from the
                 pool's and the tree's own checks).
         """
-        self.pool.check_invariants()
-        self.cache.check_invariants()
-        free = self.pool.num_free
-        evictable = self.cache.num_evictable_blocks
-        held = self.blocks_held_by_requests()
-        # Locked tree pages are held by some running request; private blocks only by it.
-        if free + evictable + held != self.pool.num_blocks:
-            raise InvariantError(f"block accounting: free {free} + evictable {evictable} + held {held} "
-                                 f"!= total {self.pool.num_blocks}")
+        self.kv.check_invariants([*self.running, *self.restoring])

@@ -39,6 +39,8 @@ from engine.protocol import (
     GenerateFrame,
     HelloFrame,
     KvEventsFrame,
+    KvFetchDoneFrame,
+    KvFetchFrame,
     KvSubscribeFrame,
     PingFrame,
     PongFrame,
@@ -61,6 +63,7 @@ log = logging.getLogger(__name__)
 DRAIN_S = 2.0  # at shutdown, how long the final frames may take to go out (s)
 # Far above any prompt the context allows; the gateway enforces the user-facing limit.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+FETCH_KEY = "\x00kv_fetch:"  # a kv_fetch's key among a connection's tasks (never a request id)
 
 
 def logprob_dicts(logprobs: list[TokenLogprob], vocab: Vocabulary | None) -> list[dict[str, Any]]:
@@ -121,7 +124,7 @@ def parse_generate(frame: GenerateFrame, internal_id: str) -> GenerateRequest:
         clamp_max_tokens=frame.clamp_max_tokens, continued_tokens=frame.continued_tokens,
         shared_messages=frame.shared_messages, prompt=frame.prompt,
         tools=parse_tools(frame.tools, frame.tool_choice, frame.parallel_tool_calls),
-        continue_final_message=frame.continue_final_message,
+        continue_final_message=frame.continue_final_message, kv_source=frame.kv_source,
     )
 
 
@@ -137,7 +140,7 @@ class _Outbox:
 
     def __init__(self, ws: ServerConnection) -> None:
         self.ws = ws
-        self.control: list[str] = []
+        self.control: list[str | bytes] = []
         self.items: list[ReplyItem] = []
         self._wake = asyncio.Event()
         self.sending = False
@@ -147,8 +150,8 @@ class _Outbox:
         """Nothing queued and nothing being written."""
         return not (self.control or self.items or self.sending)
 
-    def send(self, text: str) -> None:
-        """Queue a control frame (JSON text)."""
+    def send(self, text: str | bytes) -> None:
+        """Queue a control frame (JSON text, or a binary KV page of a ``kv_fetch``)."""
         self.control.append(text)
         self._wake.set()
 
@@ -246,6 +249,14 @@ class EngineServer:
             out.send(encode(StatsFrame(stats, round(age_s * 1000, 3))))
         elif isinstance(frame, AbortFrame):
             self.engine.abort(f"{conn}:{frame.request_id}")
+        elif isinstance(frame, KvFetchFrame):
+            if any(k.startswith(FETCH_KEY) for k in tasks):
+                out.send(encode(KvFetchDoneFrame(frame.request_id, 0, "one kv_fetch at a time per connection")))
+                return
+            key = FETCH_KEY + frame.request_id
+            task = asyncio.create_task(self._fetch(out, frame))
+            tasks[key] = task
+            task.add_done_callback(lambda _t: tasks.pop(key, None))
         elif isinstance(frame, KvSubscribeFrame):
             if not unsubscribe:  # a second subscribe changes nothing
 
@@ -268,6 +279,27 @@ class EngineServer:
             task = asyncio.create_task(self._run(out, rid, req))
             tasks[rid] = task
             task.add_done_callback(lambda _t: tasks.pop(rid, None))
+
+    async def _fetch(self, out: _Outbox, frame: KvFetchFrame) -> None:
+        """Answer a ``kv_fetch``: copy the pages out between two steps, serialize them off
+        the event loop, and queue them in order, then the ``kv_fetch_done``."""
+        from engine.disagg.pages import read_pages, scope_of
+        from engine.kv_page import encode_page
+
+        rid = frame.request_id
+        try:
+            scope = scope_of(self.engine.core, frame.cache_salt, frame.shared_tokens)
+            pages = await self.engine.call(read_pages, frame.prompt_token_ids, scope, frame.first_page,
+                                           frame.num_pages)
+            loop = asyncio.get_running_loop()
+            for header, kv in pages:
+                out.send(await loop.run_in_executor(None, encode_page, header, kv))
+            out.send(encode(KvFetchDoneFrame(rid, len(pages))))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the asker falls back or fails the request; it must hear why
+            log.exception("kv_fetch %s failed", rid)
+            out.send(encode(KvFetchDoneFrame(rid, 0, f"internal error: {type(e).__name__}")))
 
     async def _run(self, out: _Outbox, rid: str, req: GenerateRequest) -> None:
         try:

@@ -111,12 +111,44 @@ def refusal_text(status: int, body: bytes, url: str) -> str:
     return f"the gateway at {url} refused the socket (HTTP {status}){': ' + message if message else ''}"
 
 
+def upload_attachments(base: str, paths: list[Path], cookie: str | None, token: str | None,
+                       timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Read each file into an attachment with the gateway (``POST /api/attachments``:
+    its kind, text and tokens; a PDF's text extracted there), for a ``chat`` frame.
+
+    Raises:
+        UsageError: a file cannot be read here, or the gateway refused it (its reason).
+        httpx.HTTPError: the gateway cannot be reached.
+    """
+    headers = {"X-Chat-Token": token} if token else {}
+    cookies = {COOKIE_NAME: cookie} if cookie and not token else {}
+    out = []
+    for path in paths:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+        r = httpx.post(f"{base}/api/attachments", params={"name": path.name}, content=data, headers=headers,
+                       cookies=cookies, timeout=timeout_s)
+        if r.status_code != 200:
+            try:
+                reason = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                reason = f"HTTP {r.status_code}"
+            raise UsageError(f"{path.name} cannot be attached: {reason}")
+        body = r.json()
+        out.append({k: body[k] for k in ("name", "kind", "text", "size", "pages") if k in body})
+    return out
+
+
 async def ask(url: str, cookie: str | None, question: str, session_id: str | None = None,
               params: dict[str, Any] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
               token: str | None = None, interrupted: asyncio.Event | None = None,
-              show_reasoning: bool = True, model: str | None = None) -> int:
-    """Send one question and print the streamed reply (its answer to ``out``, its
-    reasoning to ``err`` unless ``show_reasoning`` is False).
+              attachments: list[dict[str, Any]] | None = None, show_reasoning: bool = True,
+              model: str | None = None) -> int:
+    """Send one question (with ``attachments``: ``upload_attachments``'s) and print the
+    streamed reply (its answer to ``out``, its reasoning to ``err`` unless
+    ``show_reasoning`` is False).
 
     Args:
         url: the gateway's WebSocket URL (``socket_url``).
@@ -139,6 +171,8 @@ async def ask(url: str, cookie: str | None, question: str, session_id: str | Non
         frame["session_id"] = session_id
     if params:
         frame["params"] = params
+    if attachments:
+        frame["attachments"] = attachments
     if model:
         frame["model"] = model
     headers = {"X-Chat-Token": token} if token else {"Cookie": f"{COOKIE_NAME}={cookie}"}
@@ -233,7 +267,8 @@ async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: a
 
 
 async def _run(url: str, cookie: str | None, token: str | None, question: str, session: str | None,
-               params: dict[str, Any], show_reasoning: bool = True, model: str | None = None) -> int:
+               params: dict[str, Any], attachments: list[dict[str, Any]] | None = None,
+               show_reasoning: bool = True, model: str | None = None) -> int:
     """``ask`` with Ctrl-C wired to its ``interrupted`` event (a second Ctrl-C quits at once)."""
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -250,7 +285,7 @@ async def _run(url: str, cookie: str | None, token: str | None, question: str, s
         pass
     try:
         return await ask(url, cookie, question, session, params, token=token, interrupted=interrupted,
-                         show_reasoning=show_reasoning, model=model)
+                         attachments=attachments, show_reasoning=show_reasoning, model=model)
     except asyncio.CancelledError:
         return EXIT_INTERRUPTED
     finally:
@@ -288,9 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"longest reply in tokens, {range_text('max_tokens')} (default: the chat's)")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (-1: random; default: none)")
+    p.add_argument("--attach", type=Path, action="append", default=[], metavar="FILE",
+                   help="attach a text, Markdown, code, CSV/JSON or PDF file to the question (repeatable)")
     p.add_argument("--model", default=None,
                    help="the model to answer, one the gateway serves (GET /v1/models); a chat keeps it for its "
-                        "later turns (default: the chat's, or the gateway's first for a new chat)")
+                        "later turns (default: the chat's; any engine for a new chat)")
     p.add_argument("--no-reasoning", action="store_true",
                    help="do not print the model's reasoning (by default it goes to stderr)")
     p.add_argument("--cookie-file", type=Path, default=Path.home() / ".chatserve-cookie",
@@ -329,7 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                     a.cookie_file.chmod(0o600)
                 except OSError:
                     pass  # a read-only home only costs continuity
-        return asyncio.run(_run(url, cookie, token, a.question, a.session, params, not a.no_reasoning, a.model))
+        files = upload_attachments(http_base(url), a.attach, cookie, token) if a.attach else None
+        return asyncio.run(_run(url, cookie, token, a.question, a.session, params, files, not a.no_reasoning,
+                                a.model))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except websockets.InvalidStatus as e:
         why = refusal_text(e.response.status_code, bytes(e.response.body or b""), url)
         print(f"error: {why}", file=sys.stderr)

@@ -69,6 +69,10 @@ class RoutingPolicy:
         max_stats_age_s: a stats snapshot older than this (seconds) is not trusted.
         stats_interval_s: how often the gateway asks each engine for its stats while
             it has more than one (seconds; 0 turns the refresh off).
+        local_prefill_tokens: with prefill and decode engines (docs/scaling.md), a turn
+            whose decode engine holds all but at most this many of its prompt tokens is
+            prefilled there instead of on a prefill engine (tokens; a short next message
+            of a chat costs less to compute than to move).
     """
 
     abs_threshold: int = 8
@@ -79,6 +83,7 @@ class RoutingPolicy:
     load_tokens: float = 16.0
     max_index_pages: int = 2_000_000
     tokenizer: str | None = None
+    local_prefill_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -262,7 +267,8 @@ class GatewayConfig:
         defaults: per-chat defaults.
         limits: documented limits.
         routing: which engine serves a request (``gateway/engines/routing.py``; env
-            ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``).
+            ``ROUTING_POLICY``, ``ROUTING_LOAD_TOKENS``, ``ROUTING_TOKENIZER``,
+            ``ROUTING_LOCAL_PREFILL_TOKENS``).
         shared_prompts: message texts declared shared across users' cache namespaces
             besides ``defaults.system_prompt`` (``gateway/engines/cache_scope.py``; env
             ``SHARED_PROMPTS_FILE``: a JSON array of strings).
@@ -410,7 +416,8 @@ ENV_VARS: dict[str, str] = {
     "reasoning_markers": "REASONING_MARKERS",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
-ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER"}
+ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER",
+               "local_prefill_tokens": "ROUTING_LOCAL_PREFILL_TOKENS"}
 
 
 def read_shared_prompts(path: Path) -> tuple[str, ...]:
@@ -475,7 +482,8 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
         for name, var in ROUTING_ENV.items():
             raw = env.get(var)
             if raw:
-                routing[name] = float(raw) if name == "load_tokens" else raw.strip()
+                routing[name] = (float(raw) if name == "load_tokens" else int(raw) if name == "local_prefill_tokens"
+                                 else raw.strip())
                 replace(cfg.routing, **{name: routing[name]})  # checks it (ValueError) while var names it
         if routing:
             changes["routing"] = routing

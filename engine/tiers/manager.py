@@ -27,6 +27,7 @@ engine keeps serving from the pool.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -45,14 +46,16 @@ from engine.kv_page import (
     PageKey,
     decode_page,
     encode_page,
-    gather_block,
-    scatter_block,
+    gather_blocks,
+    scatter_blocks,
     scope_digest,
 )
 from engine.radix_cache import CacheScope
 from engine.tiers.disk import DiskPageStore
 
 log = logging.getLogger(__name__)
+
+WRITER_NICE = 10  # the writer thread's nice value (Linux): it yields the CPU to the forward's threads
 
 __all__ = ["LoadJob", "PageRef", "TierConfig", "TierCounters", "KVTiers", "page_key", "page_refs", "tiers_for"]
 
@@ -144,7 +147,9 @@ class LoadJob:
         pages: the pages to read, in order.
         blocks: the pool blocks reserved for them (the step loop's; one per page).
         pages_kv: filled by the reader: one page tensor per page read and checked, the
-            longest contiguous prefix of ``pages``.
+            longest contiguous prefix of ``pages`` (views of ``buffer``).
+        buffer: [len(pages), num_layers, 2, block_size, num_kv_heads, head_dim] of the KV
+            dtype, CPU: where the reader decodes the pages (allocated by the reader).
         done: set by the reader when it is finished with the job.
         cancelled: set by the step loop (abort): the result is dropped.
         started_s: time.monotonic() when it was queued.
@@ -154,6 +159,7 @@ class LoadJob:
     pages: list[PageRef]
     blocks: list[int]
     pages_kv: list[torch.Tensor] = field(default_factory=list)
+    buffer: torch.Tensor | None = None
     done: bool = False
     cancelled: bool = False
     started_s: float = field(default_factory=time.monotonic)
@@ -221,7 +227,7 @@ class KVTiers:
     def store_pages(self, pages: Sequence[PageRef], blocks: Sequence[int]) -> None:
         """Queue pages that just entered the tree for writing (write-through); the ones the
         tier already holds or has queued are skipped. Copies each page's K and V out of
-        the pool now (``gather_block``).
+        the pool now (``gather_blocks``).
 
         Args:
             pages: the pages, in any order.
@@ -231,6 +237,7 @@ class KVTiers:
             return
         assert self.store is not None
         size = self.key.payload_bytes
+        todo: list[tuple[PageRef, int]] = []
         for p, b in zip(pages, blocks):
             if p.chain_hash in self._queued or p.chain_hash in self.store:
                 continue
@@ -240,7 +247,12 @@ class KVTiers:
                     continue
                 self._queued_bytes += size
                 self._queued.add(p.chain_hash)
-            self._writes.put((p, gather_block(self._k, self._v, b).to("cpu")))
+            todo.append((p, b))
+        if not todo:
+            return
+        kv = gather_blocks(self._k, self._v, [b for _, b in todo]).to("cpu")  # one copy per layer
+        for i, (p, _) in enumerate(todo):
+            self._writes.put((p, kv[i]))
 
     def load(self, request: Any, pages: list[PageRef], blocks: list[int]) -> LoadJob:
         """Queue a restore of ``pages`` into ``blocks`` (reserved by the caller); ``poll``
@@ -252,8 +264,10 @@ class KVTiers:
 
     def scatter(self, job: LoadJob) -> None:
         """Copy a finished job's pages into its blocks (step loop, between steps)."""
-        for kv, block in zip(job.pages_kv, job.blocks):
-            scatter_block(self._k, self._v, block, kv)
+        k = len(job.pages_kv)
+        if k:
+            assert job.buffer is not None
+            scatter_blocks(self._k, self._v, job.blocks[:k], job.buffer[:k])
 
     def poll(self) -> list[LoadJob]:
         """The restores the reader finished since the last call (cancelled ones dropped),
@@ -330,6 +344,10 @@ class KVTiers:
 
     def _write_loop(self) -> None:
         assert self.store is not None
+        try:  # writes can wait: on Linux a thread's nice value is its own; the step loop's threads go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self._writes.get()
             if item is None:
@@ -362,10 +380,11 @@ class KVTiers:
             if job is None:
                 return
             try:
-                for p in job.pages:
+                job.buffer = torch.empty((len(job.pages), *self.key.shape), dtype=self.key.torch_dtype)
+                for i, p in enumerate(job.pages):
                     if job.cancelled or self.disabled:
                         break
-                    kv = self._read(p)
+                    kv = self._read(p, job.buffer[i])
                     if kv is None:
                         break
                     job.pages_kv.append(kv)
@@ -376,9 +395,9 @@ class KVTiers:
                 if self.wake is not None:
                     self.wake()
 
-    def _read(self, p: PageRef) -> torch.Tensor | None:
-        """One page's K and V, checked; None (and the file deleted when it is bad) when it
-        cannot be served."""
+    def _read(self, p: PageRef, out: torch.Tensor) -> torch.Tensor | None:
+        """One page's K and V, checked, read into ``out``; None (and the file deleted when
+        it is bad) when it cannot be served."""
         assert self.store is not None
         try:
             data = self.store.get(p.chain_hash)
@@ -389,8 +408,8 @@ class KVTiers:
             return None
         try:
             page = decode_page(data, self.key, scope=p.scope, chain_hash=p.chain_hash,
-                               parent_hash=p.parent_hash, token_ids=p.token_ids)
-        except PageError as e:
+                               parent_hash=p.parent_hash, token_ids=p.token_ids, out=out)
+        except (PageError, ValueError) as e:
             self.counters.corrupt += 1
             self.store.discard(p.chain_hash)
             log.warning("KV tier page %016x refused (%s); recomputing it", p.chain_hash, e)

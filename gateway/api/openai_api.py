@@ -55,6 +55,7 @@ from gateway.api.openai_chat import ChatWriter
 from gateway.api.openai_choices import ChoiceSet
 from gateway.api.openai_replies import (
     ClientGone,
+    Delta,
     DisconnectWatcher,
     EngineReply,
     Failed,
@@ -345,7 +346,7 @@ class OpenAIApi:
                 return Response(status_code=499)  # nobody reads it
             raise
         headers = {"x-request-id": _completion_id(choices.first), **headers}
-        refused = next((ev for _, ev in first if isinstance(ev, Failed)), None)
+        refused = _refused(first)
         if refused is not None:  # refused before any output: a real error status
             await self._abandon(choices, watcher)
             src = choices.first
@@ -580,6 +581,20 @@ def revoked_error(reason: str) -> OpenAIError:
 
 def _completion_id(source: ReplySource) -> str:
     return f"chatcmpl-{source.request_id}"
+
+
+def _refused(events: list[tuple[int, ReplyEvent]]) -> Failed | None:
+    """The failure of a choice that failed before any output of its own, if one did: the
+    request was refused and gets a real HTTP error status. A choice that sent text first
+    (an upstream's error after some text) is a started reply, streamed with its error
+    event at the end."""
+    spoke: set[int] = set()
+    for i, ev in events:
+        if isinstance(ev, Failed) and i not in spoke:
+            return ev
+        if isinstance(ev, Delta):
+            spoke.add(i)
+    return None
 
 
 def openai_routes(api_key: str | None = None) -> list[Route]:

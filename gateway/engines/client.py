@@ -49,6 +49,7 @@ from engine.protocol import (
     encode,
 )
 from gateway.config import BIG_FRAME_CHARS
+from gateway.engines.disagg import PrefillThenDecode
 from gateway.engines.prefix_index import PrefixIndex
 from gateway.engines.prompt_ids import RoutingTokenizer
 from gateway.engines.routing import (
@@ -88,6 +89,8 @@ class EngineRequest:
         self.request_id = request_id
         self.queue: asyncio.Queue[ReplyItem | None] = asyncio.Queue()  # None: a wake-up
         self.ended = False
+        # a disaggregated turn's prefill phase, before the decode engine has it (gateway/engines/disagg.py)
+        self.phases: PrefillThenDecode | None = None
 
     def _take(self, item: ReplyItem | None) -> ReplyItem | None:
         if isinstance(item, (DoneFrame, ErrorFrame)):
@@ -119,11 +122,16 @@ class EngineRequest:
 
     async def abort(self) -> None:
         """Ask the engine to stop this request now (it answers with ``done``/"abort")."""
+        if self.phases is not None:
+            await self.phases.abort()
+            return
         await self.client.abort(self.request_id)
 
     def close(self) -> None:
         """Stop routing items of this id to this handle; a request that has not ended is
         aborted in the engine (a reply nobody reads must not keep generating)."""
+        if self.phases is not None:
+            self.phases.cancel()
         if self.client._requests.get(self.request_id) is self:
             del self.client._requests[self.request_id]
             if not self.ended:
@@ -274,7 +282,8 @@ class EngineClient:
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
-                       extra: dict[str, Any] | None = None) -> EngineRequest:
+                       extra: dict[str, Any] | None = None,
+                       prefill: EngineClient | None = None) -> EngineRequest:
         """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
         (docs/protocol.md section 1) instead of refusing the request; ``continued_tokens``:
@@ -284,6 +293,9 @@ class EngineClient:
         the shared messages go to engines of protocol 6 and later). ``extra``: protocol 7's
         ``GenerateFrame`` fields (``prompt``, ``tools``, ``tool_choice``,
         ``parallel_tool_calls``, ``continue_final_message``), for the APIs that use them.
+        With ``prefill`` (a prefill engine, for a decode engine: ``gateway/engines/disagg.py``)
+        the prompt is prefilled there first and this engine pulls its KV; the handle reads
+        the same.
 
         Raises:
             GatewayError: ``engine_unavailable`` when not connected.
@@ -298,6 +310,9 @@ class EngineClient:
         size = sum(len(m.get("content") or "") for m in messages or []) + 8 * len(prefix_token_ids or [])
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
+        if prefill is not None:
+            req.phases = PrefillThenDecode(req, prefill, replace(frame, kv_source=prefill.url))
+            return req
         try:
             text = await asyncio.to_thread(encode, frame) if size > BIG_FRAME_CHARS else encode(frame)
             await self._send_text(text)
@@ -469,7 +484,9 @@ class EngineRouter:
 
     def _live(self, exclude: Iterable[EngineClient]) -> list[EngineClient]:
         skip = set(map(id, exclude))
-        live = [c for c in self.clients if c.healthy and id(c) not in skip]
+        # a prefill engine stops every request at its first token: it serves no replies
+        live = [c for c in self.clients if c.healthy and id(c) not in skip
+                and (c.info is None or c.info.role != "prefill")]
         if not live:
             raise engine_unavailable("no engine is connected")
         return live

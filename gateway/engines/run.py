@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, ProgressFrame
 from gateway.engines.client import EngineClient, EngineRequest, EngineRouter, RoutePrompt
+from gateway.engines.disagg import prefill_engine
 from gateway.engines.upstream import UpstreamError
 from gateway.errors import GatewayError
 
@@ -167,6 +168,9 @@ class EngineRun:
             try:
                 scope: dict[str, Any] = {"cache_salt": self.cache_salt, "shared_messages": self.shared_messages,
                                          "extra": self.extra}
+                prefill = prefill_engine(self.router, engine, self.affinity_key, prompt)
+                if prefill is not None:  # prefill there, then decode here (gateway/engines/disagg.py)
+                    scope["prefill"] = prefill
                 if self.prompt_token_ids is not None:
                     self.request = await engine.generate(self.request_id, params=self.params,
                                                          prompt_token_ids=self.prompt_token_ids,

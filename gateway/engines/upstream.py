@@ -403,9 +403,11 @@ class UpstreamClient(EngineClient):
                        prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
-                       extra: dict[str, Any] | None = None) -> EngineRequest:
+                       extra: dict[str, Any] | None = None,
+                       prefill: EngineClient | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
-        ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens`` and
+        ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens``,
+        ``prefill`` (an upstream has no engine role) and
         ``clamp_max_tokens`` are ignored (the upstream tokenizes the text itself and keeps its own cache, and
         refuses a too-long request instead of lowering ``max_tokens``); ``extra`` (protocol 7's
         fields) is refused.

@@ -109,3 +109,32 @@ def test_cpu_seconds_of_this_process_grow_with_work():
         x += i
     after = cpu_seconds(os.getpid())
     assert after > before >= 0.0
+
+
+async def test_the_fake_engine_writes_one_token_a_step_and_ends_with_the_whole_text_and_its_ids():
+    from websockets.asyncio.client import connect
+    from websockets.asyncio.server import serve
+
+    from bench.serving_lib.fake_engine import FakeEngine
+    from engine.protocol import GenerateFrame, HelloFrame, decode_engine_frame, encode
+
+    engine = FakeEngine(rate=200.0)
+    async with serve(engine.handle, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        steps = asyncio.create_task(engine.step_loop())
+        try:
+            async with connect(f"ws://127.0.0.1:{port}") as ws:
+                assert isinstance(decode_engine_frame(await ws.recv()), HelloFrame)
+                await ws.send(encode(GenerateFrame("r1", messages=[{"role": "user", "content": "hi"}],
+                                                   params={"max_tokens": 5})))
+                items: list = []
+                while not items or not isinstance(items[-1], DoneFrame):
+                    frame = decode_engine_frame(await asyncio.wait_for(ws.recv(), 10))
+                    assert isinstance(frame, StepFrame) and len(frame.items) == 1  # one token a step
+                    items += frame.items
+        finally:
+            steps.cancel()
+    done = items[-1]
+    assert [type(i) for i in items] == [DeltaFrame] * 4 + [DoneFrame]
+    assert "".join(i.text for i in items) == done.output_text and len(done.output_token_ids) == 5
+    assert done.finish_reason == "length" and done.usage.completion_tokens == 5 and done.prompt_token_ids

@@ -16,7 +16,9 @@ from engine.kv_page import (
     decode_page,
     encode_page,
     gather_block,
+    gather_blocks,
     scatter_block,
+    scatter_blocks,
     scope_digest,
 )
 
@@ -92,14 +94,14 @@ def test_scope_digest_hides_the_salt_and_separates_scopes() -> None:
 
 
 def test_another_version_is_refused() -> None:
-    import hashlib
     import struct
+    import zlib
 
     header, kv = _page()
     data = bytearray(encode_page(header, kv))
     struct.pack_into("<H", data, 4, 99)
-    body = bytes(data[:-16])
-    data[-16:] = hashlib.blake2b(body, digest_size=16).digest()
+    body = bytes(data[:-4])
+    data[-4:] = zlib.crc32(body).to_bytes(4, "little")
     with pytest.raises(PageError, match="version 99"):
         decode_page(bytes(data), KEY)
 
@@ -125,3 +127,26 @@ def test_gather_and_scatter_move_one_block_between_caches() -> None:
     for a, b, c, d in zip(k, k2, v, v2):
         assert torch.equal(a[3], b[1]) and torch.equal(c[3], d[1])
         assert not b[0].any() and not b[2].any()
+
+
+def test_batched_gather_and_scatter_equal_the_one_block_ones() -> None:
+    shape = (6, KEY.block_size, KEY.num_kv_heads, KEY.head_dim)
+    k = [torch.randn(shape).to(torch.bfloat16) for _ in range(KEY.num_layers)]
+    v = [torch.randn(shape).to(torch.bfloat16) for _ in range(KEY.num_layers)]
+    many = gather_blocks(k, v, [4, 1, 5])
+    assert all(torch.equal(many[i], gather_block(k, v, b)) for i, b in enumerate([4, 1, 5]))
+    k2 = [torch.zeros_like(t) for t in k]
+    v2 = [torch.zeros_like(t) for t in v]
+    scatter_blocks(k2, v2, [0, 3, 2], list(many))
+    for i, b in enumerate([0, 3, 2]):
+        assert torch.equal(gather_block(k2, v2, b), many[i])
+    assert not gather_block(k2, v2, 1).any()
+
+
+def test_decode_into_a_given_buffer_reads_the_same_bytes() -> None:
+    header, kv = _page()
+    out = torch.empty((2, *KEY.shape), dtype=KEY.torch_dtype)
+    page = decode_page(encode_page(header, kv), KEY, out=out[1])
+    assert page.kv.data_ptr() == out[1].data_ptr() and torch.equal(out[1].view(torch.uint8), kv.view(torch.uint8))
+    with pytest.raises(ValueError, match="out is"):
+        decode_page(encode_page(header, kv), KEY, out=out[1].float())

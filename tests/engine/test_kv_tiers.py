@@ -217,3 +217,19 @@ async def test_other_requests_run_while_one_restores(tiny_model_dir, tmp_path: P
         await eng.call(lambda c: c.check_invariants())
     finally:
         eng.shutdown()
+
+
+def test_a_failed_write_disables_the_tier_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    k, v = _kv(8)
+    tiers = KVTiers(KEY, TierConfig(tmp_path, 1 << 20), k, v)
+    assert tiers.store is not None
+    refs = page_refs(list(range(1, 14)), CacheScope("ns|"), 4, 0, 3)
+    for r in refs:  # a file where each page's folder should be: every write fails (as a full disk would)
+        tiers.store.path_of(r.chain_hash).parent.write_bytes(b"")
+    with caplog.at_level("WARNING", logger="engine.tiers.manager"):
+        tiers.store_pages(refs, [0, 1, 2])
+        assert tiers.flush()
+    assert not tiers.active and tiers.counters.pages_written == 0 and tiers.counters.dropped == 3
+    assert len([r for r in caplog.records if "disabled" in r.getMessage()]) == 1
+    assert tiers.probe(refs) == 0  # off: nothing is restored, the engine serves from its pool
+    tiers.close()

@@ -119,6 +119,9 @@ def test_a_shared_chat_is_a_read_only_page_that_runs_nothing_and_ends_when_revok
             assert axe_violations(viewer) == []
         finally:
             ctx.close()
+    page.set_viewport_size(PHONE)
+    shot(page, "share-phone-dialog")
+    assert axe_violations(page) == []
     page.click("#share-list .revoke")
     page.wait_for_function("() => !document.querySelector('#share-list .share-item')", timeout=WAIT_MS)
     gone = page.context.new_page()

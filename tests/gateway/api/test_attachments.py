@@ -5,6 +5,9 @@ the user message, and rendered into the prompt in one form every turn."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -134,3 +137,26 @@ async def test_a_20_page_pdf_in_the_first_turn_is_served_from_the_prefix_cache_i
     # the second turn reads the whole first turn, the PDF's text included, from the prefix cache
     assert u2["cached_tokens"] >= att["tokens"]
     assert u2["cached_tokens"] >= u1["prompt_tokens"] + u1["completion_tokens"] - 16
+
+
+def test_the_terminal_client_attaches_files_and_says_why_one_is_refused(gateway_factory, tmp_path):
+    gw = gateway_factory()
+    notes, photo, cookies = tmp_path / "notes.md", tmp_path / "photo.png", tmp_path / "cookie"
+    notes.write_text("# Notes\n\nThe launch is on Friday.")
+    photo.write_bytes(b"\x89PNG....")
+    root = Path(__file__).resolve().parents[3]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gateway.client", "--url", gw.base_url, "--cookie-file",
+                               str(cookies), "--max-tokens", "2", "--temperature", "0", *args],
+                              cwd=root, capture_output=True, text=True, timeout=120)
+
+    refused = run("--attach", str(photo), "What is this?")
+    assert refused.returncode == 1 and "photo.png cannot be attached: photo.png: this type" in refused.stderr
+    done = run("--attach", str(notes), "When is the launch?")
+    assert done.returncode == 0, done.stderr
+    with client(gw, cookies.read_text().strip()) as c:
+        (chat,) = c.get("/api/sessions").json()["sessions"]  # the refused question left no chat
+        first = c.get(f"/api/sessions/{chat['id']}").json()["messages"][0]
+    assert first["content"] == "When is the launch?"
+    assert [(a["name"], a["kind"]) for a in first["attachments"]] == [("notes.md", "markdown")]

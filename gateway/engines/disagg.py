@@ -1,0 +1,154 @@
+"""Prefill/decode disaggregation, the gateway's part: a turn goes first to a prefill
+engine, which computes its prompt's KV, then to a decode engine, which pulls the pages
+it lacks from there (``engine.disagg``) and streams the reply (docs/scaling.md).
+
+Roles are the engines' own (``--role``, announced in their ``hello``): ``ENGINE_URLS``
+lists every engine, each says whether it is a ``prefill``, ``decode`` or ``both``
+engine. The router never sends a reply to a prefill engine; when it picks a decode
+engine, ``prefill_engine`` names the prefill engine for the turn (by cache and load, as
+``choose_cache_aware`` weighs them), or None when the decode engine should prefill
+itself: no prefill engine is up, or the decode engine already holds all but
+``RoutingPolicy.local_prefill_tokens`` of the prompt (a chat's next turn whose new
+message is short; moving it would cost more than computing it).
+
+``PrefillThenDecode`` is the request handle of such a turn: it reads as one request on
+the decode engine (``EngineRequest``), so the reply path, Stop, fail-over and the
+browser and OpenAI APIs see no difference. Its first phase runs on the prefill engine
+(its prompt-progress items pass through), its second is the decode engine's ``generate``
+with ``kv_source`` set. A prefill engine that fails or drops sends the turn to the decode
+engine as it is (it prefills locally); a request the prefill engine refuses (too long,
+invalid) ends with that error, which the decode engine would give too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from engine.protocol import DoneFrame, ErrorFrame, GenerateFrame, ProgressFrame, Timings, Usage, encode
+from gateway.config import BIG_FRAME_CHARS
+from gateway.engines.routing import choose_cache_aware
+from gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from gateway.engines.client import EngineClient, EngineRouter, RoutePrompt
+
+log = logging.getLogger("gateway.engines.disagg")
+
+__all__ = ["PrefillThenDecode", "prefill_engine"]
+
+# the generate fields EngineClient.generate takes as ``extra`` (protocol 7)
+EXTRA_FIELDS = ("prompt", "tools", "tool_choice", "parallel_tool_calls", "continue_final_message")
+# a refusal the decode engine would give as well: the turn ends with it
+REFUSALS = frozenset({"invalid_request", "context_length_exceeded"})
+
+
+def _role(c: EngineClient) -> str:
+    return c.info.role if c.info is not None else ""
+
+
+def prefill_engine(router: EngineRouter, decode: EngineClient, key: str,
+                   prompt: RoutePrompt | None) -> EngineClient | None:
+    """The prefill engine for a turn that ``decode`` will serve, or None (module doc).
+
+    Args:
+        router: the gateway's engines (their health, loads and prefix index).
+        decode: the engine the router chose for the reply.
+        key: the chat id (ties between prefill engines go to its rendezvous choice).
+        prompt: what the router knows of the prompt (None: nothing; a new chat).
+    """
+    info = decode.info
+    if info is None or info.role != "decode":
+        return None
+    prefill = [c for c in router.clients if c.healthy and _role(c) == "prefill" and c.info is not None
+               and c.info.weights_id == info.weights_id and c.info.block_size == info.block_size]
+    if not prefill:
+        return None
+    num_tokens = prompt.num_tokens if prompt is not None else 0
+    matched: dict[str, int] = {}
+    if prompt is not None and prompt.token_ids:
+        matched, _ = router.matched_tokens(prompt, [decode, *prefill])
+        if num_tokens - matched.get(decode.url, 0) <= router.policy.local_prefill_tokens:
+            return None
+    loads = [replace(e, matched_tokens=matched.get(e.url, 0)) for e in router.loads(prefill)]
+    url = choose_cache_aware(key, loads, max(1, num_tokens), router.policy)
+    return next(c for c in prefill if c.url == url)
+
+
+class PrefillThenDecode:
+    """Runs a turn's two phases behind one ``EngineRequest`` of the decode engine
+    (``decode``'s handle ``handle``; module doc). Built by ``EngineClient.generate``."""
+
+    def __init__(self, handle: Any, prefill: EngineClient, frame: GenerateFrame) -> None:
+        self.handle = handle
+        self.prefill = prefill
+        self.frame = frame
+        self.decode_sent = False
+        self.task: asyncio.Task[None] = asyncio.get_running_loop().create_task(
+            self._run(), name=f"prefill {frame.request_id}")
+
+    async def _run(self) -> None:
+        f, handle = self.frame, self.handle
+        source: str | None = self.prefill.url
+        try:
+            extra = {k: getattr(f, k) for k in EXTRA_FIELDS if getattr(f, k) not in (None, False)}
+            pre = await self.prefill.generate(
+                f.request_id, f.messages, f.prefix_token_ids, dict(f.params or {}, max_tokens=1),
+                prompt_token_ids=f.prompt_token_ids, cache_salt=f.cache_salt, clamp_max_tokens=f.clamp_max_tokens,
+                continued_tokens=f.continued_tokens, shared_messages=f.shared_messages, extra=extra or None)
+        except GatewayError as e:
+            log.info("prefill engine %s unavailable (%s); %s prefills itself", self.prefill.url, e, f.request_id)
+            source = None
+        else:
+            try:
+                while True:
+                    item = await pre.next()
+                    if isinstance(item, ProgressFrame):
+                        handle.queue.put_nowait(item)
+                    elif isinstance(item, DoneFrame):
+                        if item.finish_reason == "error":
+                            source = None
+                        break
+                    elif isinstance(item, ErrorFrame):
+                        if item.code in REFUSALS:
+                            handle.queue.put_nowait(item)
+                            return
+                        log.info("prefill of %s failed on %s (%s: %s); the decode engine prefills it",
+                                 f.request_id, self.prefill.url, item.code, item.message)
+                        source = None
+                        break
+            finally:
+                pre.close()
+        frame = replace(f, kv_source=source)
+        try:
+            text = await asyncio.to_thread(encode, frame) if _big(frame) else encode(frame)
+            self.decode_sent = True
+            await handle.client._send_text(text)
+        except GatewayError as e:
+            handle.queue.put_nowait(ErrorFrame(e.code, e.message, f.request_id))
+
+    async def abort(self) -> None:
+        """Stop the turn: cancel the prefill phase (which aborts it on the prefill engine)
+        and, once the decode engine has it, abort it there; a turn stopped before the
+        decode engine got it ends here with finish_reason "abort"."""
+        if not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self.decode_sent:
+            await self.handle.client.abort(self.frame.request_id)
+        elif not self.handle.ended:
+            self.handle.queue.put_nowait(DoneFrame(self.frame.request_id, finish_reason="abort", usage=Usage(),
+                                                   timings=Timings()))
+
+    def cancel(self) -> None:
+        """Stop the prefill phase now (from synchronous code: the handle was closed)."""
+        if not self.task.done():
+            self.task.cancel()
+
+
+def _big(frame: GenerateFrame) -> bool:
+    """A frame worth encoding off the event loop (as ``EngineClient.generate`` does)."""
+    size = sum(len(str(m.get("content", ""))) for m in frame.messages or []) + 8 * len(frame.prefix_token_ids or [])
+    return size > BIG_FRAME_CHARS

@@ -1,0 +1,287 @@
+"""Prefill/decode disaggregation on the tiny random Llama: a prefill engine computes a
+prompt's KV, a decode engine pulls the pages it lacks over the internal link, checks
+each, and decodes. Greedy output must equal one engine's; every failed move either
+falls back to local prefill or fails the request clearly; both engines' block
+accounting stays whole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import serve
+
+import engine.kv_page as kv_page
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineError
+from engine.outputs import GenerateRequest
+from engine.server import run_server
+from tests.engine_helpers import collect, greedy, make_engine
+
+BS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def _serving(eng: AsyncEngine) -> AsyncIterator[str]:
+    """``eng`` served on a free port of this loop; yields its ws:// URL."""
+    port = _free_port()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run_server(eng, "127.0.0.1", port, ready=ready, stop=stop))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        await task
+
+
+@contextlib.asynccontextmanager
+async def _pair(model_dir, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None
+                ) -> AsyncIterator[tuple[AsyncEngine, str, AsyncEngine, AsyncEngine]]:
+    """(prefill engine, its URL, decode engine, a reference engine of role both)."""
+    p = make_engine(model_dir, role="prefill", **(prefill or {}))
+    d = make_engine(model_dir, role="decode", **(decode or {}))
+    ref = make_engine(model_dir)
+    ref.start()
+    d.start()
+    try:
+        async with _serving(p) as url:
+            yield p, url, d, ref
+    finally:
+        d.shutdown()
+        ref.shutdown()
+
+
+def _req(rid: str, ids: list[int], n: int = 12, source: str | None = None) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=ids, params=greedy(n), kv_source=source)
+
+
+async def _disaggregated(p: AsyncEngine, url: str, d: AsyncEngine, rid: str, ids: list[int], n: int = 12):
+    """One turn as the gateway runs it: prefill engine first, then decode with its pages."""
+    first = await collect(p, _req(rid + "-p", ids, n))
+    assert first.final is not None and first.final.usage.completion_tokens == 1  # the role stops it at one
+    return await collect(d, _req(rid, ids, n, url))
+
+
+async def _assert_idle_whole(*engines: AsyncEngine) -> None:
+    for eng in engines:
+        await eng.call(lambda c: c.check_invariants())
+        s = await eng.stats()
+        assert s["running"] == s["waiting"] == 0 and s["blocks_held_by_requests"] == 0
+        assert s["blocks_free"] + s["blocks_evictable"] == s["num_blocks"]
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 + 5 for i in range(n)]
+
+
+async def test_greedy_output_through_prefill_and_decode_equals_one_engines(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(1, 100)  # 6 whole pages before the last token
+        want = await collect(ref, _req("ref", ids))
+        got = await _disaggregated(p, url, d, "a", ids)
+        assert got.final is not None and got.final.output_token_ids == want.final.output_token_ids
+        assert got.final.usage.cached_tokens == 96  # the pulled pages served as a cache hit
+        s = await d.stats()
+        assert (s["kv_pulls_total"], s["kv_pull_pages_total"], s["kv_pull_failures_total"]) == (1, 6, 0)
+        assert s["kv_pull_bytes_total"] > 6 * kv_page.DIGEST_BYTES
+        await _assert_idle_whole(p, d)
+
+
+async def test_a_prompt_shorter_than_one_page_moves_nothing_and_matches(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(2, BS - 3)
+        want = await collect(ref, _req("ref", ids))
+        got = await _disaggregated(p, url, d, "short", ids)
+        assert got.final.output_token_ids == want.final.output_token_ids
+        assert (await d.stats())["kv_pulls_total"] == 0
+        await _assert_idle_whole(p, d)
+
+
+async def test_a_prompt_cached_on_the_decode_side_only_pulls_nothing_and_matches(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(3, 90)
+        want = await collect(ref, _req("ref", ids))
+        await collect(d, _req("warm", ids))  # the decode engine holds the whole prompt
+        got = await collect(d, _req("b", ids, source=url))  # the prefill engine never saw it
+        assert got.final.output_token_ids == want.final.output_token_ids
+        assert (await d.stats())["kv_pulls_total"] == 0
+        await _assert_idle_whole(p, d)
+
+
+async def test_a_partial_hit_on_the_decode_side_pulls_only_the_rest_and_matches(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(4, 120)  # 7 pages wanted
+        await collect(d, _req("warm", ids[:3 * BS + 5], n=1))  # 3 pages on the decode side
+        want = await collect(ref, _req("ref", ids))
+        got = await _disaggregated(p, url, d, "c", ids)
+        assert got.final.output_token_ids == want.final.output_token_ids
+        s = await d.stats()
+        assert (s["kv_pulls_total"], s["kv_pull_pages_total"]) == (1, 4)
+        await _assert_idle_whole(p, d)
+
+
+def _flip_a_byte_of_page(monkeypatch, index: int) -> None:
+    """The source serializes its ``index``-th page of every fetch with one payload byte flipped."""
+    real = kv_page.encode_page
+    count = {"n": 0}
+
+    def corrupt(header, kv):
+        data = bytearray(real(header, kv))
+        count["n"] += 1
+        if count["n"] == index + 1:
+            data[len(data) // 2] ^= 0x40
+        return bytes(data)
+
+    monkeypatch.setattr(kv_page, "encode_page", corrupt)
+
+
+async def test_a_corrupt_page_is_refused_and_the_rest_is_computed_locally(tiny_model_dir, monkeypatch):
+    _flip_a_byte_of_page(monkeypatch, 2)
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(5, 100)
+        want = await collect(ref, _req("ref", ids))
+        got = await _disaggregated(p, url, d, "x", ids)
+        assert got.final.output_token_ids == want.final.output_token_ids
+        s = await d.stats()
+        assert (s["kv_pull_failures_total"], s["kv_pull_pages_total"]) == (1, 2)  # the pages before it
+        assert got.final.usage.cached_tokens == 2 * BS
+        await _assert_idle_whole(p, d)
+
+
+async def test_a_corrupt_page_fails_the_request_clearly_when_set_to_fail(tiny_model_dir, monkeypatch):
+    _flip_a_byte_of_page(monkeypatch, 0)
+    async with _pair(tiny_model_dir, decode={"kv_pull_failure": "fail"}) as (p, url, d, _ref):
+        with pytest.raises(EngineError) as e:
+            await _disaggregated(p, url, d, "y", _prompt(6, 100))
+        assert e.value.code == "kv_transfer_failed" and "checksum" in e.value.message
+        await _assert_idle_whole(p, d)
+
+
+@contextlib.asynccontextmanager
+async def _cutting_relay(upstream: str, after_pages: int) -> AsyncIterator[str]:
+    """A link to ``upstream`` that dies (both sides closed) after passing ``after_pages``
+    binary page frames: a source engine lost in the middle of a transfer."""
+
+    async def handle(client) -> None:
+        async with connect(upstream, max_size=None) as up:
+            async def down() -> None:
+                sent = 0
+                async for msg in up:
+                    if isinstance(msg, bytes):
+                        if sent == after_pages:
+                            await client.close()
+                            await up.close()
+                            return
+                        sent += 1
+                    await client.send(msg)
+
+            task = asyncio.create_task(down())
+            with contextlib.suppress(Exception):
+                async for msg in client:
+                    await up.send(msg)
+            task.cancel()
+
+    port = _free_port()
+    async with serve(handle, "127.0.0.1", port, max_size=None):
+        yield f"ws://127.0.0.1:{port}"
+
+
+async def test_a_transfer_cut_midway_falls_back_to_local_prefill(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(7, 100)
+        want = await collect(ref, _req("ref", ids))
+        await collect(p, _req("z-p", ids))
+        async with _cutting_relay(url, after_pages=3) as cut:
+            got = await collect(d, _req("z", ids, source=cut))
+        assert got.final.output_token_ids == want.final.output_token_ids
+        s = await d.stats()
+        assert (s["kv_pull_failures_total"], s["kv_pull_pages_total"]) == (1, 3)
+        await _assert_idle_whole(p, d)
+
+
+async def test_a_transfer_cut_midway_fails_clearly_when_set_to_fail(tiny_model_dir):
+    async with _pair(tiny_model_dir, decode={"kv_pull_failure": "fail"}) as (p, url, d, _ref):
+        ids = _prompt(8, 100)
+        await collect(p, _req("w-p", ids))
+        async with _cutting_relay(url, after_pages=1) as cut:
+            with pytest.raises(EngineError) as e:
+                await collect(d, _req("w", ids, source=cut))
+        assert e.value.code == "kv_transfer_failed" and "closed" in e.value.message
+        await _assert_idle_whole(p, d)
+
+
+async def test_pages_evicted_at_the_source_before_the_read_fall_back_or_fail(tiny_model_dir):
+    # a prefill pool of 8 pages: the next prompt evicts the first one's pages before it is read
+    async with _pair(tiny_model_dir, prefill={"num_blocks": 8}) as (p, url, d, ref):
+        ids, other = _prompt(9, 100), _prompt(10, 100)
+        want = await collect(ref, _req("ref", ids))
+        await collect(p, _req("v-p", ids))
+        await collect(p, _req("u-p", other))
+        got = await collect(d, _req("v", ids, source=url))
+        assert got.final.output_token_ids == want.final.output_token_ids
+        s = await d.stats()
+        assert s["kv_pull_failures_total"] == 1 and s["kv_pull_pages_total"] < 6
+        await d.call(lambda c: c.config.__setattr__("kv_pull_failure", "fail"))
+        await d.call(lambda c: c.evict_all())
+        await collect(p, _req("v-p2", ids))
+        await collect(p, _req("u-p2", other))
+        with pytest.raises(EngineError) as e:
+            await collect(d, _req("v2", ids, source=url))
+        assert e.value.code == "kv_transfer_failed" and "evicted" in e.value.message
+        await _assert_idle_whole(p, d)
+
+
+@contextlib.asynccontextmanager
+async def _holding_relay(upstream: str, after_pages: int, reached: asyncio.Event) -> AsyncIterator[str]:
+    """A link to ``upstream`` that passes ``after_pages`` page frames, sets ``reached`` and
+    holds the rest back: a transfer stuck midway, for as long as the test likes."""
+
+    async def handle(client) -> None:
+        async with connect(upstream, max_size=None) as up:
+            async def down() -> None:
+                sent = 0
+                async for msg in up:
+                    if isinstance(msg, bytes):
+                        if sent == after_pages:
+                            reached.set()
+                            await asyncio.Event().wait()
+                        sent += 1
+                    await client.send(msg)
+
+            task = asyncio.create_task(down())
+            with contextlib.suppress(Exception):
+                async for msg in client:
+                    await up.send(msg)
+            task.cancel()
+
+    port = _free_port()
+    async with serve(handle, "127.0.0.1", port, max_size=None):
+        yield f"ws://127.0.0.1:{port}"
+
+
+async def test_an_abort_during_a_transfer_leaves_both_engines_whole(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, _ref):
+        ids = _prompt(11, 200)
+        await collect(p, _req("t-p", ids))
+        reached = asyncio.Event()
+        async with _holding_relay(url, 4, reached) as stuck:
+            task = asyncio.create_task(collect(d, _req("t", ids, source=stuck)))
+            await asyncio.wait_for(reached.wait(), 30)
+            task.cancel()  # the user's Stop while the pages are in flight
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await _assert_idle_whole(p, d)
+        for eng in (p, d):  # with every cached page evicted, every block is free
+            assert await eng.call(lambda c: (c.evict_all(), c.pool.num_free)[1]) == eng.core.pool.num_blocks
