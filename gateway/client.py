@@ -10,7 +10,7 @@ so its chats show in that user's sidebar and a chat from the browser's URL
 user of its own: a cookie from ``GET /api/config``, kept in ``--cookie-file`` between runs.
 
 A reply's reasoning (the text between the model's thinking markers,
-``gateway/replies/reasoning.py``) goes to stderr under "[thinking]" and ends with "[thought
+``gateway/reasoning.py``) goes to stderr under "[thinking]" and ends with "[thought
 for N s]", so stdout holds the answer alone; ``--no-reasoning`` leaves it out.
 
 Ctrl-C stops the reply (the gateway is sent ``cancel``, the partial reply is stored)
@@ -39,7 +39,7 @@ from websockets.typing import Origin
 from engine.sampling_params import param_error, range_text
 from engine.text_checks import text_error
 from gateway.api.auth import COOKIE_NAME
-from gateway.replies.reasoning import ReasoningSplitter
+from gateway.reasoning import ReasoningSplitter
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "CHAT_TOKEN"

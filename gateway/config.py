@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.errors import ConfigError as ConfigError  # re-exported: one error for every bad setting
 from engine.sampling_params import param_error
-from gateway.replies.reasoning import ThinkMarkers
+from gateway.reasoning import ThinkMarkers
 
 MIB = 1 << 20
 
@@ -273,7 +273,7 @@ class GatewayConfig:
             besides ``defaults.system_prompt`` (``gateway/engines/cache_scope.py``; env
             ``SHARED_PROMPTS_FILE``: a JSON array of strings).
         reasoning_markers: the opening and closing markers of a reply's reasoning, two
-            words (``gateway/replies/reasoning.py``; env ``REASONING_MARKERS``).
+            words (``gateway/reasoning.py``; env ``REASONING_MARKERS``).
     """
 
     host: str = "127.0.0.1"

@@ -8,7 +8,7 @@ call's first entry has its ``index``, ``id``, ``type`` and function name with ar
 ``finish_reason``, a ``usage`` chunk with ``stream_options.include_usage``, then
 ``[DONE]``. The non-streamed body holds the same text, calls and logprobs whole.
 
-A reply's reasoning (the text between its thinking markers, ``gateway/replies/reasoning.py``)
+A reply's reasoning (the text between its thinking markers, ``gateway/reasoning.py``)
 is apart, as vLLM and llama.cpp's server answer: ``reasoning_content`` deltas before the
 content, and the message's ``reasoning_content`` (present only when the reply reasoned).
 """
@@ -23,7 +23,7 @@ from gateway.api import engine_to_api as e2a
 from gateway.api.openai_replies import Delta, Failed, Finished, ReplyEvent
 from gateway.api.openai_request import ChatRequest, OpenAIError
 from gateway.api.sse import json_bytes, sse
-from gateway.replies.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
+from gateway.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
 
 
 @dataclass

@@ -76,7 +76,7 @@ class EngineRun:
         think_open: the opening reasoning marker, put in front of the reply's first text
             when the engine's generation prompt already opened the reasoning (its hello's
             ``think_in_prompt``), so the text says where its reasoning is
-            (``gateway/replies/reasoning.py``); not for a prompt of token ids (a continued
+            (``gateway/reasoning.py``); not for a prompt of token ids (a continued
             reply's text already has it) or a raw ``prompt`` or a continued final message.
     """
 

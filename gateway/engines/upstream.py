@@ -29,7 +29,7 @@ replaces the connection loop (a health probe), ``generate``, ``abort`` and ``sta
   else ``max_model_len`` given here (0: unknown, the page then shows no context meter).
 * Reasoning the upstream sends apart (``reasoning_content``, or ``reasoning``) goes into
   the text between the reasoning markers, as our engine's replies hold it
-  (``gateway/replies/reasoning.py``), so it is shown, stored and sent on alike.
+  (``gateway/reasoning.py``), so it is shown, stored and sent on alike.
 * No token ids: ``DeltaFrame``/``DoneFrame`` carry text only, so the gateway stores no
   token segments for the turn and sends the next one as the whole chat's text; a prompt
   given as token ids (Continue) is refused with ``invalid_request``.
@@ -61,7 +61,7 @@ from engine.protocol import DeltaFrame, DoneFrame, EngineInfo, ErrorFrame, Reply
 from gateway.config import GatewayConfig
 from gateway.engines.client import UNREACHABLE_WARN_S, EngineClient, EngineRequest, engine_unavailable
 from gateway.errors import GatewayError
-from gateway.replies.reasoning import DEFAULT_MARKERS, ThinkMarkers
+from gateway.reasoning import DEFAULT_MARKERS, ThinkMarkers
 from gateway.retry import Backoff, Outage
 
 log = logging.getLogger("gateway.engines.upstream")
@@ -282,7 +282,7 @@ class UpstreamClient(EngineClient):
         health_interval_s: how often a healthy upstream is probed (seconds).
         read_timeout_s: longest wait for the next bytes of a streamed reply (seconds).
         think_markers: the markers a reply's ``reasoning_content`` is put between in its
-            text (``gateway/replies/reasoning.py``).
+            text (``gateway/reasoning.py``).
     """
 
     takes_token_ids = False

@@ -47,8 +47,8 @@ from gateway.engines.cache_scope import CacheIsolation
 from gateway.engines.client import EngineRouter
 from gateway.engines.run import PASSTHROUGH_CODES, EngineRun, error_status, user_code
 from gateway.errors import GatewayError, not_found
+from gateway.reasoning import ReasoningSplitter, split_reasoning, without_reasoning
 from gateway.replies.hooks import EventFanout, GenerationEvents
-from gateway.replies.reasoning import ReasoningSplitter, split_reasoning, without_reasoning
 from gateway.replies.tail import ReplyLog
 from gateway.retry import Backoff, Outage, is_store_unavailable, keep_connected, retry
 from gateway.store.connection import close_quietly
@@ -115,7 +115,7 @@ class _Turn:
     # a "continue" turn: the reply it extends (stored message) and that reply's token ids
     continued: dict[str, Any] | None = None
     continued_ids: list[int] = field(default_factory=list)
-    # its reasoning (gateway/replies/reasoning.py): the split so far, when its first text
+    # its reasoning (gateway/reasoning.py): the split so far, when its first text
     # came (monotonic s) and how long it reasoned (ms, once the reasoning closed)
     think: ReasoningSplitter | None = None
     think_t0: float | None = None

@@ -123,7 +123,7 @@ def plan_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]
     The prefix is the concatenated segments from the last ``base`` one (at or before
     that user message) up to and including the user message, stopping at the first
     message without a segment or with one marked ``reasoning`` (a reply whose reasoning
-    later prompts leave out: ``gateway/replies/reasoning.py``).
+    later prompts leave out: ``gateway/reasoning.py``).
 
     Args:
         stored: messages oldest first (each with ``id`` and ``role``).

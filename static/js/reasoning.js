@@ -1,6 +1,6 @@
 // A reply's reasoning: the text between the model's thinking markers at its start
 // (`<think>…</think>` by default; the gateway's `GET /api/config` `reasoning` names
-// them). The same rule as the gateway's gateway/replies/reasoning.py: a reply has
+// them). The same rule as the gateway's gateway/reasoning.py: a reply has
 // reasoning when its text, after leading whitespace, starts with the opening marker; the
 // reasoning ends at the first closing marker (or with the text, while it is still being
 // written or when it was cut), and the answer is what follows, without leading whitespace.

@@ -1,4 +1,4 @@
-"""A reply's reasoning (``gateway/replies/reasoning.py``): split from the answer on a whole
+"""A reply's reasoning (``gateway/reasoning.py``): split from the answer on a whole
 text and as it streams, declared by the engine from its chat template, kept whole in the
 stored reply and out of the next turn's prompt, returned by the OpenAI API as
 ``reasoning_content``, passed through from an upstream that sends ``reasoning_content``,
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gateway.client import ask, socket_url
-from gateway.replies.reasoning import ReasoningSplitter, ThinkMarkers, split_reasoning, without_reasoning
+from gateway.reasoning import ReasoningSplitter, ThinkMarkers, split_reasoning, without_reasoning
 from gateway.store.sessions import plan_prefix
 from tests.gateway_helpers import chat, openai_client
 
