@@ -6,7 +6,8 @@ same run; paged decode attention against SDPA; and where one step's time goes.
     python bench/decode_step.py --attention [--contexts 64,256,1024,2048,4096,8192] [--batches 1,16]
     python bench/decode_step.py --profile [--formats default] [--batches 1]
     python bench/decode_step.py --prefill-chunk [--prefixes 0,1024,2048,4096,6000]
-    python bench/decode_step.py --quality [--formats default,int8+bf16]
+    python bench/decode_step.py --quality [--formats default,int8+bf16] [--gguf Q4_0.gguf,...]
+    python bench/decode_step.py --llama-bench [--gguf Q4_0.gguf,Q4_1.gguf] [--formats default]
 
 Formats (``engine/formats.py``): ``default`` is what the engine picks on this machine
 ("auto"); ``exact`` is float32 everywhere through torch (transformers parity);
@@ -27,7 +28,16 @@ over a float32 one, against the torch backend (gather through the block tables, 
 SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps.
 ``--prefill-chunk`` times one 512-token prefill step after a cached prefix of each size.
 ``--quality`` prints each format's mean log-likelihood of a fixed English text and its
-shift against ``exact`` (nats per token), the quality bar of the serving formats.
+shift against ``exact`` (nats per token), the quality bar of the serving formats; each
+``--gguf`` file (e.g. llama.cpp's Q4_0 made by ``bench/build_llamacpp.sh --models``) adds a
+row: its weights dequantized and run in float32 (the weights' share of that format's
+shift; llama.cpp also rounds activations to 8 bits, which this row leaves out).
+
+``--llama-bench`` puts llama.cpp's own decode figure beside ours: ``llama-bench -t THREADS
+-p 0 -n 128`` (tg128: 128 tokens generated one by one after an empty prompt) for each
+``--gguf`` file (default: the Q4_0 and Q4_1 files of ``bench/build_llamacpp.sh --models``),
+as ms per token, and our batch-1 decode step at a 1-token context (the same work: every
+weight read once, almost no KV) for each of ``--formats``, with the ratios.
 """
 
 from __future__ import annotations
@@ -302,9 +312,10 @@ def text_logits(model: str | None, overrides: dict[str, Any], ids: list[int]) ->
     return lm.model(b, kv, attn, make_layer_runner(lm.model, kv, attn, lm.cpu_kernels)).double()
 
 
-def quality_table(model: str | None, names: list[str]) -> str:
+def quality_table(model: str | None, names: list[str], ggufs: list[str] | None = None) -> str:
     """Markdown: each format's mean negative log-likelihood of QUALITY_TEXT (nats per token),
-    its shift against ``exact`` and how often its top token is exact's."""
+    its shift against ``exact`` and how often its top token is exact's; then one row per
+    GGUF file in ``ggufs``, its weights dequantized by our loader and run exactly."""
     from transformers import AutoTokenizer
 
     from engine.loader import ensure_default_model
@@ -313,12 +324,59 @@ def quality_table(model: str | None, names: list[str]) -> str:
     ids = tok(QUALITY_TEXT)["input_ids"]
     target = torch.tensor(ids[1:])[:, None]
     logits = {n: text_logits(model, FORMATS[n], ids) for n in ["exact", *[n for n in names if n != "exact"]]}
+    for path in ggufs or []:
+        logits[f"{Path(path).name} (float32 compute)"] = text_logits(path, FORMATS["exact"], ids)
     nll = {n: -torch.log_softmax(x[:-1], -1).gather(1, target).mean().item() for n, x in logits.items()}
     rows = [f"{len(ids)} tokens of plain English text, one prefill per format", "",
             "| format | mean NLL (nats/token) | shift vs exact | same top token as exact |", "|---|---|---|---|"]
     for n, x in logits.items():
         same = (x.argmax(-1) == logits["exact"].argmax(-1)).double().mean().item()
         rows.append(f"| {n} | {nll[n]:.4f} | {abs(nll[n] - nll['exact']):.4f} | {same:.1%} |")
+    return "\n".join(rows)
+
+
+LLAMA_BENCH = Path.home() / ".cache/chatserve/llama.cpp/src/vendor/llama.cpp/build/bin/llama-bench"
+PEER_GGUFS = [Path.home() / f".cache/chatserve/llama.cpp/models/smollm2-135m-instruct-{q}.gguf"
+              for q in ("Q4_0", "Q4_1")]
+
+
+def llama_bench_ms(gguf: str, threads: int, reps: int = 3) -> dict[str, float]:
+    """llama-bench's tg128 on ``gguf``: {"ms": ms per generated token, "tok_s": tokens/s}.
+
+    Raises:
+        RuntimeError: llama-bench is not built or failed.
+    """
+    import subprocess
+
+    if not LLAMA_BENCH.is_file():
+        raise RuntimeError(f"no {LLAMA_BENCH}: run bench/build_llamacpp.sh")
+    proc = subprocess.run([str(LLAMA_BENCH), "-m", gguf, "-t", str(threads), "-p", "0", "-n", "128", "-r", str(reps),
+                           "-o", "json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {proc.stderr[-1000:]}")
+    row = json.loads(proc.stdout)[0]
+    return {"ms": 1000 / row["avg_ts"], "tok_s": row["avg_ts"]}
+
+
+def llama_bench_table(model: str | None, names: list[str], ggufs: list[str], threads: int, steps: int) -> str:
+    """Markdown: our batch-1 decode step (1-token context) per format and llama-bench's
+    tg128 ms per token per GGUF, with ours / theirs."""
+    bandwidth = read_bandwidth_gbs(threads)
+    ours = {n: time_format(model, FORMATS[n], [1], 1, steps) for n in names}
+    peers = {Path(g).name: llama_bench_ms(g, threads) for g in ggufs}
+    rows = [f"threads {threads}; read bandwidth {bandwidth:.1f} GB/s; load average {os.getloadavg()[0]:.2f}",
+            "", "| system | ms per token (batch 1) | floor (ms) | / floor |"
+            + "".join(f" ours / {p} |" for p in peers), "|---|---|---|---|" + "---|" * len(peers)]
+    for n, r in ours.items():
+        ms = r["step_ms"][1]
+        floor = (r["read_bytes"] + r["kv_bytes"]) / (bandwidth * 1e9) * 1e3
+        rows.append(f"| ours {n} ({r['format']}) | {ms:.2f} | {floor:.2f} | {ms / floor:.2f}x |"
+                    + "".join(f" {ms / p['ms']:.2f}x |" for p in peers.values()))
+    for p, r in peers.items():
+        size = Path([g for g in ggufs if Path(g).name == p][0]).stat().st_size
+        floor = size / (bandwidth * 1e9) * 1e3  # the file's bytes: its weights, each read once a token
+        rows.append(f"| llama.cpp {p} (llama-bench tg128) | {r['ms']:.2f} | {floor:.2f} | {r['ms'] / floor:.2f}x |"
+                    + " |" * len(peers))
     return "\n".join(rows)
 
 
@@ -339,8 +397,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefixes", default="0,1024,2048,4096,6000")
     p.add_argument("--quality", action="store_true",
                    help="each format's log-likelihood of a text against the exact format's")
+    p.add_argument("--gguf", default=None,
+                   help="comma-separated GGUF files for --quality and --llama-bench (default for --llama-bench: the "
+                        "Q4_0 and Q4_1 files of bench/build_llamacpp.sh --models)")
+    p.add_argument("--llama-bench", action="store_true",
+                   help="our batch-1 decode step against llama-bench tg128 on the --gguf files")
+    p.add_argument("--cpu-isa", default=os.environ.get("CHATSERVE_CPU_ISA", "auto"),
+                   help="instruction set of our CPU kernels (auto, avx512, avxvnni, avx2, portable)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.cpu_isa != "auto":
+        for overrides in FORMATS.values():
+            overrides["cpu_isa"] = a.cpu_isa
+    ggufs = [g for g in (a.gguf or "").split(",") if g]
     torch.set_num_threads(a.threads)
     batches = [int(x) for x in a.batches.split(",") if x]
     if a.attention:
@@ -353,7 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         print(prefill_chunk_table(a.model, FORMATS[names[0]], [int(x) for x in a.prefixes.split(",")]))
         return 0
     if a.quality:
-        print(quality_table(a.model, names))
+        print(quality_table(a.model, names, ggufs))
+        return 0
+    if a.llama_bench:
+        peers = ggufs or [str(g) for g in PEER_GGUFS if g.is_file()]
+        print(llama_bench_table(a.model, names, peers, a.threads, a.steps))
         return 0
     if a.profile:
         print(profile_table(a.model, FORMATS[names[0]], batches[0], a.context))

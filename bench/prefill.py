@@ -1,10 +1,13 @@
 """Prefill speed, side by side: how fast each system reads a long prompt.
 
-    python bench/prefill.py [--systems ours,llamacpp,hf] [--prompts 512,2048,6000] [--repeats 2] [--json]
+    python bench/prefill.py [--systems ours,llamacpp,llamacpp-q4_1,hf] [--prompts 512,2048,6000]
+                            [--repeats 2] [--json]
 
-Each system (``serving_lib.systems``: ours = gateway + engine in its default format,
-llama.cpp's llama-server on its Q4_1 GGUF with one 8192-token slot, transformers in
-bfloat16) is started alone and sent, one at a time, chat prompts of about N tokens of
+Each system (``serving_lib.systems``: ours = gateway + engine in its default format;
+llama.cpp's llama-server with one 8192-token slot on its fastest CPU format, Q4_0 made
+from the same weights by its own tools (``bench/build_llamacpp.sh --models``; the
+package's Q4_1 file when that has not been run), and ``llamacpp-q4_1`` on the package's
+Q4_1 file; transformers in bfloat16) is started alone and sent, one at a time, chat prompts of about N tokens of
 fresh random words (a new text each time, so no prefix cache helps) with
 ``max_tokens`` 1. The time to the one token is the prefill (plus one sample and the
 HTTP round trip); prefill tokens/s = the server's ``usage.prompt_tokens`` / that time,
@@ -33,6 +36,9 @@ from bench.serving_lib import systems as S  # noqa: E402
 from bench.serving_lib.openai_client import stream_chat  # noqa: E402
 from bench.serving_lib.workloads import TextMaker  # noqa: E402
 
+# llama.cpp's Q4_0 of the same weights, made by bench/build_llamacpp.sh --models
+PEER_Q4_0 = Path.home() / ".cache/chatserve/llama.cpp/models/smollm2-135m-instruct-Q4_0.gguf"
+
 
 def build(names: list[str], threads: int, model: Path | None = None) -> dict[str, S.System]:
     """The systems to measure (label -> System); llama.cpp only when its server is built.
@@ -41,11 +47,14 @@ def build(names: list[str], threads: int, model: Path | None = None) -> dict[str
     for name in names:
         if name == "ours":
             out["ours"] = S.Ours("ours", model_dir=model, threads=threads, kv_cache_gib=1.0)
-        elif name == "llamacpp":
-            if S.llama_server_available(S.LLAMA_SERVER_DEFAULT):
-                out["llama.cpp"] = S.LlamaCpp("llama.cpp", threads=threads, slot_tokens=8192)
-            else:
+        elif name in ("llamacpp", "llamacpp-q4_1"):
+            if not S.llama_server_available(S.LLAMA_SERVER_DEFAULT):
                 print("skipping llama.cpp: run bench/build_llamacpp.sh", file=sys.stderr)
+            elif name == "llamacpp" and PEER_Q4_0.is_file():
+                out["llama.cpp Q4_0"] = S.LlamaCpp("llama.cpp Q4_0", threads=threads, slot_tokens=8192,
+                                                   gguf=PEER_Q4_0)
+            else:  # the package's Q4_1 file
+                out["llama.cpp Q4_1"] = S.LlamaCpp("llama.cpp Q4_1", threads=threads, slot_tokens=8192)
         elif name == "hf":
             out["transformers"] = S.HFStatic("transformers", dtype="bfloat16", threads=threads)
         else:
@@ -92,7 +101,7 @@ def table(results: dict[str, dict[int, dict[str, float]]], sizes: list[int]) -> 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--systems", default="ours,llamacpp,hf")
+    p.add_argument("--systems", default="ours,llamacpp,llamacpp-q4_1,hf")
     p.add_argument("--prompts", default="512,2048,6000", help="prompt sizes in tokens (about)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

@@ -65,6 +65,7 @@ class Turn:
     cached_tokens: int | None
     by_tier: dict[str, int] | None = None
     text: str = ""
+    completion_tokens: int = 0
 
 
 async def one_turn(client: httpx.AsyncClient, messages: list[dict[str, str]], reply_tokens: int) -> Turn:
@@ -105,7 +106,7 @@ async def _one_turn(client: httpx.AsyncClient, messages: list[dict[str, str]], r
                 by_tier = (usage.get("prompt_tokens_details") or {}).get("cached_tokens_by_tier", by_tier)
     if not res.chunk_ms:
         raise RuntimeError("no text came back")
-    return Turn(res.ttft_ms, res.prompt_tokens, res.cached_tokens, by_tier, res.text)
+    return Turn(res.ttft_ms, res.prompt_tokens, res.cached_tokens, by_tier, res.text, res.output_tokens)
 
 
 @dataclass
@@ -229,6 +230,37 @@ async def sequence(server: Server, tokens: int, noise: int, reply_tokens: int, s
     return out
 
 
+async def many_chats(server: Server, chats: int, tokens: int, rounds: int, reply_tokens: int,
+                     seed: int) -> dict[str, float]:
+    """``chats`` chats of about ``tokens`` tokens taking ``rounds`` turns each, one request at
+    a time, in random order round by round. Returns the TTFT p50 and p99 (ms) of the turns
+    after each chat's first, and their prefix hit ratio: cached prompt tokens over the
+    tokens of the chat's previous prompt and reply (what a cache could have held)."""
+    rng = random.Random(seed)
+    maker = TextMaker(rng)
+    hists = [chat(maker, tokens) for _ in range(chats)]
+    prev: list[int] = [0] * chats
+    ttfts: list[float] = []
+    cached = known = 0
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=600,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for r in range(rounds):
+            order = list(range(chats))
+            rng.shuffle(order)
+            for c in order:
+                t = await one_turn(client, hists[c], reply_tokens)
+                if r:
+                    ttfts.append(t.ttft_ms)
+                    cached += t.cached_tokens or 0
+                    known += prev[c]
+                prev[c] = t.prompt_tokens + t.completion_tokens
+                hists[c] = hists[c] + [{"role": "assistant", "content": t.text},
+                                       {"role": "user", "content": f"Go on ({r + 1})."}]
+    ttfts.sort()
+    return {"ttft_p50": ttfts[len(ttfts) // 2], "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "hit_ratio": cached / known if known else 0.0, "turns": len(ttfts)}
+
+
 def _cell(t: Turn) -> str:
     cached = "?" if t.cached_tokens is None else f"{t.cached_tokens:,}"
     disk = f" ({t.by_tier['disk']:,} disk)" if t.by_tier and t.by_tier.get("disk") else ""
@@ -278,7 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tier-off", action="store_true", help="skip the 'ours, tier off' run")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: bench/build_llamacpp.sh's)")
     p.add_argument("--json", default=None, help="write the raw figures here")
+    p.add_argument("--many", type=int, default=0, metavar="CHATS",
+                   help="instead: CHATS chats taking --rounds turns in random order, ours with the tier on and "
+                        "off (the pool holds about a third of them)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--read-rate", type=int, default=0, metavar="PAGES",
+                   help="instead: the disk tier's restore read rate over PAGES pages (no server)")
     a = p.parse_args(argv)
+    if a.read_rate:
+        return read_rate(a.read_rate)
+    if a.many:
+        return many_main(a)
     num_blocks = a.num_blocks or max(64, int(2.5 * (a.tokens + 3 * a.reply_tokens + 40) / 16))
     kv_dir = Path(tempfile.mkdtemp(prefix="returning-kv-"))
     systems: list[Server] = [OursServer("ours", num_blocks=num_blocks, kv_dir=kv_dir, threads=a.threads)]
@@ -318,6 +360,75 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({k: {n: {t: vars(x) for t, x in v.items()} for n, v in seqs.items()}
                                             for k, seqs in results.items()}, indent=1))
+    return 0
+
+
+def read_rate(pages: int) -> int:
+    """``--read-rate``: the disk tier's restore read rate (read, check, decode into one
+    buffer, as its reader thread does) over ``pages`` SmolLM2-shaped pages, from the page
+    cache and after ``posix_fadvise(DONTNEED)`` drops those files from it (the disk)."""
+    import torch
+
+    from engine.kv_page import PageHeader, PageKey, decode_page, encode_page
+    from engine.tiers.disk import DiskPageStore
+
+    key = PageKey("bench", "int8", "bfloat16", 16, 30, 3, 64)  # SmolLM2-135M's KV shape
+    folder = Path(tempfile.mkdtemp(prefix="kv-read-rate-"))
+    try:
+        store = DiskPageStore(folder, key.fingerprint(), 1 << 40)
+        kv = torch.randn(key.shape).to(torch.bfloat16)
+        for h in range(1, pages + 1):
+            store.put(h, encode_page(PageHeader(key, "s", h, h - 1, tuple(range(16))), kv))
+        os.sync()
+        buf = torch.empty((pages, *key.shape), dtype=key.torch_dtype)
+
+        def read_all() -> float:
+            t0 = time.perf_counter()
+            n = 0
+            for h in range(1, pages + 1):
+                data = store.get(h)
+                assert data is not None
+                n += len(data)
+                decode_page(data, key, chain_hash=h, out=buf[h - 1])
+            return n / (time.perf_counter() - t0) / 1e9
+
+        warm = max(read_all() for _ in range(3))
+        for h in range(1, pages + 1):
+            fd = os.open(store.path_of(h), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        cold = read_all()
+        mb = pages * key.payload_bytes / 1e6
+        print(f"restore read rate over {pages} pages ({mb:.0f} MB): {warm:.2f} GB/s from the page cache, "
+              f"{cold:.2f} GB/s after dropping them from it")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+def many_main(a: argparse.Namespace) -> int:
+    """``--many``: the many-users run, tier on against tier off."""
+    per_chat = (a.tokens + a.rounds * (a.reply_tokens + 20) + 40) // 16 + 1
+    num_blocks = a.num_blocks or max(64, a.many * per_chat // 3)
+    kv_dir = Path(tempfile.mkdtemp(prefix="returning-kv-"))
+    print(f"load average {os.getloadavg()[0]:.2f}; {a.many} chats of {a.tokens} tokens, {a.rounds} rounds; "
+          f"our pool {num_blocks} blocks of 16", flush=True)
+    lines = ["| ours | turn TTFT p50 | p99 | prefix hit ratio | turns |", "|---|---|---|---|---|"]
+    try:
+        for label, folder in (("tier on", kv_dir), ("tier off", None)):
+            s = OursServer(label, num_blocks=num_blocks, kv_dir=folder, threads=a.threads)
+            s.start()
+            try:
+                r = asyncio.run(many_chats(s, a.many, a.tokens, a.rounds, a.reply_tokens, 3))
+            finally:
+                s.stop()
+            lines.append(f"| {label} | {r['ttft_p50']:,.0f} ms | {r['ttft_p99']:,.0f} ms | {r['hit_ratio']:.3f} | "
+                         f"{r['turns']} |")
+            print(lines[-1], flush=True)
+    finally:
+        shutil.rmtree(kv_dir, ignore_errors=True)
+    print("\n".join(lines))
+    print(f"load average after {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -505,6 +505,7 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
  * AVX-VNNI) or _mm256_maddubs_epi16 + _mm256_madd_epi16 (AVX2; eight pair sums of
  * |15 * 127 * 2| stay below 2^15, so they add in int16 before one widening). */
 #define CS_Q4_TILE 8
+#define CS_Q4_NC 4 /* most independent int sums per activation row (one or two rows) */
 #define CS_Q4_REC(has_min) ((has_min) ? 160 : 144)
 
 #if CS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -573,6 +574,7 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
                                                           int64_t K, const int MR, const uint8_t *w,
                                                           const int HAS_MIN, __m256 acc[CS_Q4_MR]) {
     const int64_t nb = K / 32, rec = CS_Q4_REC(HAS_MIN);
+    const int NC = MR == 1 ? 4 : MR == 2 ? 2 : 1; /* independent int sums per row */
     const __m256i low4 = _mm256_set1_epi8(0x0F);
 #if !CS_Q4_DOT
     const __m256i ones = _mm256_set1_epi16(1);
@@ -586,8 +588,11 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 128)));
         const __m256 mw = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 144)))
                                   : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
-        __m256i s[CS_Q4_MR];
-        for (int i = 0; i < MR; i++) s[i] = _mm256_setzero_si256();
+        /* NC independent sums per row: with one or two rows, a single chain of 8 dependent
+         * vpdpbusd per group would wait on their latency (the block's sum is the same) */
+        __m256i s[CS_Q4_MR][CS_Q4_NC];
+        for (int i = 0; i < MR; i++)
+            for (int c = 0; c < NC; c++) s[i][c] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
             const __m256i r = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
             const __m256i lo = _mm256_and_si256(r, low4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
@@ -596,21 +601,25 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
                 int32_t a0, a1;
                 memcpy(&a0, a, 4);
                 memcpy(&a1, a + 16, 4);
+                const int c0 = (2 * p) % NC, c1 = (2 * p + 1) % NC;
 #if CS_Q4_DOT
-                s[i] = CS_DPBUSD(s[i], lo, _mm256_set1_epi32(a0));
-                s[i] = CS_DPBUSD(s[i], hi, _mm256_set1_epi32(a1));
+                s[i][c0] = CS_DPBUSD(s[i][c0], lo, _mm256_set1_epi32(a0));
+                s[i][c1] = CS_DPBUSD(s[i][c1], hi, _mm256_set1_epi32(a1));
 #else
-                s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)),
-                                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1))));
+                s[i][c0] = _mm256_add_epi16(s[i][c0], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)));
+                s[i][c1] = _mm256_add_epi16(s[i][c1], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
 #endif
             }
         }
         for (int i = 0; i < MR; i++) {
 #if CS_Q4_DOT
-            const __m256i si = s[i];
+            __m256i si = s[i][0];
+            for (int c = 1; c < NC; c++) si = _mm256_add_epi32(si, s[i][c]);
 #else
-            const __m256i si = _mm256_madd_epi16(s[i], ones);
+            __m256i si = _mm256_madd_epi16(s[i][0], ones); /* each chain's int16 sums stay below 2^15 */
+            for (int c = 1; c < NC; c++) si = _mm256_add_epi32(si, _mm256_madd_epi16(s[i][c], ones));
 #endif
+            /* the same float steps whatever MR: a row's result does not depend on its group */
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])),
                                      acc[i]);
             acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), acc[i]);
@@ -634,14 +643,80 @@ static void q4_rows(const int8_t *xq, const float *xd, const float *xs, int64_t 
         CS_Q4_CASE(5)
         CS_Q4_CASE(6)
         CS_Q4_CASE(7)
-        CS_Q4_CASE(8)
-#else
-        CS_Q4_CASE(4)
 #endif
-    default: break;
+    default: /* CS_Q4_MR rows */
+        if (has_min) tile_q4(xq, xd, xs, K, CS_Q4_MR, w, 1, acc);
+        else tile_q4(xq, xd, xs, K, CS_Q4_MR, w, 0, acc);
+        break;
     }
 #undef CS_Q4_CASE
 }
+
+/* Store one activation row's 8 outputs of a tile (bias added; nn < 8 at the last tile). */
+static inline void q4_store8(float *yr, __m256 v, const float *bias, int64_t n0, int64_t nn) {
+    if (bias) {
+        float bb[CS_Q4_TILE] = {0};
+        memcpy(bb, bias + n0, (size_t)nn * 4);
+        v = _mm256_add_ps(v, _mm256_loadu_ps(bb));
+    }
+    if (nn == CS_Q4_TILE) {
+        _mm256_storeu_ps(yr, v);
+    } else {
+        float out[CS_Q4_TILE];
+        _mm256_storeu_ps(out, v);
+        memcpy(yr, out, (size_t)nn * 4);
+    }
+}
+#endif
+
+/* AVX-512 (F, BW, VNNI): two adjacent tiles (16 weight rows) in the 16 lanes of zmm registers,
+ * for full groups of CS_Q4_MR activation rows (prefill): half the instructions per product
+ * of the 256-bit path. Lane by lane the same integer sums and the same float steps as
+ * tile_q4, so the results are bit-identical to it. */
+#if CS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && CS_Q4_MR == 8
+#define CS_Q4_ZMM 1
+static inline __attribute__((always_inline)) void tile_q4x16(const int8_t *xq, const float *xd, const float *xs,
+                                                             int64_t K, const uint8_t *w0, const uint8_t *w1,
+                                                             const int HAS_MIN, __m512 acc[8]) {
+    const int64_t nb = K / 32, rec = CS_Q4_REC(HAS_MIN);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wa = w0 + b * rec, *wc = w1 + b * rec;
+        _mm_prefetch((const char *)(wa + 4 * rec), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wc + 4 * rec), _MM_HINT_T0);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wa + 128))),
+            _mm_loadu_si128((const __m128i *)(wc + 128)), 1));
+        const __m512 mw = HAS_MIN ? _mm512_cvtph_ps(_mm256_inserti128_si256(
+                                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wa + 144))),
+                                        _mm_loadu_si128((const __m128i *)(wc + 144)), 1))
+                                  : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
+        __m512i s[8];
+        for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            const __m512i r = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wa + 32 * p))),
+                _mm256_loadu_si256((const __m256i *)(wc + 32 * p)), 1);
+            const __m512i lo = _mm512_and_si512(r, low4), hi = _mm512_and_si512(_mm512_srli_epi16(r, 4), low4);
+            for (int i = 0; i < 8; i++) {
+                const int8_t *a = xq + i * K + b * 32 + 4 * p;
+                int32_t a0, a1;
+                memcpy(&a0, a, 4);
+                memcpy(&a1, a + 16, 4);
+                s[i] = _mm512_dpbusd_epi32(s[i], lo, _mm512_set1_epi32(a0));
+                s[i] = _mm512_dpbusd_epi32(s[i], hi, _mm512_set1_epi32(a1));
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(dw, _mm512_set1_ps(xd[i * nb + b])),
+                                     acc[i]);
+            acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[i * nb + b]), acc[i]);
+        }
+    }
+}
+#else
+#define CS_Q4_ZMM 0
 #endif
 
 /* y[m, n] = sum_k w[n, k] x[m, k] (+ bias[n]) over a 4-bit weight packed by cs_pack_q4x8
@@ -656,33 +731,44 @@ CS_EXPORT void cs_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, c
                             int nt) {
     quantize_rows_q8(x, ldx, M, K, xq, xd, xs, nt);
     const int64_t nb = K / 32, ntiles = (N + CS_Q4_TILE - 1) / CS_Q4_TILE, rec = CS_Q4_REC(has_min);
+#if CS_AVX2
+    /* work items: pairs of tiles (the AVX-512 path runs both at once on full row groups) */
+    const int64_t npairs = (ntiles + 1) / 2;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t pair = 0; pair < npairs; pair++) {
+        const int64_t t0 = 2 * pair, t1 = t0 + 1 < ntiles ? t0 + 1 : t0;
+        for (int64_t m0 = 0; m0 < M; m0 += CS_Q4_MR) {
+            const int64_t mm = (M - m0) < CS_Q4_MR ? (M - m0) : CS_Q4_MR;
+#if CS_Q4_ZMM
+            if (mm == CS_Q4_MR && t1 != t0) {
+                __m512 acc[8];
+                const uint8_t *w0 = packed + t0 * nb * rec, *w1 = packed + t1 * nb * rec;
+                if (has_min) tile_q4x16(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, w0, w1, 1, acc);
+                else tile_q4x16(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, w0, w1, 0, acc);
+                const int64_t n0 = t0 * CS_Q4_TILE, n1 = t1 * CS_Q4_TILE;
+                const int64_t nn1 = (N - n1) < CS_Q4_TILE ? (N - n1) : CS_Q4_TILE;
+                for (int64_t i = 0; i < mm; i++) {
+                    float *yr = y + (m0 + i) * ldy;
+                    q4_store8(yr + n0, _mm512_castps512_ps256(acc[i]), bias, n0, CS_Q4_TILE);
+                    q4_store8(yr + n1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)), bias,
+                              n1, nn1);
+                }
+                continue;
+            }
+#endif
+            for (int64_t tile = t0; tile <= t1; tile++) {
+                const int64_t n0 = tile * CS_Q4_TILE, nn = (N - n0) < CS_Q4_TILE ? (N - n0) : CS_Q4_TILE;
+                __m256 acc[CS_Q4_MR];
+                q4_rows(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, mm, packed + tile * nb * rec, has_min, acc);
+                for (int64_t i = 0; i < mm; i++) q4_store8(y + (m0 + i) * ldy + n0, acc[i], bias, n0, nn);
+            }
+        }
+    }
+#else
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t tile = 0; tile < ntiles; tile++) {
         const int64_t n0 = tile * CS_Q4_TILE, nn = (N - n0) < CS_Q4_TILE ? (N - n0) : CS_Q4_TILE;
         const uint8_t *w = packed + tile * nb * rec;
-#if CS_AVX2
-        for (int64_t m0 = 0; m0 < M; m0 += CS_Q4_MR) {
-            const int64_t mm = (M - m0) < CS_Q4_MR ? (M - m0) : CS_Q4_MR;
-            __m256 acc[CS_Q4_MR];
-            q4_rows(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, mm, w, has_min, acc);
-            for (int64_t i = 0; i < mm; i++) {
-                float *yr = y + (m0 + i) * ldy + n0;
-                __m256 v = acc[i];
-                if (bias) {
-                    float bb[CS_Q4_TILE] = {0};
-                    memcpy(bb, bias + n0, (size_t)nn * 4);
-                    v = _mm256_add_ps(v, _mm256_loadu_ps(bb));
-                }
-                if (nn == CS_Q4_TILE) {
-                    _mm256_storeu_ps(yr, v);
-                } else {
-                    float out[CS_Q4_TILE];
-                    _mm256_storeu_ps(out, v);
-                    memcpy(yr, out, (size_t)nn * 4);
-                }
-            }
-        }
-#else
         for (int64_t m = 0; m < M; m++) {
             float acc[CS_Q4_TILE] = {0};
             for (int64_t b = 0; b < nb; b++) {
@@ -702,8 +788,8 @@ CS_EXPORT void cs_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, c
             }
             for (int64_t j = 0; j < nn; j++) y[m * ldy + n0 + j] = bias ? acc[j] + bias[n0 + j] : acc[j];
         }
-#endif
     }
+#endif
 }
 
 /* Repack a 4-bit weight for cs_linear_q4: codes [N, K] (one 0..15 code a byte, K a

@@ -27,6 +27,7 @@ engine keeps serving from the pool.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,6 +54,8 @@ from engine.radix_cache import CacheScope
 from engine.tiers.disk import DiskPageStore
 
 log = logging.getLogger(__name__)
+
+WRITER_NICE = 10  # the writer thread's nice value (Linux): it yields the CPU to the forward's threads
 
 __all__ = ["LoadJob", "PageRef", "TierConfig", "TierCounters", "KVTiers", "page_key", "page_refs", "tiers_for"]
 
@@ -341,6 +344,10 @@ class KVTiers:
 
     def _write_loop(self) -> None:
         assert self.store is not None
+        try:  # writes can wait: on Linux a thread's nice value is its own; the step loop's threads go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self._writes.get()
             if item is None:

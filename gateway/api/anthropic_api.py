@@ -14,9 +14,10 @@ events: ``message_start``, ``content_block_start`` / ``content_block_delta``
 ``output_config.format`` (a JSON schema) holds the text as ``response_format`` does;
 ``temperature``, ``top_p`` and ``top_k`` are taken from clients that still send them.
 
-Not served: images, documents and other non-text blocks, extended thinking, server
-tools (web search, code execution), MCP servers, citations, batches; the service's
-hints (``cache_control``, ``container``, ``speed``...) are accepted and ignored.
+Not served: images, documents and other non-text blocks, server tools (web search,
+code execution), MCP servers, citations, batches; ``thinking`` is accepted and has no
+effect (replies carry no thinking blocks), as are the service's hints
+(``cache_control``, ``container``, ``speed``...).
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
         raise bad("model must be a string", "model")
     check_text(model, "model")
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
-        raise bad("extended thinking is not served by this server", "thinking")
+    if thinking is not None and not isinstance(thinking, dict):
+        raise bad("thinking must be an object", "thinking")
     if not count_only and body.get("max_tokens") is None:
         raise bad("max_tokens: Field required", "max_tokens")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):

@@ -57,7 +57,8 @@ def _engine_check(param: str, fn: Any, *args: Any) -> Any:
 def structured_from_response_format(value: Any, param: str = "response_format") -> dict[str, Any] | None:
     """OpenAI's ``response_format`` as the engine's ``structured`` (None for text).
 
-    ``{"type": "text"}`` -> None; ``{"type": "json_object"}``; ``{"type": "json_schema",
+    ``{"type": "text"}`` -> None; ``{"type": "json_object"}`` (with a ``schema``, as
+    llama.cpp's server takes it: that schema); ``{"type": "json_schema",
     "json_schema": {"name", "schema", "strict"?}}`` -> ``{"type": "json_schema", "schema",
     "strict"}`` (a missing schema means any JSON object, as OpenAI's SDKs send it for
     ``dict`` models).
@@ -73,6 +74,9 @@ def structured_from_response_format(value: Any, param: str = "response_format") 
     if kind == "text":
         return None
     if kind == "json_object":
+        if "schema" in value:  # llama.cpp's form: a JSON object held to a schema
+            return structured_from_response_format(
+                {"type": "json_schema", "json_schema": {"schema": value["schema"]}}, param)
         return {"type": "json_object"}
     if kind == "json_schema":
         js = value.get("json_schema")
@@ -308,6 +312,9 @@ def continue_final_message(messages: list[dict[str, Any]], body: dict[str, Any])
         return last_is_assistant
     if not isinstance(flag, bool):
         raise FieldError("continue_final_message", "continue_final_message must be a boolean")
+    if flag and body.get("add_generation_prompt") is True:
+        raise FieldError("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
+                                                   "be true")
     if flag and not last_is_assistant:
         raise FieldError("continue_final_message", "continue_final_message needs a final assistant message")
     return flag

@@ -146,6 +146,23 @@ class Writer(Protocol):
     def body(self) -> dict[str, Any]: ...
 
 
+def resolve_any_model(router: EngineRouter, requested: str | None) -> str | None:
+    """``resolve_model``, except that a name no engine serves means the one model served
+    when there is only one (Anthropic's clients send their own model names, e.g.
+    ``claude-sonnet-4-5``, and cannot be told another).
+
+    Raises:
+        OpenAIError: 404 ``model_not_found`` when several models are served and none is that name.
+        GatewayError: ``engine_unavailable`` when no engine is connected.
+    """
+    try:
+        return resolve_model(router, requested)
+    except OpenAIError:
+        if len({c.info.model for c in router.clients if c.info is not None}) == 1:
+            return None
+        raise
+
+
 def affinity_key(messages: list[dict[str, Any]]) -> str:
     """The engine-routing key of a stateless conversation: its first two messages, which
     every later turn repeats, so all turns land on the engine that caches them."""
@@ -286,7 +303,7 @@ class OpenAIApi:
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             mreq = parse_messages_request(await self._read_json(request))
             choices = await self.start_engine_choices(request, mreq.messages, mreq.params, 1,
-                                                      resolve_model(request.app.state.router, mreq.model),
+                                                      resolve_any_model(request.app.state.router, mreq.model),
                                                       extra=mreq.extra)
             return choices, MessagesWriter(new_message_id(), choices.model_name), mreq.stream, {}
         return await self.serve(request, start, anthropic_error_response)
@@ -296,7 +313,7 @@ class OpenAIApi:
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             mreq = parse_messages_request(await self._read_json(request), count_only=True)
             choices = await self.start_engine_choices(request, mreq.messages, {**mreq.params, "max_tokens": 1}, 1,
-                                                      resolve_model(request.app.state.router, mreq.model),
+                                                      resolve_any_model(request.app.state.router, mreq.model),
                                                       extra=mreq.extra)
             return choices, CountWriter("", choices.model_name), False, {}
         return await self.serve(request, start, anthropic_error_response)
@@ -606,6 +623,11 @@ def openai_routes(api_key: str | None = None) -> list[Route]:
               Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
               Route("/v1/responses", api.responses, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"])]
+    # the same routes without /v1, as llama-server also serves them (clients configured
+    # with the server's root as their base URL)
+    routes += [Route(r.path.removeprefix("/v1"), r.endpoint, methods=sorted(r.methods or ()))
+               for r in routes if r.path in ("/v1/chat/completions", "/v1/completions", "/v1/models",
+                                             "/v1/responses")]
     known = {r.path for r in routes}
 
     async def unknown(request: Request) -> Response:

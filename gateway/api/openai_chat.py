@@ -75,8 +75,9 @@ class ChatWriter:
                                                           "finish_reason": finish_reason}]}))
 
     def start_events(self) -> list[bytes]:
-        """The first chunk of each choice: its role."""
-        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.creq.n)]
+        """The first chunk of each choice: its role (``content`` null: no content delta is
+        ever empty, which llama.cpp's clients check)."""
+        return [self._chunk(i, {"role": "assistant", "content": None}) for i in range(self.creq.n)]
 
     def stream_events(self, index: int, ev: ReplyEvent) -> list[bytes]:
         """The chunks for one event of choice ``index`` (and keeps what it needs for ``end_events``)."""

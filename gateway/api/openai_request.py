@@ -38,6 +38,8 @@ from gateway.errors import GatewayError
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "verbosity", "web_search_options",
+    # llama.cpp's server's cache and slot hints (the prefix cache always serves here; no slots)
+    "cache_prompt", "id_slot",
 })
 NEW_SESSION = "new"
 

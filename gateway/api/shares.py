@@ -59,8 +59,8 @@ def snapshot(title: str, messages: list[dict[str, Any]], now: float) -> dict[str
 
 
 def _keys(state: Any, uid: str) -> tuple[str, str]:
-    prefix = state.store.keys.prefix
-    return f"{prefix}chat:share:", f"{prefix}chat:user:{uid}:shares"
+    keys = state.store.keys
+    return keys.share(""), keys.user_shares(uid)
 
 
 def _link(share_id: str, sid: str, title: str, now: float, expires_at: float | None) -> dict[str, Any]:
@@ -156,7 +156,7 @@ async def share_page(request: Request) -> Response:
     raw = None
     if isinstance(share_id, str) and _ID_RE.match(share_id):
         async with redis_errors():
-            raw = await state.redis.get(f"{state.store.keys.prefix}chat:share:{share_id}")
+            raw = await state.redis.get(state.store.keys.share(share_id))
     web_dir = str(state.config.web_dir)
     if web_dir not in _templates:
         _templates[web_dir] = Jinja2Templates(directory=web_dir)

@@ -72,7 +72,7 @@ class ChatTransfer:
 
     def index_key(self, uid: str) -> str:
         """The user's import index (source -> chat id)."""
-        return f"{self.keys.prefix}chat:user:{uid}:imports"
+        return self.keys.user_imports(uid)
 
     async def _already_here(self, uid: str, source: str) -> bool:
         """Whether ``source`` names a chat this user has now (an index entry of a chat
@@ -120,7 +120,7 @@ class ChatTransfer:
         """The chat's versions as exported: anchor -> ``[{"messages": [stored message
         dicts]} | {"current": True}]`` (token ids left out)."""
         async with redis_errors():
-            raw: dict[str, str] = await self.redis.hgetall(self.keys.session(sid) + ":versions")  # type: ignore[assignment]
+            raw: dict[str, str] = await self.redis.hgetall(self.keys.session_versions(sid))  # type: ignore[assignment]
         out: dict[str, list[dict[str, Any]]] = {}
         for anchor, entries in raw.items():
             out[anchor] = [{"current": True} if e.get("cur") else {"messages": [json.loads(m) for m in e.get("m", [])]}

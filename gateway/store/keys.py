@@ -8,6 +8,9 @@ Layout (every name under the configured key prefix):
     chat:user:{uid}:rate:{minute}     counter     chat/regenerate frames in that clock minute
     chat:user:{uid}:defaults          string      the user's defaults for new chats (JSON)
     chat:user:{uid}:tokens            hash        access token id -> its public info (JSON)
+    chat:user:{uid}:imports           hash        import source -> the chat imported from it
+    chat:user:{uid}:shares            hash        the user's share links (share id -> link JSON)
+    chat:share:{id}                   string      a share link's read-only snapshot of a chat (JSON)
     chat:token:{sha256 hex}           hash        an access token's uid, id, name, created_at
     chat:session:{sid}                hash        owner, title, system_prompt, params, times, active
     chat:session:{sid}:messages       list        message JSON, appended only (RPUSH)
@@ -59,6 +62,18 @@ class Keys:
     def user_tokens(self, uid: str) -> str:
         """Hash of the user's access tokens: token id -> public info (JSON)."""
         return f"{self.prefix}chat:user:{uid}:tokens"
+
+    def user_imports(self, uid: str) -> str:
+        """Hash of the user's imported chats: source -> chat id (an import done twice is one chat)."""
+        return f"{self.prefix}chat:user:{uid}:imports"
+
+    def user_shares(self, uid: str) -> str:
+        """Hash of the user's share links (``gateway.api.shares``)."""
+        return f"{self.prefix}chat:user:{uid}:shares"
+
+    def share(self, share_id: str) -> str:
+        """A share link's snapshot (``share("")`` is the prefix the ids follow)."""
+        return f"{self.prefix}chat:share:{share_id}"
 
     def token(self, digest: str) -> str:
         """Hash of one access token, by the SHA-256 hex digest of the token."""

@@ -29,7 +29,8 @@ def message(ac: anthropic.Anthropic, **kw: Any) -> Any:
     kw.setdefault("messages", [{"role": "user", "content": ASK}])
     kw.setdefault("max_tokens", 12)
     kw.setdefault("extra_body", {"temperature": 0})  # the SDK's own fields no longer include it
-    return ac.messages.create(model="default", **kw)
+    kw.setdefault("model", "default")
+    return ac.messages.create(**kw)
 
 
 # ---- Anthropic Messages ----------------------------------------------------------------
@@ -42,7 +43,8 @@ def test_a_message_answers_text_with_anthropic_usage(api_gateway):
     assert m.content[0].type == "text" and m.content[0].text
     assert m.stop_reason in ("end_turn", "max_tokens")
     assert 0 < m.usage.output_tokens <= 12 and m.usage.input_tokens > 0
-    longer = message(ac, system="You are terse. Answer in few words, and never apologise.")
+    # a Claude model name means the one model served
+    longer = message(ac, system="You are terse. Answer in few words, and never apologise.", model="claude-sonnet-4-5")
     assert (m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
             < longer.usage.input_tokens + (longer.usage.cache_read_input_tokens or 0))  # the system prompt is read
 
