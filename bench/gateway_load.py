@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="use this engine instead of starting one; 'fake': a fake engine that writes "
                         "--fake-rate tokens/s per reply and computes nothing, so the gateway alone is measured")
     p.add_argument("--fake-rate", type=float, default=50.0, help="tokens/s per reply of --engine fake")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="the gateway's event loop")
     p.add_argument("--model", default=None, help="model folder for the started engine (default: SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="engine torch threads")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_url = eng.match.group(1)
         profiler = ["--profile", a.profile] if a.profile else []
         gw = start_child([sys.executable, "-m", "bench.serving_lib.gateway_proc", *profiler, "--engine", engine_url,
-                          "--redis-url", a.redis_url, "--key-prefix", prefix, "--tap"],
+                          "--redis-url", a.redis_url, "--key-prefix", prefix, "--tap", "--loop", a.loop],
                          r"GATEWAY READY (http://\S+)", 120, env, str(ROOT))
         children.append(gw)
         base_url = gw.match.group(1)

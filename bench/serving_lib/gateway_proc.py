@@ -90,20 +90,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing-policy", default=None, help="routing POLICIES (default: the gateway's)")
     p.add_argument("--routing-load-tokens", type=float, default=None, help="cache_aware's load weight (tokens)")
     p.add_argument("--profile", default=None, metavar="PATH", help="cProfile the gateway; stats to PATH on SIGTERM")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the event loop (python -m gateway runs asyncio's)")
     a = p.parse_args(argv)
     if a.profile:
         _profile_until_sigterm(a.profile)
     config = GatewayConfig().with_overrides(
         host="127.0.0.1", port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix,
         engine_urls=tuple(a.engine), secret_key=new_secret(),
-        limits={"max_messages_per_minute": 100_000, "max_generations_per_user": a.max_generations_per_user},
+        # every benchmark client connects from one address: its per-address caps are lifted
+        limits={"max_messages_per_minute": 100_000, "max_generations_per_user": a.max_generations_per_user,
+                "ws_max_sockets_per_address": 100_000, "http_max_connections_per_address": None},
         routing={k: v for k, v in (("policy", a.routing_policy), ("load_tokens", a.routing_load_tokens))
                  if v is not None} or None)
     app = build_app(config, EngineTap() if a.tap else None)
     sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
     server = uvicorn.Server(uvicorn_config(app, config, "warning"))
+    serving = serve_and_announce(server, sock, f"GATEWAY READY http://127.0.0.1:{sock.getsockname()[1]}")
     try:
-        asyncio.run(serve_and_announce(server, sock, f"GATEWAY READY http://127.0.0.1:{sock.getsockname()[1]}"))
+        if a.loop == "uvloop":
+            import uvloop
+
+            uvloop.run(serving)
+        else:
+            asyncio.run(serving)
     except KeyboardInterrupt:
         pass
     return 0

@@ -48,6 +48,7 @@ from gateway.engines.client import EngineRouter
 from gateway.engines.run import PASSTHROUGH_CODES, EngineRun, error_status, user_code
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
+from gateway.replies.reply_end import ReplyEnd
 from gateway.replies.tail import ReplyLog
 from gateway.retry import Backoff, Outage, is_store_unavailable, keep_connected, retry
 from gateway.store.connection import close_quietly
@@ -579,49 +580,38 @@ class GenerationManager:
             await self._end_with_error(turn, code, message, error_status(end))
             return
         reason = end.finish_reason
-        usage = {"prompt_tokens": end.usage.prompt_tokens, "cached_tokens": end.usage.cached_tokens,
-                 "completion_tokens": end.usage.completion_tokens}
-        if end.usage.cached_disk_tokens:  # of cached_tokens, restored from the engine's disk KV tier
-            usage["cached_disk_tokens"] = end.usage.cached_disk_tokens
-        t = end.timings
-        # acceptance_rate / tokens_per_step: how speculative decoding went (0.0 / 1.0 without it)
-        timings = {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms, "e2e_ms": t.e2e_ms,
-                   "acceptance_rate": t.acceptance_rate, "tokens_per_step": t.tokens_per_step}
-        if turn.synthetic_end:
-            usage["completion_tokens"] = len(turn.output_ids)
-        assistant = {"content": "".join(turn.parts), "status": "partial" if reason == "abort" else "complete",
-                     "finish_reason": reason, "usage": usage, "timings": timings, "created_at": time.time(),
-                     "request_id": rid}
-        if reason == "abort":  # an abort nobody here asked for is the engine shutting down
-            assistant["cut_reason"] = turn.cut_reason or "engine_lost"
+        # an abort nobody here asked for is the engine shutting down
+        reply_end = ReplyEnd.of_done(end, (turn.cut_reason or "engine_lost") if reason == "abort" else None,
+                                     len(turn.output_ids) if turn.synthetic_end else None)
+        created_at = time.time()
         user_seg = a_seg = None
         if turn.continued is not None:
             new_ids = turn.output_ids if turn.synthetic_end else list(end.output_token_ids)
             if new_ids or turn.output_ids:
                 a_seg = {"ids": turn.continued_ids + list(new_ids), "base": False}
-            assistant["created_at"] = turn.continued.get("created_at", assistant["created_at"])
+            created_at = turn.continued.get("created_at", created_at)
         elif not turn.synthetic_end and end.prompt_token_ids:
             user_seg = history.user_segment(list(end.prompt_token_ids), end.prefix_reused)
             a_seg = {"ids": list(end.output_token_ids), "base": False}
         # else no ids came back (an OpenAI-compatible upstream): the turn stores no token
         # segments, so the next turn's exact prefix stops before it and its text is re-read
+        assistant = reply_end.stored_message("".join(turn.parts), created_at, rid)
         try:
             await self._flush_unsent(turn)
             stored = await self._store_retrying(rid, "storing the reply", lambda: self.store.finish_turn(
                 turn.owner, turn.session_id, begun, assistant, user_seg, a_seg))
             if stored != "ok":
                 log.warning("reply %s not stored: %s", rid, stored)
-            done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,
-                    "finish_reason": reason, "usage": usage, "timings": timings}
-            if begun.title and await self._title_kept(turn):
-                done["title"] = begun.title  # not when the chat was renamed while the reply ran
+            # the title is announced unless the chat was renamed while the reply ran
+            title = begun.title if begun.title and await self._title_kept(turn) else None
+            done = reply_end.done_entry(rid, turn.session_id, begun.message_id, title)
             await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
             turn.log.finish(StreamEntry("done", turn.seq, {"t": "done", "d": dumps(done)}))
         except GatewayError as e:
             log.error("reply %s could not be stored within %.0f s (%s); it is lost",
                       rid, self.config.store_retry_s, e.message)
             self._log_gave_up(turn)
-        self.events.on_finish(rid, reason, usage, timings, time.perf_counter())
+        self.events.on_finish(rid, reason, reply_end.usage(), reply_end.timings_dict(), time.perf_counter())
 
     async def _title_kept(self, turn: _Turn) -> bool:
         """True when the chat still has the title this turn gave it."""
@@ -661,16 +651,11 @@ class GenerationManager:
                 return
             await self._flush_unsent(turn)
             cut = "engine_lost" if code == "engine_unavailable" else "upstream_error" if status else "error"
-            assistant = {"content": "".join(turn.parts), "status": "partial", "finish_reason": "error",
-                         "error": error, "cut_reason": cut,
-                         "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": len(turn.output_ids)},
-                         "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": time.time(),
-                         "request_id": rid}
+            reply_end = ReplyEnd.of_error(error, cut, len(turn.output_ids))
+            assistant = reply_end.stored_message("".join(turn.parts), time.time(), rid)
             await self._store_retrying(rid, "storing the partial reply", lambda: self.store.finish_turn(
                 turn.owner, turn.session_id, begun, assistant, None, None))
-            done = {"request_id": rid, "session_id": turn.session_id, "message_id": begun.message_id,
-                    "finish_reason": "error", "usage": assistant["usage"], "timings": assistant["timings"],
-                    "error": error}
+            done = reply_end.done_entry(rid, turn.session_id, begun.message_id)
             await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
             turn.log.finish(StreamEntry("done", turn.seq, {"t": "done", "d": dumps(done)}))
         except GatewayError as e:

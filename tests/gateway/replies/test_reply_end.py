@@ -1,0 +1,45 @@
+"""The typed reply end (gateway/replies/reply_end.py): the stored message and the stream's
+``done`` entry of a whole, a stopped and a failed reply, both from one ``ReplyEnd``."""
+
+from __future__ import annotations
+
+from engine.protocol import DoneFrame, Timings, Usage
+from gateway.replies.reply_end import ReplyEnd
+
+TIMINGS = Timings(ttft_ms=12.0, tpot_ms=3.0, e2e_ms=40.0, queue_ms=1.0, acceptance_rate=0.5, tokens_per_step=1.5)
+
+
+def test_a_whole_reply_stores_and_announces_the_same_usage_and_timings():
+    done = DoneFrame("r1", finish_reason="length", usage=Usage(10, 4, 7, 2), timings=TIMINGS)
+    end = ReplyEnd.of_done(done, None)
+    msg = end.stored_message("text", 5.0, "r1")
+    assert msg == {"content": "text", "status": "complete", "finish_reason": "length",
+                   "usage": {"prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 7, "cached_disk_tokens": 2},
+                   "timings": {"ttft_ms": 12.0, "tpot_ms": 3.0, "e2e_ms": 40.0, "acceptance_rate": 0.5,
+                               "tokens_per_step": 1.5},
+                   "created_at": 5.0, "request_id": "r1"}
+    entry = end.done_entry("r1", "s1", "m1", title="A title")
+    assert entry == {"request_id": "r1", "session_id": "s1", "message_id": "m1", "finish_reason": "length",
+                     "usage": msg["usage"], "timings": msg["timings"], "title": "A title"}
+
+
+def test_a_stopped_reply_is_partial_with_its_cut_reason_and_the_count_it_received():
+    end = ReplyEnd.of_done(DoneFrame("r1", finish_reason="abort", usage=Usage(3, 0, 9)), "user_stop",
+                           completion_tokens=5)
+    msg = end.stored_message("te", 1.0, "r1")
+    assert msg["status"] == "partial" and msg["cut_reason"] == "user_stop"
+    assert msg["usage"] == {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 5}
+    assert "title" not in end.done_entry("r1", "s1", "m1")
+
+
+def test_a_failed_reply_keeps_its_error_and_zero_timings_in_both():
+    error = {"code": "engine_unavailable", "message": "gone"}
+    end = ReplyEnd.of_error(error, "engine_lost", completion_tokens=4)
+    msg = end.stored_message("par", 2.0, "r1")
+    assert msg == {"content": "par", "status": "partial", "finish_reason": "error", "error": error,
+                   "cut_reason": "engine_lost",
+                   "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 4},
+                   "timings": {"ttft_ms": 0.0, "tpot_ms": 0.0, "e2e_ms": 0.0}, "created_at": 2.0, "request_id": "r1"}
+    assert end.done_entry("r1", "s1", "m1") == {
+        "request_id": "r1", "session_id": "s1", "message_id": "m1", "finish_reason": "error",
+        "usage": msg["usage"], "timings": msg["timings"], "error": error}
