@@ -72,6 +72,9 @@ class EngineCounters:
     cached_disk_tokens_total: int = 0  # of those, restored from the disk tier
     completion_tokens_total: int = 0
     steps_total: int = 0
+    decode_steps_total: int = 0  # steps that decoded for at least one request
+    mixed_steps_total: int = 0  # of those, steps that also computed a prompt chunk
+    mixed_prompt_tokens_total: int = 0  # prompt tokens computed in those mixed steps
     aborted_total: int = 0
     spec_drafted_total: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted_total: int = 0  # of those, kept
@@ -294,6 +297,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.items:
             return []
+        self._count_step_mix(sched)
         sampled = self.runner.execute(sched)
         accepted = self._verify(sched, sampled)
         self.scheduler.on_step_done(sched, accepted)
@@ -322,6 +326,18 @@ class EngineCore:
                 req.decode_steps += 1
             outputs.append(self._on_tokens(req, tokens, lps, now, len(item.spec), kept))
         return outputs
+
+    def _count_step_mix(self, sched: ScheduledBatch) -> None:
+        """Count a step that decodes for some request: and whether a prompt chunk rode in it
+        (every decoding request then waited for that chunk), with the chunk's tokens."""
+        prompt = sum(i.num_new for i in sched.items if i.request.num_computed_tokens < len(i.request.prompt_ids))
+        if prompt == sum(i.num_new for i in sched.items):
+            return  # no request decodes in this step
+        c = self.counters
+        c.decode_steps_total += 1
+        if prompt:
+            c.mixed_steps_total += 1
+            c.mixed_prompt_tokens_total += prompt
 
     def _count_drafts(self, req: Request, drafted: int, kept: int, used: int | None) -> None:
         """Count one verification of ``drafted`` drafts of which ``kept`` were right, in the
@@ -551,6 +567,9 @@ class EngineCore:
             "cached_disk_tokens_total": c.cached_disk_tokens_total,
             "completion_tokens_total": c.completion_tokens_total,
             "steps_total": c.steps_total,
+            "decode_steps_total": c.decode_steps_total,
+            "mixed_steps_total": c.mixed_steps_total,
+            "mixed_prompt_tokens_total": c.mixed_prompt_tokens_total,
             "spec_drafted_total": c.spec_drafted_total,
             "spec_accepted_total": c.spec_accepted_total,
             "spec_steps_total": c.spec_steps_total,

@@ -17,6 +17,7 @@ last token itself.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from engine.tiers.manager import page_refs
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KvTransferError", "PullResult", "fetch_pages", "pull_prompt"]
 
@@ -88,8 +91,10 @@ async def fetch_pages(url: str, frame: KvFetchFrame, timeout_s: float,
     pages: list[bytes] = []
 
     async def run() -> str:
+        # no per-message deflate: pages are dense numbers, and compressing them cost more
+        # than sending them (46 MB took 2.9 s on one core with it)
         async with connect(url, additional_headers=headers, max_size=MAX_FRAME_BYTES, open_timeout=timeout_s,
-                           ping_interval=None) as ws:
+                           ping_interval=None, compression=None) as ws:
             await ws.recv()  # hello
             await ws.send(encode(frame))
             async for msg in ws:
@@ -140,14 +145,19 @@ async def pull_prompt(engine: AsyncEngine, token_ids: list[int], url: str, cache
     frame = KvFetchFrame(f"pull-{id(result):x}", token_ids[:wanted_end * bs], have, wanted_end - have, cache_salt,
                          shared_tokens)
     raw, error = await fetch_pages(url, frame, core.config.kv_pull_timeout_s)
+    fetched = time.monotonic()
     raw = raw[:frame.num_pages]  # a source that sends more than asked gets no further
     result.bytes = sum(len(r) for r in raw)
     loop = asyncio.get_running_loop()
     kvs, check_error = await loop.run_in_executor(None, _check_pages, engine, raw, token_ids, scope, have)
     error = check_error or error
+    checked = time.monotonic()
     if kvs:
         result.pages_held = await engine.call(adopt_pages, token_ids, scope, have, kvs)
         result.pages_adopted = max(0, result.pages_held - have)
+    log.debug("pulled %d pages (%d bytes) from %s: fetch %.1f ms, check %.1f ms, adopt %.1f ms", len(raw),
+              result.bytes, url, (fetched - start) * 1000, (checked - fetched) * 1000,
+              (time.monotonic() - checked) * 1000)
     if not error and result.pages_held < wanted_end:
         error = f"{wanted_end - result.pages_held} pages did not fit this engine's pool"
     result.error = error

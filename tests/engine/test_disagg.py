@@ -285,3 +285,12 @@ async def test_an_abort_during_a_transfer_leaves_both_engines_whole(tiny_model_d
         await _assert_idle_whole(p, d)
         for eng in (p, d):  # with every cached page evicted, every block is free
             assert await eng.call(lambda c: (c.evict_all(), c.pool.num_free)[1]) == eng.core.pool.num_blocks
+
+
+@pytest.mark.parametrize("bad", [{"role": "router"}, {"kv_pull_failure": "retry"}, {"kv_pull_timeout_s": 0}])
+def test_bad_role_and_pull_settings_are_config_errors(bad):
+    from engine.config import EngineConfig
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        EngineConfig(**bad)
