@@ -180,8 +180,8 @@ async def test_stop_during_the_prefill_phase_ends_the_turn_and_frees_both_engine
             return s["running"] == s["waiting"] == 0 and s["blocks_held_by_requests"] == 0 \
                 and s["blocks_free"] + s["blocks_evictable"] == s["num_blocks"]
 
-        for url in (p.url, d.url):
-            await wait_for(lambda u=url: idle(u), 30)
+        await wait_for(lambda: idle(p.url), 30)
+        await wait_for(lambda: idle(d.url), 30)
     finally:
         gate.resume()
         gate.close()
