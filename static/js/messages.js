@@ -49,6 +49,8 @@ export class MessageView {
     this.listEl.addEventListener("click", (ev) => {
       const btn = ev.target.closest("button.show-more");
       if (btn && this.listEl.contains(btn)) this.toggleCollapsed(btn);
+      const view = ev.target.closest("button.chip-view");
+      if (view && this.listEl.contains(view)) this.toggleFileText(view);
     });
   }
 
@@ -117,7 +119,20 @@ export class MessageView {
       const chips = this.doc.createElement("ul");
       chips.className = "attachment-chips in-message";
       chips.setAttribute("aria-label", "Attached files");
-      for (const a of info.attachments) chips.append(chipElement(this.doc, a));
+      info.attachments.forEach((a, i) => {
+        const chip = chipElement(this.doc, a);
+        if (a.text) {
+          const view = this.doc.createElement("button");
+          view.type = "button";
+          view.className = "chip-view";
+          view.dataset.index = String(i);
+          view.textContent = "View";
+          view.setAttribute("aria-label", `View ${a.name}`); // the visible word first (WCAG 2.5.3)
+          view.setAttribute("aria-expanded", "false");
+          chip.append(view);
+        }
+        chips.append(chip);
+      });
       li.append(chips);
       if (!content) body.hidden = true;
     }
@@ -151,6 +166,43 @@ export class MessageView {
       btn.textContent = "Show more";
       body.after(btn);
     }
+  }
+
+  /**
+   * @private Show (or hide) the text the model read of a sent file, under its message's
+   * files: one file's at a time, filled on first view (a file's text can be long).
+   * @param {HTMLButtonElement} btn  a chip's View button
+   */
+  toggleFileText(btn) {
+    const li = btn.closest(".msg.user");
+    const file = (li.attachments || [])[Number(btn.dataset.index)];
+    if (!file) return;
+    let box = li.querySelector(".attachment-preview");
+    const open = btn.getAttribute("aria-expanded") === "true";
+    const files = li.attachments || [];
+    for (const b of li.querySelectorAll("button.chip-view")) {
+      b.setAttribute("aria-expanded", "false");
+      b.setAttribute("aria-label", `View ${files[Number(b.dataset.index)]?.name || "file"}`);
+      b.textContent = "View";
+    }
+    if (open) {
+      box.hidden = true;
+      return;
+    }
+    if (!box) {
+      box = this.doc.createElement("pre");
+      box.className = "attachment-preview";
+      box.id = `attachment-preview-${++this.bodyIds}`;
+      box.tabIndex = 0; // scrollable: reachable by keyboard
+      li.querySelector(".attachment-chips").after(box);
+    }
+    box.setAttribute("aria-label", `Text of ${file.name}`);
+    box.textContent = file.text;
+    box.hidden = false;
+    btn.setAttribute("aria-controls", box.id);
+    btn.setAttribute("aria-expanded", "true");
+    btn.setAttribute("aria-label", `Hide ${file.name}`);
+    btn.textContent = "Hide";
   }
 
   /** @private "Show more" / "Show less" on a long user message */
