@@ -25,13 +25,50 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import Decoding, EngineCore
 from engine.errors import EngineError, InvalidRequestError, InvariantError
 from engine.outputs import GenerateRequest, RequestOutput, Timings, Usage
 from engine.prompt import PromptBuilder
 from engine.protocol import EngineInfo
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Add:
+    """Inbox: start a request whose prompt is built (``EngineCore.add_request``'s arguments)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str
+    prefix_reused: bool
+    arrival_s: float
+    continued_tokens: int
+    detok: IncrementalDetokenizer | None
+    shared_tokens: int
+    decoding: Decoding | None
+
+
+@dataclasses.dataclass
+class _Abort:
+    """Inbox: abort a request."""
+
+    request_id: str
+
+
+@dataclasses.dataclass
+class _Call:
+    """Inbox: run ``fn(core, *args)`` between two steps and settle ``future`` with its result."""
+
+    future: Future[Any]
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+_InboxItem = _Add | _Abort | _Call
 
 
 class AsyncEngine:
@@ -46,7 +83,7 @@ class AsyncEngine:
         self.core = core
         self.info = info
         self.prompts = prompt_builder
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
         self._wake = threading.Event()
         if core.tiers is not None:
             core.tiers.wake = self._wake.set  # a finished restore wakes an idle step loop
@@ -110,6 +147,7 @@ class AsyncEngine:
                           format=fmt.describe(), tokenizer_dir=str(Path(loaded.path).resolve()),
                           tool_format=core.tool_format.name, role=config.role)
         prompts = PromptBuilder(loaded.tokenizer, mc.vocab_size)
+        info.think_markers, info.think_in_prompt = prompts.thinking()
         if verbose:
             for warning in prompts.lint_template():
                 log.warning("%s", warning)
@@ -196,8 +234,8 @@ class AsyncEngine:
             with self._lock:  # against _loop's last drain: added before it, or aborted here
                 closed = self._closed
                 if not closed:
-                    self._inbox.put(("add", (rid, ids, params, request.cache_salt, reused, arrival,
-                                             request.continued_tokens, detok, shared, decoding)))
+                    self._inbox.put(_Add(rid, ids, params, request.cache_salt, reused, arrival,
+                                         request.continued_tokens, detok, shared, decoding))
             if closed:
                 finished = True
                 yield _aborted_before_start(rid, ids, reused, arrival)
@@ -237,7 +275,7 @@ class AsyncEngine:
         with self._lock:
             if request_id in self._streams:
                 self._cancelled.add(request_id)
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
         self._wake.set()
 
     def snapshot(self) -> tuple[dict, float]:
@@ -319,7 +357,7 @@ class AsyncEngine:
     async def call(self, fn, *args):
         """Run ``fn(core, *args)`` on the step thread between two steps (tests, admin)."""
         fut: Future = Future()
-        self._inbox.put(("call", (fut, fn, args)))
+        self._inbox.put(_Call(fut, fn, args))
         self._wake.set()
         return await asyncio.wrap_future(fut)
 
@@ -362,8 +400,8 @@ class AsyncEngine:
             for out, rid in replies:
                 self._deliver(out, rid)
 
-    def _take_inbox(self) -> Iterator[tuple[str, Any]]:
-        """The inbox's ``(kind, arg)`` items, oldest first, until it is empty."""
+    def _take_inbox(self) -> Iterator[_InboxItem]:
+        """The inbox's items, oldest first, until it is empty."""
         while True:
             try:
                 yield self._inbox.get_nowait()
@@ -371,36 +409,37 @@ class AsyncEngine:
                 return
 
     def _drain_inbox_items(self, replies: list[tuple[RequestOutput | BaseException, str]]) -> None:
-        for kind, arg in self._take_inbox():
-            if kind == "add":
-                rid, ids, params, salt, reused, arrival, continued, detok, shared, decoding = arg
+        for item in self._take_inbox():
+            if isinstance(item, _Add):
+                rid = item.request_id
                 with self._lock:
                     alive = rid in self._streams
                     cancelled = rid in self._cancelled
                 if not alive:
                     continue  # the caller left before we started it
                 if cancelled:  # aborted between submission and now
-                    replies.append((_aborted_before_start(rid, ids, reused, arrival), rid))
+                    replies.append((_aborted_before_start(rid, item.prompt_ids, item.prefix_reused,
+                                                          item.arrival_s), rid))
                     continue
                 try:
-                    self.core.add_request(rid, ids, params, salt, reused, arrival, continued, detok,
-                                          shared_tokens=shared, decoding=decoding)
+                    self.core.add_request(rid, item.prompt_ids, item.params, item.cache_salt, item.prefix_reused,
+                                          item.arrival_s, item.continued_tokens, item.detok,
+                                          shared_tokens=item.shared_tokens, decoding=item.decoding)
                 except EngineError as e:
                     replies.append((e, rid))
                 except Exception as e:  # a bug must reach the caller as an error, not a hang
                     log.exception("adding request %s failed", rid)
                     replies.append((EngineError(f"could not start the request: {type(e).__name__}"), rid))
-            elif kind == "abort":
-                out = self.core.abort(arg)
+            elif isinstance(item, _Abort):
+                out = self.core.abort(item.request_id)
                 if out is not None:
-                    replies.append((out, arg))
-            elif kind == "call":
-                fut, fn, args = arg
-                if fut.set_running_or_notify_cancel():
+                    replies.append((out, item.request_id))
+            else:
+                if item.future.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(self.core, *args))
+                        item.future.set_result(item.fn(self.core, *item.args))
                     except BaseException as e:  # hand it to the caller
-                        fut.set_exception(e)
+                        item.future.set_exception(e)
 
     def _loop(self) -> None:
         try:
@@ -417,14 +456,12 @@ class AsyncEngine:
 
     def _abort_inbox(self) -> None:
         """After the last step: requests submitted but never added end with ``abort``."""
-        for kind, arg in self._take_inbox():
-            if kind == "add":
-                rid, ids, _params, _salt, reused, arrival, _continued, _detok, _shared, _decoding = arg
-                self._deliver(_aborted_before_start(rid, ids, reused, arrival), rid)
-            elif kind == "call":
-                fut = arg[0]
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(RuntimeError("the engine has stopped"))
+        for item in self._take_inbox():
+            if isinstance(item, _Add):
+                self._deliver(_aborted_before_start(item.request_id, item.prompt_ids, item.prefix_reused,
+                                                    item.arrival_s), item.request_id)
+            elif isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(RuntimeError("the engine has stopped"))
 
     def _steps(self) -> None:
         was_busy = False

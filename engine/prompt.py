@@ -32,6 +32,9 @@ from engine.tools.formats import ToolFormat, template_messages, tool_format_for
 ROLES = ("system", "user", "assistant", "tool")
 MAX_TOOL_CALLS_PER_MESSAGE = 128
 
+# the reasoning markers a chat template may declare (``PromptBuilder.thinking``)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
 
 def _as_id_list(x: Any) -> list[int]:
     """apply_chat_template(tokenize=True) returns a list, or a BatchEncoding in newer
@@ -296,6 +299,25 @@ class PromptBuilder:
         if not tail.startswith(seen):
             return None
         return tail[len(seen):] + full[len(hist):]
+
+    def thinking(self) -> tuple[list[str], bool]:
+        """The reasoning markers the chat template declares and whether its generation
+        prompt opens them.
+
+        Returns:
+            ``(["<think>", "</think>"], in_prompt)`` when the template names both markers
+            (the form Qwen3, DeepSeek-R1 and their kin write reasoning in), else ``([],
+            False)``. ``in_prompt``: the generation prompt ends with the opening marker
+            (DeepSeek-R1's template), so the reply starts inside the reasoning.
+        """
+        t = getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(t, str) or THINK_OPEN not in t or THINK_CLOSE not in t:
+            return [], False
+        try:
+            prompt = self._render_text([{"role": "user", "content": "U"}], True)
+        except Exception:  # a template that rejects a one-message chat is reported elsewhere
+            return [THINK_OPEN, THINK_CLOSE], False
+        return [THINK_OPEN, THINK_CLOSE], isinstance(prompt, str) and prompt.rstrip().endswith(THINK_OPEN)
 
     def lint_template(self) -> list[str]:
         """Warnings about a chat template whose history rendering differs from what the

@@ -101,6 +101,10 @@ class EngineInfo:
         tool_format: how the model writes tool calls ("hermes", "llama3_json" or
             "generic"; ``engine.tools.formats``).
         role: "both", "prefill" or "decode" (``EngineConfig.role``; protocol 8).
+        think_markers: the opening and closing markers of the model's reasoning, when its
+            chat template declares them (``["<think>", "</think>"]``), else empty.
+        think_in_prompt: the generation prompt ends with the opening marker, so each
+            reply starts inside its reasoning (the marker is not part of its text).
     """
 
     model: str
@@ -117,6 +121,8 @@ class EngineInfo:
     tokenizer_dir: str = ""
     tool_format: str = ""
     role: str = "both"
+    think_markers: list[str] = field(default_factory=list)
+    think_in_prompt: bool = False
 
 
 # ----- gateway -> engine ---------------------------------------------------------------

@@ -43,7 +43,8 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 MAX_MESSAGES = 20_000  # messages of one chat, all versions together
 MAX_CHARS = 4_000_000  # characters of one message
 _STATUS = ("complete", "partial", "error")
-_KEEP = ("status", "finish_reason", "cut_reason", "usage", "timings", "error", "created_at", "attachments")
+_KEEP = ("status", "finish_reason", "cut_reason", "usage", "timings", "error", "created_at", "attachments",
+         "reasoning_ms", "model")
 
 
 @dataclass
@@ -97,6 +98,8 @@ def _message(raw: Any, ids: dict[str, str]) -> dict[str, Any]:
             out[k] = raw[k]
     if out.get("status") not in _STATUS:
         out["status"] = "complete"
+    if not isinstance(out.get("model", ""), str) or not isinstance(out.get("reasoning_ms", 0.0), (int, float)):
+        raise GatewayError("invalid_request", "a message's 'model' must be text and its 'reasoning_ms' a number")
     if "attachments" in out:
         out["attachments"] = [a.to_json() for a in parse_attachments(out["attachments"], ATTACHMENT_LIMITS)]
     return out

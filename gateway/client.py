@@ -1,4 +1,4 @@
-"""Terminal client: ``python -m gateway.client [--url URL] [--token T] [--session ID] "question"``.
+"""Terminal client: ``python -m gateway.client [--url URL] [--token T] [--session ID] [--model M] "question"``.
 
 Opens the gateway's WebSocket, sends the question and prints the reply as it streams.
 The chat id and the reply's numbers go to stderr, so ``--session`` can continue the chat.
@@ -8,6 +8,10 @@ the chat page's "Access tokens" dialog) the client acts as the browser user who 
 so its chats show in that user's sidebar and a chat from the browser's URL
 (``#/c/<id>``) continues here with ``--session <id>``. Without one it is an anonymous
 user of its own: a cookie from ``GET /api/config``, kept in ``--cookie-file`` between runs.
+
+A reply's reasoning (the text between the model's thinking markers,
+``gateway/reasoning.py``) goes to stderr under "[thinking]" and ends with "[thought
+for N s]", so stdout holds the answer alone; ``--no-reasoning`` leaves it out.
 
 Ctrl-C stops the reply (the gateway is sent ``cancel``, the partial reply is stored)
 and exits with status 130.
@@ -35,6 +39,7 @@ from websockets.typing import Origin
 from engine.sampling_params import param_error, range_text
 from engine.text_checks import text_error
 from gateway.api.auth import COOKIE_NAME
+from gateway.reasoning import ReasoningSplitter
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "CHAT_TOKEN"
@@ -139,9 +144,11 @@ def upload_attachments(base: str, paths: list[Path], cookie: str | None, token: 
 async def ask(url: str, cookie: str | None, question: str, session_id: str | None = None,
               params: dict[str, Any] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
               token: str | None = None, interrupted: asyncio.Event | None = None,
-              attachments: list[dict[str, Any]] | None = None) -> int:
+              attachments: list[dict[str, Any]] | None = None, show_reasoning: bool = True,
+              model: str | None = None) -> int:
     """Send one question (with ``attachments``: ``upload_attachments``'s) and print the
-    streamed reply.
+    streamed reply (its answer to ``out``, its reasoning to ``err`` unless
+    ``show_reasoning`` is False).
 
     Args:
         url: the gateway's WebSocket URL (``socket_url``).
@@ -149,6 +156,8 @@ async def ask(url: str, cookie: str | None, question: str, session_id: str | Non
         token: a personal access token (sent as ``X-Chat-Token``).
         interrupted: set it (Ctrl-C) to stop the reply: ``cancel`` is sent and the
             stopped reply's end awaited (at most ``CANCEL_WAIT_S``).
+        model: the model to answer (kept with the chat for its later turns); None: the
+            chat's, or the gateway's default for a new chat.
     Returns:
         0, 1 on an error frame or a dropped socket, 130 when interrupted.
     Raises:
@@ -164,15 +173,45 @@ async def ask(url: str, cookie: str | None, question: str, session_id: str | Non
         frame["params"] = params
     if attachments:
         frame["attachments"] = attachments
+    if model:
+        frame["model"] = model
     headers = {"X-Chat-Token": token} if token else {"Cookie": f"{COOKIE_NAME}={cookie}"}
     async with connect(url, origin=Origin(base), additional_headers=headers, max_size=None) as ws:
         await ws.send(json.dumps(frame))
-        return await _follow(ws, out, err, interrupted)
+        return await _follow(ws, out, err, interrupted, show_reasoning)
 
 
-async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: asyncio.Event) -> int:
+class _ReplyPrinter:
+    """Writes a streamed reply: the answer to ``out``, the reasoning to ``err`` (or nowhere)."""
+
+    def __init__(self, out: TextIO, err: TextIO, show_reasoning: bool) -> None:
+        self.out, self.err, self.show = out, err, show_reasoning
+        self.think = ReasoningSplitter()
+        self.said_thinking = False
+        self.said_thought = False
+
+    def write(self, reasoning: str, answer: str, reasoning_ms: float | None = None) -> None:
+        if reasoning and self.show:
+            if not self.said_thinking:
+                self.err.write("[thinking]\n")
+                self.said_thinking = True
+            self.err.write(reasoning)
+            self.err.flush()
+        if self.said_thinking and not self.said_thought and (answer or reasoning_ms is not None):
+            when = f" for {reasoning_ms / 1000:.1f} s" if reasoning_ms is not None else ""
+            self.err.write(f"\n[thought{when}]\n")
+            self.err.flush()
+            self.said_thought = True
+        if answer:
+            self.out.write(answer)
+            self.out.flush()
+
+
+async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: asyncio.Event,
+                  show_reasoning: bool = True) -> int:
     """Print the reply's frames until it ends; on ``interrupted`` send ``cancel`` once
     the reply is named and wait (bounded) for its end."""
+    printer = _ReplyPrinter(out, err, show_reasoning)
     rid: str | None = None
     cancel_sent = False
     deadline: float | None = None
@@ -204,10 +243,10 @@ async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: a
                 rid = msg.get("request_id")
                 print(f"[chat {msg['session_id']}]", file=err, flush=True)
             elif kind == "delta":
-                out.write(msg["text"])
-                out.flush()
+                printer.write(*printer.think.feed(msg["text"]))
             elif kind == "done":
                 u, t = msg.get("usage", {}), msg.get("timings", {})
+                printer.write(*printer.think.finish(), reasoning_ms=msg.get("reasoning_ms"))
                 out.write("\n")
                 print(f"[{msg['finish_reason']}: {u.get('prompt_tokens')} prompt tokens "
                       f"({u.get('cached_tokens')} cached), {u.get('completion_tokens')} completion tokens, "
@@ -228,7 +267,8 @@ async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: a
 
 
 async def _run(url: str, cookie: str | None, token: str | None, question: str, session: str | None,
-               params: dict[str, Any], attachments: list[dict[str, Any]] | None = None) -> int:
+               params: dict[str, Any], attachments: list[dict[str, Any]] | None = None,
+               show_reasoning: bool = True, model: str | None = None) -> int:
     """``ask`` with Ctrl-C wired to its ``interrupted`` event (a second Ctrl-C quits at once)."""
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -245,7 +285,7 @@ async def _run(url: str, cookie: str | None, token: str | None, question: str, s
         pass
     try:
         return await ask(url, cookie, question, session, params, token=token, interrupted=interrupted,
-                         attachments=attachments)
+                         attachments=attachments, show_reasoning=show_reasoning, model=model)
     except asyncio.CancelledError:
         return EXIT_INTERRUPTED
     finally:
@@ -285,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (-1: random; default: none)")
     p.add_argument("--attach", type=Path, action="append", default=[], metavar="FILE",
                    help="attach a text, Markdown, code, CSV/JSON or PDF file to the question (repeatable)")
+    p.add_argument("--model", default=None,
+                   help="the model to answer, one the gateway serves (GET /v1/models); a chat keeps it for its "
+                        "later turns (default: the chat's; any engine for a new chat)")
+    p.add_argument("--no-reasoning", action="store_true",
+                   help="do not print the model's reasoning (by default it goes to stderr)")
     p.add_argument("--cookie-file", type=Path, default=Path.home() / ".chatserve-cookie",
                    help="without a token: keeps your anonymous user between runs (so --session works)")
     return p
@@ -322,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                 except OSError:
                     pass  # a read-only home only costs continuity
         files = upload_attachments(http_base(url), a.attach, cookie, token) if a.attach else None
-        return asyncio.run(_run(url, cookie, token, a.question, a.session, params, files))
+        return asyncio.run(_run(url, cookie, token, a.question, a.session, params, files, not a.no_reasoning,
+                                a.model))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

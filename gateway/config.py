@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.errors import ConfigError as ConfigError  # re-exported: one error for every bad setting
 from engine.sampling_params import param_error
+from gateway.reasoning import ThinkMarkers
 
 MIB = 1 << 20
 
@@ -271,6 +272,8 @@ class GatewayConfig:
         shared_prompts: message texts declared shared across users' cache namespaces
             besides ``defaults.system_prompt`` (``gateway/engines/cache_scope.py``; env
             ``SHARED_PROMPTS_FILE``: a JSON array of strings).
+        reasoning_markers: the opening and closing markers of a reply's reasoning, two
+            words (``gateway/reasoning.py``; env ``REASONING_MARKERS``).
     """
 
     host: str = "127.0.0.1"
@@ -304,6 +307,7 @@ class GatewayConfig:
     limits: Limits = field(default_factory=Limits)
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     shared_prompts: tuple[str, ...] = ()
+    reasoning_markers: str = "<think> </think>"
 
     def __post_init__(self) -> None:
         if not (0 <= self.port < 65536):
@@ -334,6 +338,15 @@ class GatewayConfig:
                 raise ConfigError(f"allowed origin must look like http(s)://host[:port], got {o!r}")
         if not all(isinstance(t, str) for t in self.shared_prompts):
             raise ConfigError("shared_prompts must be strings")
+        try:
+            ThinkMarkers.parse(self.reasoning_markers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    @property
+    def think_markers(self) -> ThinkMarkers:
+        """``reasoning_markers`` parsed."""
+        return ThinkMarkers.parse(self.reasoning_markers)
 
     def trusted_hosts(self) -> list[str]:
         """The host names allowed in ``Host`` (see ``allowed_hosts``)."""
@@ -400,6 +413,7 @@ ENV_VARS: dict[str, str] = {
     "session_ttl_s": "SESSION_TTL_S",
     "stream_ttl_s": "STREAM_TTL_S",
     "shared_prompts": "SHARED_PROMPTS_FILE",
+    "reasoning_markers": "REASONING_MARKERS",
 }
 LIMIT_ENV_PREFIX = "LIMIT_"  # e.g. LIMIT_MAX_FRAME_BYTES=2097152
 ROUTING_ENV = {"policy": "ROUTING_POLICY", "load_tokens": "ROUTING_LOAD_TOKENS", "tokenizer": "ROUTING_TOKENIZER",

@@ -9,6 +9,7 @@ HTTP_STATUS: dict[str, int] = {
     "invalid_request": 400,
     "context_length_exceeded": 400,
     "not_found": 404,
+    "model_not_found": 404,
     "busy": 409,
     "conflict": 409,
     "frame_too_large": 413,

@@ -15,6 +15,7 @@ import { TokensDialog } from "./js/tokens.js";
 import { ChatSearch } from "./js/search.js";
 import { errorText } from "./js/format.js";
 import { ContextMeter } from "./js/progress.js";
+import { ModelPicker } from "./js/models.js";
 import { AttachmentTray } from "./js/attachments.js";
 import { ShareDialog, TransferDialog } from "./js/share_dialog.js";
 
@@ -73,7 +74,8 @@ async function main(win) {
   const narrow = win.matchMedia("(max-width: 820px)");
 
   const renderer = createMarkdownRenderer(win);
-  const view = new MessageView({ doc, listEl: $("messages"), scrollEl: $("conversation"), emptyEl: $("empty-state"), renderer });
+  const view = new MessageView({ doc, listEl: $("messages"), scrollEl: $("conversation"), emptyEl: $("empty-state"), renderer,
+    markers: config.reasoning });
 
   // ---- notices, banner, announcements ---------------------------------
   // "The model server is not reachable" clears itself once /readyz says it is back.
@@ -189,7 +191,19 @@ async function main(win) {
     stopBtn.disabled = st.stopping;
     stopBtn.setAttribute("aria-label", st.stopping ? "Stopping…" : "Stop generating");
     $("chat-heading").textContent = st.title;
-    doc.title = `${st.title} · ${model}`;
+    const shown = st.model || model;
+    doc.title = `${st.title} · ${shown}`;
+    if (picker) {
+      picker.show(shown);
+      input.placeholder = `Message ${shown}`;
+      const name = doc.querySelector(".model-name");
+      if (name) name.textContent = shown;
+      const len = Number(picker.info(shown)?.max_model_len) || Number(config.max_model_len) || 0;
+      if (meter.max !== len) {
+        meter.max = len;
+        meter.set(meter.tokens);
+      }
+    }
     if (st.restore && !input.value) {
       input.value = st.restore;
       autosize();
@@ -199,6 +213,7 @@ async function main(win) {
   };
 
   let controller = null;
+  let picker = null;
   const socket = new ChatSocket({
     url: socketUrl(win.location),
     onFrame: (f) => controller.onFrame(f),
@@ -223,6 +238,16 @@ async function main(win) {
       refreshSend();
     } });
   controller = new ChatController({ win, config, api, socket, view, sidebar, notify, announce, onChange, meter });
+  let storage = null;
+  try {
+    storage = win.localStorage;
+  } catch {
+    storage = null; // blocked: the picker forgets between visits
+  }
+  picker = new ModelPicker({ select: $("model-picker"), models: config.models || [], defaultModel: model, storage,
+    onPick: (m) => controller.pickModel(m) });
+  // with one model served, chats name none (any engine serves them)
+  if ((config.models || []).length > 1) controller.newChatModel = picker.forNewChat();
   config.defaults = config.defaults || {};
   wireBranches({ doc, listEl: $("messages"), controller, announce });
   const settings = new SettingsDialog({
@@ -334,7 +359,7 @@ async function main(win) {
     }
   });
   const copyReply = async (li, btn) => {
-    const ok = await copyText(doc, view.textOf(li));
+    const ok = await copyText(doc, view.answerOf(li));
     announce(ok ? "Reply copied." : "Could not copy.");
     if (ok && btn) {
       btn.replaceChildren(icon(doc, ICONS.check));

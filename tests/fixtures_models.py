@@ -6,6 +6,10 @@
 - ``tiny_bytes_model_dir``: the tiny Llama made to write mostly non-ASCII tokens (parts
   of multi-byte characters, many of them invalid together), to cut replies inside
   characters.
+- ``tiny_thinker_dir``: the tiny Llama (other weights) with a chat template that thinks:
+  it declares ``<think>``/``</think>``, drops the reasoning of past replies, and its
+  generation prompt opens the reasoning (as DeepSeek-R1's does), so every reply of the
+  random model is reasoning.
 - ``tiny_engine_config(model_dir, **overrides)``: a small CPU float32 ``EngineConfig``.
 
 Random weights are drawn so that greedy decoding is not degenerate: the embedding
@@ -159,3 +163,22 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     """The tiny model as Qwen2 (nonzero q/k/v biases), SmolLM2's tokenizer."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smollm2_dir, seed=1)
 
+
+
+# A chat template that thinks (tiny_thinker_dir): ChatML, past replies without their
+# reasoning, and a generation prompt that opens it.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1].lstrip() }}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_thinker_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama whose chat template thinks (``THINKING_TEMPLATE``); served, its
+    model name is the folder's (``tiny-thinker0``), another model than ``tiny_model_dir``'s."""
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-thinker"), "llama", smollm2_dir, seed=3)
+    (folder / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
+    return folder

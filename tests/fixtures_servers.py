@@ -101,6 +101,24 @@ def spare_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
 
 
 @pytest.fixture(scope="session")
+def thinker_engine(tiny_thinker_dir: Path) -> Iterator[LocalEngine]:
+    """A real engine process on ``tiny_thinker_dir``: a second model, whose replies are
+    reasoning (its template opens it)."""
+    with _running_engine(tiny_thinker_dir, ENGINE_ARGS + ["--threads", "1"]) as engine:
+        yield engine
+
+
+@pytest.fixture
+def thinker_gate(thinker_engine: LocalEngine) -> Iterator[EngineGate]:
+    """An ``EngineGate`` in front of ``thinker_engine``."""
+    gate = gate_in_front_of(thinker_engine)
+    try:
+        yield gate
+    finally:
+        gate.close()
+
+
+@pytest.fixture(scope="session")
 def chunked_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
     """The tiny model with a small step budget: long prompts take several steps."""
     args = ENGINE_ARGS + ["--threads", "1", "--max-num-batched-tokens", str(CHUNK_TOKENS),

@@ -8,8 +8,10 @@ content (docs/protocol.md section 3).
   (JSON: ``{"format": "chatserve-export", "version": 1, "exported_at", "chats": [...]}``,
   which ``POST /api/import`` reads back as it was).
 * ``POST /api/import`` (body: our JSON export, ChatGPT's ``conversations.json`` or
-  ``conversations-NNN.json``, or its zip) -> ``{"imported", "skipped", "chats"}``: each
-  chat is stored once, keyed by its source (``gateway/chat_import.py``).
+  ``conversations-NNN.json``, or its zip) -> ``{"imported", "skipped", "chats",
+  "error"?}``: each chat is stored once, keyed by its source (``gateway/chat_import.py``);
+  at the user's limit of chats the import stops, keeps what it stored and says so in
+  ``error``.
 * ``GET /api/search?q=text`` -> ``{"results": [{"id", "title", "updated_at", "snippet",
   "in_title"}]}``: chats whose title or any message contains ``q`` (case-insensitive,
   1-200 characters), newest first, at most ``SEARCH_LIMIT``; the snippet is the text
@@ -182,14 +184,28 @@ async def import_chats(request: Request) -> Response:
             raise GatewayError("frame_too_large", f"the file is over the {MAX_IMPORT_BYTES >> 20} MiB import limit")
     chats = await asyncio.to_thread(read_upload, bytes(data), 4 * MAX_IMPORT_BYTES)
     transfer = chat_transfer(state)
-    imported, skipped = [], 0
+    imported: list[dict[str, str]] = []
+    skipped = 0
+    stopped: dict[str, str] | None = None
     for chat in chats:
-        sid = await transfer.import_chat(uid, chat)
+        try:
+            sid = await transfer.import_chat(uid, chat)
+        except GatewayError as e:
+            if e.code != "too_many_sessions":
+                raise
+            # what was stored stays; the answer says so and why the rest was not
+            left = len(chats) - len(imported) - skipped
+            more = f"{left} more chat{'s' if left != 1 else ''}"
+            stopped = {"code": e.code, "message": f"{more} not imported: {e.message}"}
+            break
         if sid is None:
             skipped += 1
         else:
             imported.append({"id": sid, "title": chat.title})
-    return JSONResponse({"imported": len(imported), "skipped": skipped, "chats": imported})
+    body: dict[str, Any] = {"imported": len(imported), "skipped": skipped, "chats": imported}
+    if stopped:
+        body["error"] = stopped
+    return JSONResponse(body)
 
 
 def _snippet(text: str, at: int, length: int) -> str:

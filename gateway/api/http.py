@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api.auth import request_user
-from gateway.api.socket_frames import is_valid_id
+from gateway.api.socket_frames import MAX_MODEL_CHARS, is_valid_id
 from gateway.api.validation import BadJson, check_text, loads_json, printable, sampling_ranges
 from gateway.attachments import ATTACHMENT_LIMITS
 from gateway.config import GatewayConfig
@@ -92,7 +92,7 @@ async def _json_body(request: Request, config: GatewayConfig) -> dict[str, Any]:
 
 
 def _session_fields(body: dict[str, Any], config: GatewayConfig) -> dict[str, Any]:
-    """Validated ``title``/``system_prompt``/``params`` of a POST or PATCH body."""
+    """Validated ``title``/``system_prompt``/``params``/``model`` of a POST or PATCH body."""
     out: dict[str, Any] = {}
     lim = config.limits
     for key, cap in (("title", lim.max_title_chars), ("system_prompt", lim.max_system_prompt_chars)):
@@ -102,6 +102,12 @@ def _session_fields(body: dict[str, Any], config: GatewayConfig) -> dict[str, An
                 raise GatewayError("invalid_request", f"'{key}' must be a string of at most {cap} characters")
             check_text(v, key)
             out[key] = v.strip() if key == "title" else v
+    if "model" in body:
+        m = body["model"]
+        if m is not None and not (isinstance(m, str) and len(m) <= MAX_MODEL_CHARS):
+            raise GatewayError("invalid_request", f"'model' must be a model name of at most {MAX_MODEL_CHARS} "
+                               "characters, or null for the default")
+        out["model"] = m or ""
     if "params" in body:
         if not isinstance(body["params"], dict):
             raise GatewayError("invalid_request", "'params' must be an object")
@@ -118,9 +124,18 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
     fallback = Path(config.model).name if config.model else "SmolLM2-135M-Instruct"
     model = info.model if info and info.model else fallback
     d = config.defaults
-    return {"model": model, "max_model_len": info.max_model_len if info else None,
+    models, seen = [], set()
+    for c in state.router.clients:  # every model the engines serve, the default first
+        if c.info is not None and c.info.model not in seen:
+            seen.add(c.info.model)
+            models.append({"id": c.info.model, "max_model_len": c.info.max_model_len or None,
+                           "format": c.info.format or None, "available": any(
+                               o.healthy for o in state.router.clients if o.info and o.info.model == c.info.model)})
+    models.sort(key=lambda m: m["id"] != model)
+    return {"model": model, "models": models, "max_model_len": info.max_model_len if info else None,
             "format": info.format if info and info.format else None,
             "limits": {**config.limits.public(), **ATTACHMENT_LIMITS.public()}, "ranges": sampling_ranges(),
+            "reasoning": {"open": config.think_markers.open, "close": config.think_markers.close},
             "defaults": {**d.sampling(), "system_prompt": d.system_prompt}}
 
 
@@ -143,16 +158,23 @@ async def create_session(request: Request) -> Response:
     """POST /api/sessions -> 201 and the new chat."""
     state, uid = request.app.state, _uid(request)
     fields = _session_fields(await _json_body(request, state.config), state.config)
+    _check_model(state, fields.get("model"))
     # what the request leaves out comes from the user's defaults for new chats (gateway.store.user_defaults)
     system_prompt, params = await state.user_defaults.for_new_chat(uid, state.config.defaults.system_prompt)
     info = await state.store.create_session(
         uid, title=fields.get("title", ""), system_prompt=fields.get("system_prompt", system_prompt),
-        params=fields.get("params", params))
+        params=fields.get("params", params), model=fields.get("model", ""))
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 
+def _check_model(state: Any, model: str | None) -> None:
+    """Raises ``model_not_found`` for a model name no engine serves (None or "": none)."""
+    if model:
+        state.generations.check_model(model)
+
+
 PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "attachments", "status", "finish_reason", "cut_reason", "usage",
-                         "timings", "error", "created_at", "versions")
+                         "timings", "error", "created_at", "versions", "reasoning_ms", "model")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:
@@ -180,6 +202,7 @@ async def patch_session(request: Request) -> Response:
     """PATCH /api/sessions/{id}: change title, system prompt or params."""
     state, sid = request.app.state, _sid(request)
     fields = _session_fields(await _json_body(request, state.config), state.config)
+    _check_model(state, fields.get("model"))
     await state.store.update_session(_uid(request), sid, **fields)
     return JSONResponse(await _session_detail(request, sid))
 

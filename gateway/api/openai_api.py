@@ -268,7 +268,9 @@ class OpenAIApi:
             src = choices.first
             extra = {"session_id": src.session_id} if isinstance(src, SessionReply) else {}
             headers = {"x-chat-session": src.session_id} if isinstance(src, SessionReply) else {}
-            return choices, ChatWriter(creq, _completion_id(src), src.model_name, extra), creq.stream, headers
+            markers = request.app.state.config.think_markers  # reasoning_content
+            return (choices, ChatWriter(creq, _completion_id(src), src.model_name, extra, markers), creq.stream,
+                    headers)
         return await self.serve(request, start)
 
     # ---- POST /v1/completions ---------------------------------------------------------------
@@ -440,7 +442,8 @@ class OpenAIApi:
             for i in range(n):
                 source = EngineReply(state.router, events, base_id if i == 0 else f"{base_id}-{i}", messages,
                                      a2e.choice_params(params, i), key, model, state.config.cancel_grace_s,
-                                     salt, shared, extra=extra, prompt_token_ids=prompt_token_ids)
+                                     salt, shared, extra=extra, prompt_token_ids=prompt_token_ids,
+                                     think_open=state.config.think_markers.open)
                 await source.start()
                 sources.append(source)
         except BaseException:

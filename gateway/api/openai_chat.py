@@ -7,6 +7,10 @@ call's first entry has its ``index``, ``id``, ``type`` and function name with ar
 "", later ones fragments of the arguments), one chunk per choice with its
 ``finish_reason``, a ``usage`` chunk with ``stream_options.include_usage``, then
 ``[DONE]``. The non-streamed body holds the same text, calls and logprobs whole.
+
+A reply's reasoning (the text between its thinking markers, ``gateway/reasoning.py``)
+is apart, as vLLM and llama.cpp's server answer: ``reasoning_content`` deltas before the
+content, and the message's ``reasoning_content`` (present only when the reply reasoned).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from gateway.api import engine_to_api as e2a
 from gateway.api.openai_replies import Delta, Failed, Finished, ReplyEvent
 from gateway.api.openai_request import ChatRequest, OpenAIError
 from gateway.api.sse import json_bytes, sse
+from gateway.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
 
 
 @dataclass
@@ -28,6 +33,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finished: Finished | None = None
+    think: ReasoningSplitter | None = None  # the streamed split of its reasoning
 
 
 def usage_of(finished: list[Finished]) -> dict[str, Any]:
@@ -52,16 +58,18 @@ class ChatWriter:
         completion_id: ``chatcmpl-...``.
         model: the served model's name.
         extra_fields: added to the non-streamed body (a linked chat's ``session_id``).
+        markers: the reasoning markers (``reasoning_content``).
     """
 
     def __init__(self, creq: ChatRequest, completion_id: str, model: str,
-                 extra_fields: dict[str, Any] | None = None) -> None:
+                 extra_fields: dict[str, Any] | None = None, markers: ThinkMarkers = DEFAULT_MARKERS) -> None:
         self.creq = creq
         self.id = completion_id
         self.model = model
         self.created = int(time.time())
         self.extra_fields = extra_fields or {}
-        self.choices = [ChoiceState() for _ in range(creq.n)]
+        self.markers = markers
+        self.choices = [ChoiceState(think=ReasoningSplitter(markers)) for _ in range(creq.n)]
         self._base: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk",
                                       "created": self.created, "model": model, "system_fingerprint": None}
         if creq.include_usage:
@@ -85,8 +93,12 @@ class ChatWriter:
         out: list[bytes] = []
         if isinstance(ev, Delta):
             lp = e2a.chat_logprobs(ev.logprobs) if self.creq.logprobs and ev.logprobs else None
-            if ev.text:
-                out.append(self._chunk(index, {"content": ev.text}, logprobs=lp))
+            reasoning, text = st.think.feed(ev.text) if st.think is not None and ev.text else ("", ev.text)
+            if reasoning:
+                out.append(self._chunk(index, {"reasoning_content": reasoning}, logprobs=lp))
+                lp = None
+            if text:
+                out.append(self._chunk(index, {"content": text}, logprobs=lp))
                 lp = None
             if ev.tool_calls:
                 out.append(self._chunk(index, {"tool_calls": e2a.chat_tool_call_deltas(ev.tool_calls)}, logprobs=lp))
@@ -95,6 +107,11 @@ class ChatWriter:
                 out.append(self._chunk(index, {}, logprobs=lp))
         elif isinstance(ev, Finished):
             st.finished = ev
+            reasoning, text = st.think.finish() if st.think is not None else ("", "")
+            if reasoning:
+                out.append(self._chunk(index, {"reasoning_content": reasoning}))
+            if text:
+                out.append(self._chunk(index, {"content": text}))
             out.append(self._chunk(index, {}, ev.finish_reason))
         return out
 
@@ -127,8 +144,10 @@ class ChatWriter:
         choices = []
         for i, st in enumerate(self.choices):
             fin = st.finished or Finished("stop")
-            text = "".join(st.text)
+            reasoning, text = split_reasoning("".join(st.text), self.markers)
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if fin.tool_calls:
                 message["tool_calls"] = e2a.chat_message_tool_calls(fin.tool_calls)
                 if not text:

@@ -188,13 +188,14 @@ class EngineReply:
         cache_salt, shared_messages: its cache scope (``gateway/engines/cache_scope.py``).
         extra: protocol 7's ``generate`` fields (``prompt``, ``tools``, ...).
         prompt_token_ids: a prompt of token ids instead of ``messages``.
+        think_open: the opening reasoning marker (``EngineRun``).
     """
 
     def __init__(self, router: EngineRouter, events: GenerationEvents, request_id: str,
                  messages: list[dict[str, Any]], params: dict[str, Any], affinity_key: str,
                  model: str | None, abort_grace_s: float, cache_salt: str = "",
                  shared_messages: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None,
-                 prompt_token_ids: list[int] | None = None) -> None:
+                 prompt_token_ids: list[int] | None = None, think_open: str = "<think>") -> None:
         self.router = router
         self.events = events
         self.request_id = request_id
@@ -202,7 +203,7 @@ class EngineReply:
         self.abort_grace_s = abort_grace_s
         self.run = EngineRun(router, request_id, affinity_key, messages, params=params, model=model,
                              cache_salt=cache_salt, shared_messages=shared_messages, extra=extra,
-                             prompt_token_ids=prompt_token_ids)
+                             prompt_token_ids=prompt_token_ids, think_open=think_open)
         self._ended = False
 
     @property

@@ -210,7 +210,7 @@ class Connection:
                 # shielded: a socket that goes away must not cut a turn half-begun
                 started = await asyncio.shield(self.gens.chat(self.uid, frame.session_id, frame.content,
                                                               frame.params, frame.client_msg_id,
-                                                              attachments=frame.attachments))
+                                                              attachments=frame.attachments, model=frame.model))
                 await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, RegenerateFrame):
                 started = await asyncio.shield(self.gens.regenerate(self.uid, frame.session_id, frame.params,

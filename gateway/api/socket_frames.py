@@ -19,6 +19,8 @@ from gateway.errors import GatewayError
 _ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _CLIENT_MSG_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
+MAX_MODEL_CHARS = 256  # a model name (a served name, or a path an upstream names its model by)
+
 
 class ProtocolError(GatewayError):
     """A client frame that is not JSON, has an unknown type, or a missing/ill-typed field
@@ -37,12 +39,14 @@ class ProtocolError(GatewayError):
 
 @dataclass(frozen=True)
 class ChatFrame:
-    """``chat``: a user message; no ``session_id`` starts a new chat."""
+    """``chat``: a user message; no ``session_id`` starts a new chat. ``model`` (when
+    given) is the model the chat's replies come from from now on."""
 
     content: str
     session_id: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
     client_msg_id: str | None = None
+    model: str | None = None
     attachments: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -194,11 +198,15 @@ def parse_client_frame(obj: Any) -> ClientFrame:
             return EditFrame(session_id=_id(obj, "session_id", required=True, ctx=ctx),  # type: ignore[arg-type]
                              message_id=_id(obj, "message_id", required=True, ctx=ctx),  # type: ignore[arg-type]
                              content=content, params=_params(obj, ctx), client_msg_id=cmid, attachments=files)
+        model = obj.get("model")
+        if model is not None and not (isinstance(model, str) and 0 < len(model) <= MAX_MODEL_CHARS):
+            raise ProtocolError(f"'model' must be a model name of 1-{MAX_MODEL_CHARS} characters", **ctx)
         return ChatFrame(
             content=content,
             session_id=_id(obj, "session_id", required=False, ctx=ctx),
             params=_params(obj, ctx),
             client_msg_id=cmid,
+            model=model,
             attachments=files,
         )
     if kind == "cancel":

@@ -73,13 +73,19 @@ class EngineRun:
             ``gateway/engines/cache_scope.py``).
         extra: protocol 7's ``generate`` fields (a raw ``prompt``, ``tools``, ...; the
             HTTP APIs' requests), passed as they are.
+        think_open: the opening reasoning marker, put in front of the reply's first text
+            when the engine's generation prompt already opened the reasoning (its hello's
+            ``think_in_prompt``), so the text says where its reasoning is
+            (``gateway/reasoning.py``); not for a prompt of token ids (a continued
+            reply's text already has it) or a raw ``prompt`` or a continued final message.
     """
 
     def __init__(self, router: EngineRouter, request_id: str, affinity_key: str, messages: list[dict[str, str]],
                  prefix_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                  clamp_max_tokens: bool = False, model: str | None = None,
                  prompt_token_ids: list[int] | None = None, continued_tokens: int = 0, cache_salt: str = "",
-                 shared_messages: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None) -> None:
+                 shared_messages: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None,
+                 think_open: str = "<think>") -> None:
         self.router = router
         self.extra = extra or None
         self.request_id = request_id
@@ -93,6 +99,8 @@ class EngineRun:
         self.model = model
         self.cache_salt = cache_salt
         self.shared_messages = shared_messages
+        self.think_open = think_open
+        self._think_prefix = ""  # the marker still to put in front of the first text
         self.engine: EngineClient | None = None
         self.request: EngineRequest | None = None
         self.produced = False  # any text or token came (no fail-over after that)
@@ -153,6 +161,10 @@ class EngineRun:
             engine = await self.router.choose(self.affinity_key, exclude=self._excluded(), prompt=prompt)
             self._tried.append(engine)
             self.engine = engine
+            extra = self.extra or {}
+            opens = (engine.info is not None and engine.info.think_in_prompt and self.prompt_token_ids is None
+                     and not extra.get("prompt") and not extra.get("continue_final_message"))
+            self._think_prefix = self.think_open if opens else ""
             try:
                 scope: dict[str, Any] = {"cache_salt": self.cache_salt, "shared_messages": self.shared_messages,
                                          "extra": self.extra}
@@ -225,7 +237,10 @@ class EngineRun:
                 pass  # nothing left: report this engine's error
         if text or ids or calls:
             self.produced = True
-        return Batch("".join(text), ids, end, progress, trim, logprobs, calls, prompt_logprobs)
+        joined = "".join(text)
+        if joined and self._think_prefix:
+            joined, self._think_prefix = self._think_prefix + joined, ""
+        return Batch(joined, ids, end, progress, trim, logprobs, calls, prompt_logprobs)
 
     def wake(self) -> None:
         """Make a waiting ``next`` return None now."""

@@ -27,6 +27,9 @@ replaces the connection loop (a health probe), ``generate``, ``abort`` and ``sta
   its last part, ``shown_model_name``); its context from vLLM's and
   SGLang's ``max_model_len`` or llama-server's ``meta.n_ctx`` (else its ``/props``),
   else ``max_model_len`` given here (0: unknown, the page then shows no context meter).
+* Reasoning the upstream sends apart (``reasoning_content``, or ``reasoning``) goes into
+  the text between the reasoning markers, as our engine's replies hold it
+  (``gateway/reasoning.py``), so it is shown, stored and sent on alike.
 * No token ids: ``DeltaFrame``/``DoneFrame`` carry text only, so the gateway stores no
   token segments for the turn and sends the next one as the whole chat's text; a prompt
   given as token ids (Continue) is refused with ``invalid_request``.
@@ -58,6 +61,7 @@ from engine.protocol import DeltaFrame, DoneFrame, EngineInfo, ErrorFrame, Reply
 from gateway.config import GatewayConfig
 from gateway.engines.client import UNREACHABLE_WARN_S, EngineClient, EngineRequest, engine_unavailable
 from gateway.errors import GatewayError
+from gateway.reasoning import DEFAULT_MARKERS, ThinkMarkers
 from gateway.retry import Backoff, Outage
 
 log = logging.getLogger("gateway.engines.upstream")
@@ -113,7 +117,8 @@ def engine_client(url: str, config: GatewayConfig) -> EngineClient:
     (with ``config.upstream_api_key`` and ``config.upstream_max_model_len``), else our
     engine's ``EngineClient`` (with ``config.engine_secret``)."""
     if is_upstream_url(url):
-        return UpstreamClient(url, api_key=config.upstream_api_key, max_model_len=config.upstream_max_model_len)
+        return UpstreamClient(url, api_key=config.upstream_api_key, max_model_len=config.upstream_max_model_len,
+                              think_markers=config.think_markers)
     return EngineClient(url, secret=config.engine_secret)
 
 
@@ -244,6 +249,7 @@ class _Reply:
         self.finish: str | None = None
         self.usage: dict[str, Any] = {}
         self.timings: dict[str, Any] = {}
+        self.reasoning = False  # inside the reasoning the upstream sends as reasoning_content
 
     def done(self, request_id: str, finish_reason: str) -> DoneFrame:
         """The ``DoneFrame`` for this reply (times in ms, measured by the gateway; without
@@ -275,19 +281,22 @@ class UpstreamClient(EngineClient):
         open_timeout_s: connect timeout of every request, and the whole probe's timeout (seconds).
         health_interval_s: how often a healthy upstream is probed (seconds).
         read_timeout_s: longest wait for the next bytes of a streamed reply (seconds).
+        think_markers: the markers a reply's ``reasoning_content`` is put between in its
+            text (``gateway/reasoning.py``).
     """
 
     takes_token_ids = False
 
     def __init__(self, url: str, api_key: str | None = None, max_model_len: int = 0, max_backoff_s: float = 5.0,
                  open_timeout_s: float = 10.0, health_interval_s: float = 10.0,
-                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = READ_TIMEOUT_S, think_markers: ThinkMarkers = DEFAULT_MARKERS) -> None:
         super().__init__(url, max_backoff_s=max_backoff_s, open_timeout_s=open_timeout_s)
         self.base = url.rstrip("/")
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.default_max_model_len = max_model_len
         self.health_interval_s = health_interval_s
         self.read_timeout_s = read_timeout_s
+        self.think_markers = think_markers
         self.model_id = ""  # the model as the upstream names it (sent in requests)
         self.flavor = ""  # the models list's ``owned_by``: "vllm", "sglang", "llamacpp", "chatserve", ...
         self._http: httpx.AsyncClient | None = None
@@ -484,8 +493,8 @@ class UpstreamClient(EngineClient):
             choice = choices[0]
             delta = choice.get("delta")
             delta = delta if isinstance(delta, dict) else {}
-            text = delta.get("content")
-            if isinstance(text, str) and text:
+            text = self._with_reasoning(reply, delta)
+            if text:
                 reply.first = reply.first if reply.first is not None else time.perf_counter()
                 reply.parts.append(text)
                 reply.chunks += 1
@@ -497,6 +506,25 @@ class UpstreamClient(EngineClient):
         if isinstance(chunk.get("timings"), dict):
             reply.timings = chunk["timings"]
         return None
+
+    def _with_reasoning(self, reply: _Reply, delta: dict[str, Any]) -> str:
+        """A delta's text, with its reasoning (``reasoning_content``, as vLLM, SGLang and
+        llama-server send it, or ``reasoning``) between the reasoning markers, as our
+        engine's replies hold it."""
+        think = delta.get("reasoning_content")
+        if not isinstance(think, str):
+            think = delta.get("reasoning")
+        content = delta.get("content")
+        out = ""
+        if isinstance(think, str) and think:
+            out = think if reply.reasoning else self.think_markers.open + think
+            reply.reasoning = True
+        if isinstance(content, str) and content:
+            if reply.reasoning:
+                out += self.think_markers.close + "\n\n"
+                reply.reasoning = False
+            out += content
+        return out
 
     def _count(self, done: DoneFrame) -> DoneFrame:
         """Add a finished reply's usage to ``counters``; returns it."""

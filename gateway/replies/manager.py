@@ -47,6 +47,7 @@ from gateway.engines.cache_scope import CacheIsolation
 from gateway.engines.client import EngineRouter
 from gateway.engines.run import PASSTHROUGH_CODES, EngineRun, error_status, user_code
 from gateway.errors import GatewayError, not_found
+from gateway.reasoning import ReasoningSplitter, split_reasoning, without_reasoning
 from gateway.replies.hooks import EventFanout, GenerationEvents
 from gateway.replies.reply_end import ReplyEnd
 from gateway.replies.tail import ReplyLog
@@ -115,6 +116,14 @@ class _Turn:
     # a "continue" turn: the reply it extends (stored message) and that reply's token ids
     continued: dict[str, Any] | None = None
     continued_ids: list[int] = field(default_factory=list)
+    # its reasoning (gateway/reasoning.py): the split so far, when its first text
+    # came (monotonic s) and how long it reasoned (ms, once the reasoning closed)
+    think: ReasoningSplitter | None = None
+    think_t0: float | None = None
+    reasoning_ms: float | None = None
+    # the chat's model: only its engines write the reply (None: a chat that names none
+    # goes to any engine, as when every engine serves the same model under its own name)
+    model: str | None = None
 
     @property
     def produced(self) -> bool:
@@ -137,6 +146,13 @@ def merge_params(*layers: dict[str, Any] | None) -> dict[str, Any]:
     except InvalidRequestError as e:
         raise GatewayError("invalid_request", e.message) from None
     return merged
+
+
+def _reasoning_ms(turn: _Turn, now: float) -> float:
+    """The reply's reasoning time until ``now`` (monotonic s), in ms, with a continued
+    reply's earlier reasoning."""
+    before = float((turn.continued or {}).get("reasoning_ms") or 0.0)
+    return round(before + (now - (turn.think_t0 or now)) * 1000, 1)
 
 
 def _context_message(engine_message: str, info: Any) -> str:
@@ -238,15 +254,17 @@ class GenerationManager:
 
     async def chat(self, owner: str, session_id: str | None, content: str, params: dict[str, Any],
                    client_msg_id: str | None, clamp_max_tokens: bool = True,
-                   attachments: list[dict[str, Any]] | None = None) -> StartedTurn:
+                   attachments: list[dict[str, Any]] | None = None, model: str | None = None) -> StartedTurn:
         """Append a user message (creating the chat when ``session_id`` is None) and
         start its reply. ``clamp_max_tokens`` lets the engine lower ``max_tokens`` to the
         context left (the browser chat); the OpenAI API passes False (strict check).
         ``attachments`` (checked ``gateway.attachments`` dicts) are stored with the message.
+        ``model``: the model the chat's replies come from from now on (kept with the chat).
 
         Raises:
             GatewayError: ``not_found``, ``busy``, ``rate_limited``, ``too_many_*``,
-                ``invalid_request``, ``engine_unavailable``, ``store_unavailable``.
+                ``invalid_request``, ``model_not_found``, ``engine_unavailable``,
+                ``store_unavailable``.
         """
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         if session_id is None:
@@ -254,17 +272,21 @@ class GenerationManager:
             if self.user_defaults is not None:
                 system_prompt, stored = await self.user_defaults.for_new_chat(owner, system_prompt)
             merged = merge_params(self.config.defaults.sampling(), stored, params)
-            self._require_engine()
-            info = await self.store.create_session(owner, system_prompt=system_prompt, params=stored)
+            self._require_engine(model)
+            info = await self.store.create_session(owner, system_prompt=system_prompt, params=stored,
+                                                   model=model or "")
         else:
             info = await self.store.get_session(owner, session_id)
             merged = merge_params(self.config.defaults.sampling(), info.params, params)
-            self._require_engine()
+            self._require_engine(model or info.model)
+            if model and model != info.model:
+                await self.store.update_session(owner, info.id, model=model)
+                info.model = model
         try:
             begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
                                                 client_msg_id=client_msg_id, attachments=attachments)
             return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
-                                      clamp_max_tokens, created_chat=session_id is None)
+                                      clamp_max_tokens, created_chat=session_id is None, model=info.model)
         except Exception:
             if session_id is None:  # refused before it began: leave no empty chat behind
                 try:
@@ -281,9 +303,9 @@ class GenerationManager:
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         info = await self.store.get_session(owner, session_id)
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
-        self._require_engine()
+        self._require_engine(info.model)
         begun = await self.store.begin_turn(owner, info.id, mode="regenerate", replaces=replaces)
-        return await self._launch(owner, info.id, begun, merged, info.system_prompt, None)
+        return await self._launch(owner, info.id, begun, merged, info.system_prompt, None, model=info.model)
 
     def reply_log(self, request_id: str) -> ReplyLog | None:
         """The in-memory entries of a reply running on this gateway, else None."""
@@ -298,11 +320,12 @@ class GenerationManager:
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         info = await self.store.get_session(owner, session_id)
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
-        self._require_engine()
+        self._require_engine(info.model)
         begun = await self.store.begin_turn(owner, info.id, mode="edit", content=content,
                                             client_msg_id=client_msg_id, replaces=message_id,
                                             attachments=attachments)
-        return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id)
+        return await self._launch(owner, info.id, begun, merged, info.system_prompt, client_msg_id,
+                                  model=info.model)
 
     async def continue_reply(self, owner: str, session_id: str, message_id: str,
                              params: dict[str, Any]) -> StartedTurn:
@@ -319,33 +342,58 @@ class GenerationManager:
         await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
         info = await self.store.get_session(owner, session_id)
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
-        self._require_engine()
+        self._require_engine(info.model)
         begun = await self.store.begin_turn(owner, info.id, mode="continue", replaces=message_id)
         popped = json.loads(begun.popped_json) if begun.popped_json else {}
         seg = json.loads(begun.popped_tokens) if begun.popped_tokens else None
         cut = popped.get("finish_reason") in CONTINUABLE
+        model = info.model
+        if seg and model and seg.get("model", model) != model:
+            await self.store.fail_turn(owner, info.id, begun, None)
+            raise GatewayError("invalid_request", f"this reply was written by {seg['model']}, not by this chat's "
+                               f"model {model}; regenerate it instead")
         if not cut or not seg or seg.get("base"):
             await self.store.fail_turn(owner, info.id, begun, None)
             if cut and not seg:
                 raise GatewayError("invalid_request", NO_IDS_TO_CONTINUE)
             raise GatewayError("invalid_request", "only a reply cut at its max tokens or stopped can be continued")
         started = await self._launch(owner, info.id, begun, merged, info.system_prompt, None,
-                                     continued=popped, continued_ids=list(seg["ids"]))
+                                     continued=popped, continued_ids=list(seg["ids"]), model=info.model)
         return started
 
-    def _require_engine(self) -> None:
-        if not self.router.healthy:
-            self.router.pick("")  # raises engine_unavailable
+    def served_models(self) -> list[str]:
+        """The models the gateway's engines serve (those that said hello), in
+        ``ENGINE_URLS`` order, each once."""
+        return list(dict.fromkeys(c.info.model for c in self.router.clients if c.info is not None))
+
+    def check_model(self, model: str | None) -> None:
+        """Raises:
+            GatewayError: ``model_not_found`` when ``model`` (a name; None or "" is the
+                default) is not among ``served_models`` (when any engine said hello)."""
+        served = self.served_models()
+        if model and served and model not in served:
+            raise GatewayError("model_not_found", f"the model {model!r} is not served here; choose one of "
+                               f"{', '.join(served)}")
+
+    def _require_engine(self, model: str | None = None) -> None:
+        """Raises:
+            GatewayError: ``model_not_found`` (``check_model``), ``engine_unavailable``
+                when no engine (serving ``model``) is up."""
+        self.check_model(model)
+        healthy = [c for c in self.router.healthy if not model or (c.info is not None and c.info.model == model)]
+        if not healthy:
+            self.router.pick("", exclude=self.router.clients)  # raises engine_unavailable
 
     async def _launch(self, owner: str, sid: str, begun: TurnBegun, params: dict[str, Any],
                       system_prompt: str, client_msg_id: str | None, clamp_max_tokens: bool = True,
                       created_chat: bool = False, continued: dict[str, Any] | None = None,
-                      continued_ids: list[int] | None = None) -> StartedTurn:
+                      continued_ids: list[int] | None = None, model: str = "") -> StartedTurn:
         started = StartedTurn(begun.request_id, sid, begun.message_id, begun.user_message_id, begun.duplicate)
         if begun.duplicate:
             return started
         turn = _Turn(owner, sid, begun, params, system_prompt, client_msg_id, clamp_max_tokens, created_chat,
-                     continued=continued, continued_ids=list(continued_ids or []))
+                     continued=continued, continued_ids=list(continued_ids or []),
+                     think=ReasoningSplitter(self.config.think_markers), model=model or None)
         if continued is not None:
             # the stream starts with the text the reply had, so any tab rebuilds it whole
             # (a length-cut reply stored before engines dropped an unfinished character
@@ -408,7 +456,11 @@ class GenerationManager:
         lease = asyncio.create_task(self._keep_lease(turn))
         try:
             history = await self._store_retrying(
-                rid, "reading the chat", lambda: self.store.history(turn.owner, turn.session_id, turn.system_prompt))
+                rid, "reading the chat", lambda: self.store.history(turn.owner, turn.session_id, turn.system_prompt,
+                                                                    turn.model or ""))
+            # earlier replies' reasoning stays out of the prompt (their token ids are not
+            # reused either: gateway.store.sessions.plan_prefix)
+            history.messages = without_reasoning(history.messages, self.config.think_markers)
             end = await self._generate(turn, history)
             await self._finish(turn, history, end)
         except asyncio.CancelledError:
@@ -447,7 +499,8 @@ class GenerationManager:
                                    history.prefix_token_ids, turn.params, turn.clamp_max_tokens,
                                    prompt_token_ids=prompt_ids, continued_tokens=len(turn.continued_ids),
                                    cache_salt=self.isolation.salt(turn.owner),
-                                   shared_messages=self.isolation.shared_messages(history.messages))
+                                   shared_messages=self.isolation.shared_messages(history.messages),
+                                   think_open=self.config.think_markers.open, model=turn.model)
         run.cancelled = turn.cancel_requested
         await run.start()  # raises engine_unavailable when no engine is left
         if turn.cancel_requested:
@@ -497,6 +550,7 @@ class GenerationManager:
             if batch.trim_prior:
                 self._trim_continued(turn, batch.trim_prior)
             if batch.text:
+                self._time_reasoning(turn, batch.text)
                 turn.parts.append(batch.text)
                 turn.unsent.append(batch.text)
                 await self._write_unsent(turn)
@@ -504,6 +558,36 @@ class GenerationManager:
                                      time.perf_counter())
             if batch.end is not None:
                 return batch.end
+
+    @staticmethod
+    def _time_reasoning(turn: _Turn, text: str) -> None:
+        """Follow the reply's reasoning: it starts with the reply's first text and ends
+        when the closing marker comes (``reasoning_ms``, added to a continued reply's)."""
+        if turn.think is None:
+            return
+        now = time.monotonic()
+        if turn.think_t0 is None:
+            turn.think_t0 = now
+            if turn.continued is not None:  # where the earlier text left the reasoning
+                turn.think.feed(str(turn.continued.get("content", "")))
+        was = turn.think.in_reasoning
+        turn.think.feed(text)
+        # closed by this text (or opened and closed in it; not the earlier text's block)
+        closed = turn.think.reasoned and not turn.think.in_reasoning and (was or turn.continued is None)
+        if closed and turn.reasoning_ms is None:
+            turn.reasoning_ms = _reasoning_ms(turn, now)
+
+    @staticmethod
+    def _final_reasoning_ms(turn: _Turn) -> float | None:
+        """How long the reply reasoned (ms): until its closing marker, or until now when
+        it ended while reasoning; a continued reply's earlier reasoning counts; None
+        when it has no reasoning."""
+        if turn.reasoning_ms is not None:
+            return turn.reasoning_ms
+        if turn.think is not None and turn.think.in_reasoning and turn.think_t0 is not None:
+            return _reasoning_ms(turn, time.monotonic())
+        earlier = (turn.continued or {}).get("reasoning_ms")
+        return float(earlier) if earlier is not None else None
 
     @staticmethod
     def _trim_continued(turn: _Turn, n: int) -> None:
@@ -584,6 +668,7 @@ class GenerationManager:
         reply_end = ReplyEnd.of_done(end, (turn.cut_reason or "engine_lost") if reason == "abort" else None,
                                      len(turn.output_ids) if turn.synthetic_end else None)
         created_at = time.time()
+        reasoning_ms = self._final_reasoning_ms(turn)
         user_seg = a_seg = None
         if turn.continued is not None:
             new_ids = turn.output_ids if turn.synthetic_end else list(end.output_token_ids)
@@ -596,6 +681,19 @@ class GenerationManager:
         # else no ids came back (an OpenAI-compatible upstream): the turn stores no token
         # segments, so the next turn's exact prefix stops before it and its text is re-read
         assistant = reply_end.stored_message("".join(turn.parts), created_at, rid)
+        if reasoning_ms is not None:
+            assistant["reasoning_ms"] = reasoning_ms
+        if a_seg is not None and split_reasoning(str(assistant["content"]), self.config.think_markers)[0] is not None:
+            # its reasoning is left out of later prompts: they must not replay these ids
+            # (a Continue of this reply still does)
+            a_seg["reasoning"] = True
+        engine = turn.run.engine if turn.run is not None else None
+        if engine is not None and engine.info is not None:
+            # token ids are the model's own: a later turn on another model does not reuse them
+            for seg in (user_seg, a_seg):
+                if seg is not None:
+                    seg["model"] = engine.info.model
+            assistant["model"] = engine.info.model
         try:
             await self._flush_unsent(turn)
             stored = await self._store_retrying(rid, "storing the reply", lambda: self.store.finish_turn(
@@ -605,6 +703,8 @@ class GenerationManager:
             # the title is announced unless the chat was renamed while the reply ran
             title = begun.title if begun.title and await self._title_kept(turn) else None
             done = reply_end.done_entry(rid, turn.session_id, begun.message_id, title)
+            if reasoning_ms is not None:
+                done["reasoning_ms"] = reasoning_ms
             await self._store_retrying(rid, "ending the reply stream", lambda: self.streams.done(rid, turn.seq, done))
             turn.log.finish(StreamEntry("done", turn.seq, {"t": "done", "d": dumps(done)}))
         except GatewayError as e:
@@ -653,6 +753,9 @@ class GenerationManager:
             cut = "engine_lost" if code == "engine_unavailable" else "upstream_error" if status else "error"
             reply_end = ReplyEnd.of_error(error, cut, len(turn.output_ids))
             assistant = reply_end.stored_message("".join(turn.parts), time.time(), rid)
+            reasoning_ms = self._final_reasoning_ms(turn)
+            if reasoning_ms is not None:
+                assistant["reasoning_ms"] = reasoning_ms
             await self._store_retrying(rid, "storing the partial reply", lambda: self.store.finish_turn(
                 turn.owner, turn.session_id, begun, assistant, None, None))
             done = reply_end.done_entry(rid, turn.session_id, begun.message_id)

@@ -12,7 +12,7 @@ Layout (every name under the configured key prefix):
     chat:user:{uid}:shares            hash        the user's share links (share id -> link JSON)
     chat:share:{id}                   string      a share link's read-only snapshot of a chat (JSON)
     chat:token:{sha256 hex}           hash        an access token's uid, id, name, created_at
-    chat:session:{sid}                hash        owner, title, system_prompt, params, times, active
+    chat:session:{sid}                hash        owner, title, system_prompt, params, model, times, active
     chat:session:{sid}:messages       list        message JSON, appended only (RPUSH)
     chat:session:{sid}:tokens         hash        message id -> token-id segment {"ids", "base"}
     chat:session:{sid}:cmids          hash        client_msg_id -> turn (idempotent resend)

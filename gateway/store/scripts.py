@@ -2,7 +2,7 @@
 
 Every script takes the same KEYS, in this order (``SessionKeys.all()``):
 
-    KEYS[1] chat:session:{sid}            hash: id, owner, title, system_prompt, params, times, active
+    KEYS[1] chat:session:{sid}            hash: id, owner, title, system_prompt, params, model, times, active
     KEYS[2] chat:session:{sid}:messages   list of message JSON, oldest first
     KEYS[3] chat:session:{sid}:tokens     hash: message id -> {"ids": [...], "base": bool}
     KEYS[4] chat:session:{sid}:cmids      hash: client_msg_id -> the turn it started (JSON)
@@ -102,12 +102,12 @@ local function clear_active(rid)
 end
 """
 
-# ARGV: owner, sid, title, system_prompt, params_json, now, max_sessions, ttl
+# ARGV: owner, sid, title, system_prompt, params_json, now, max_sessions, ttl, model ('' = the default)
 CREATE = _PRELUDE + r"""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 'exists' end
 if redis.call('ZCARD', KEYS[5]) >= tonumber(ARGV[7]) then return 'too_many_sessions' end
 redis.call('HSET', KEYS[1], 'id', ARGV[2], 'owner', ARGV[1], 'title', ARGV[3], 'system_prompt', ARGV[4],
-           'params', ARGV[5], 'created_at', ARGV[6], 'updated_at', ARGV[6], 'active', '')
+           'params', ARGV[5], 'created_at', ARGV[6], 'updated_at', ARGV[6], 'active', '', 'model', ARGV[9] or '')
 redis.call('ZADD', KEYS[5], ARGV[6], ARGV[2])
 touch(tonumber(ARGV[8]))
 notify('created', ARGV[2])

@@ -8,8 +8,9 @@ so two tabs writing at once lose nothing and no history is ever rewritten whole.
 
 Token segments: each message's segment holds the ids it added to the model's input
 (a user message: its turn's prompt ids after the previous turn's; a reply: the sampled
-ids). A segment marked ``base`` holds a whole prompt (the engine could not reuse the
-prefix) and supersedes everything before it. The next turn's ``prefix_token_ids`` are
+ids), with the ``model`` that read or wrote them (a turn on another model reuses none).
+A segment marked ``base`` holds a whole prompt (the engine could not reuse the prefix)
+and supersedes everything before it. The next turn's ``prefix_token_ids`` are
 the segments from the last base on, up to the first message without one.
 """
 
@@ -64,11 +65,13 @@ class SessionInfo:
     created_at: float
     updated_at: float
     active: dict[str, str] | None = None
+    model: str = ""  # the model its replies come from ("": none named, any engine)
 
     def public(self) -> dict[str, Any]:
         """The JSON shape of docs/protocol.md section 3 (without messages)."""
         return {"id": self.id, "title": self.title, "system_prompt": self.system_prompt,
-                "params": self.params, "created_at": self.created_at, "updated_at": self.updated_at}
+                "params": self.params, "model": self.model or None, "created_at": self.created_at,
+                "updated_at": self.updated_at}
 
 
 @dataclass
@@ -119,7 +122,8 @@ def plan_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]
 
     The prefix is the concatenated segments from the last ``base`` one (at or before
     that user message) up to and including the user message, stopping at the first
-    message without a segment.
+    message without a segment or with one marked ``reasoning`` (a reply whose reasoning
+    later prompts leave out: ``gateway/reasoning.py``).
 
     Args:
         stored: messages oldest first (each with ``id`` and ``role``).
@@ -145,7 +149,7 @@ def plan_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]
         seg = segments.get(stored[i]["id"])
         if i == u and not (seg and seg.get("base")):
             split = len(ids)
-        if seg is None:
+        if seg is None or seg.get("reasoning"):
             break
         ids.extend(seg["ids"])
     return ids, split
@@ -219,7 +223,7 @@ class SessionStore:
     # ---- chats ---------------------------------------------------------------
 
     async def create_session(self, owner: str, title: str = "", system_prompt: str = "",
-                             params: dict[str, Any] | None = None) -> SessionInfo:
+                             params: dict[str, Any] | None = None, model: str = "") -> SessionInfo:
         """Create a chat owned by ``owner``.
 
         Raises:
@@ -231,10 +235,10 @@ class SessionStore:
                 await self._prune_index(owner)  # entries of expired chats do not count
             res = await self._create(keys=self.keys.script_keys(sid, owner),
                                      args=[owner, sid, title, system_prompt, dumps(params or {}), now,
-                                           self.max_sessions, self.ttl])
+                                           self.max_sessions, self.ttl, model])
         if res == "too_many_sessions":
             raise GatewayError("too_many_sessions", f"at most {self.max_sessions} chats per user; delete some")
-        return SessionInfo(sid, owner, title, system_prompt, dict(params or {}), now, now)
+        return SessionInfo(sid, owner, title, system_prompt, dict(params or {}), now, now, model=model)
 
     async def _prune_index(self, owner: str) -> None:
         """Drop index entries whose chat expired (only matters with a TTL)."""
@@ -268,6 +272,7 @@ class SessionStore:
             id=data["id"], owner=data["owner"], title=data.get("title", ""),
             system_prompt=data.get("system_prompt", ""), params=json.loads(data.get("params") or "{}"),
             created_at=float(data["created_at"]), updated_at=float(data["updated_at"]), active=active,
+            model=data.get("model", ""),
         )
 
     async def list_sessions(self, owner: str, limit: int = 500) -> list[SessionInfo]:
@@ -282,9 +287,13 @@ class SessionStore:
         return out
 
     async def update_session(self, owner: str, sid: str, *, title: str | None = None,
-                             system_prompt: str | None = None, params: dict[str, Any] | None = None) -> None:
-        """Change any of a chat's title, system prompt and stored sampling params."""
+                             system_prompt: str | None = None, params: dict[str, Any] | None = None,
+                             model: str | None = None) -> None:
+        """Change any of a chat's title, system prompt, stored sampling params and model
+        ("" for none: any engine)."""
         kv: list[Any] = []
+        if model is not None:
+            kv += ["model", model]
         if title is not None:
             kv += ["title", title]
         if system_prompt is not None:
@@ -337,9 +346,13 @@ class SessionStore:
             mark_versions(stored, res[-1])
         return stored, segments
 
-    async def history(self, owner: str, sid: str, system_prompt: str) -> History:
-        """The chat as engine input: ``messages`` and ``prefix_token_ids``."""
+    async def history(self, owner: str, sid: str, system_prompt: str, model: str = "") -> History:
+        """The chat as engine input: ``messages`` and ``prefix_token_ids``. With ``model``,
+        the token ids another model wrote (segments marked with another ``model``) count
+        as none: that model's tokenizer is not this one's."""
         stored, segments = await self._read_messages(sid, owner, True)
+        if model:
+            segments = {k: v for k, v in segments.items() if v.get("model", model) == model}
         msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
         msgs += [{"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))} for m in stored]
         prefix, split = plan_prefix(stored, segments)

@@ -49,7 +49,7 @@ export function isBusyNotice(text) {
  * @property {(message:string)=>void} announce  polite screen-reader announcement (the status region)
  * @property {import("./progress.js").ContextMeter} [meter]  how full the open chat's context is
  * @property {(state:{id:string|null, busy:boolean, stopping:boolean, title:string, restore?:string, restoreFiles?:object[],
- *   loaded:boolean})=>void} onChange
+ *   loaded:boolean, model:string})=>void} onChange
  *   refresh of the composer and header; `restore` (and `restoreFiles`, its attachments) is a refused message to put back in the
  *   composer; `loaded` is false while the open chat's history is being fetched
  */
@@ -63,6 +63,8 @@ export class ChatController {
     this.currentId = null;
     /** @type {object|null} the open chat's session (without messages) */
     this.session = null;
+    /** @type {string|null} the model a new chat is created with (the picker's choice; null: the server's default) */
+    this.newChatModel = null;
     /** Settings chosen for the unsaved new chat. */
     this.draft = null;
     this.loadToken = 0;
@@ -196,6 +198,7 @@ export class ChatController {
     if (!id) {
       // Untouched settings are left to the server, so its defaults apply.
       const body = this.draft ? { system_prompt: this.draft.system_prompt, params: this.draft.params } : {};
+      if (this.newChatModel) body.model = this.newChatModel;
       let s;
       const token = this.loadToken;
       this.creating = true; // a second Enter must not create a second chat
@@ -576,6 +579,7 @@ export class ChatController {
         usage: f.usage,
         timings: f.timings,
         error: f.error,
+        reasoning_ms: f.reasoning_ms,
       });
       // The transcript is not read as it streams (aria-live off): the finished reply is.
       const said = this.view.spokenText(r.el);
@@ -729,6 +733,38 @@ export class ChatController {
     const restoreFiles = this.restoreFiles;
     this.restoreText = this.restoreFiles = undefined;
     const loaded = !this.currentId || (!!this.session && this.session.id === this.currentId);
-    this.onChange({ id: this.currentId, busy, stopping, title, restore, restoreFiles, loaded });
+    this.onChange({ id: this.currentId, busy, stopping, title, restore, restoreFiles, loaded, model: this.modelOf() });
+  }
+
+  /** @returns {string} the model the open chat's replies come from (a new chat's: the one it will be created with) */
+  modelOf() {
+    if (this.currentId) return (this.session && this.session.model) || this.config.model || "";
+    return this.newChatModel || this.config.model || "";
+  }
+
+  /**
+   * The user chose a model: the open chat's replies come from it from now on (saved
+   * with the chat), and new chats are created with it.
+   * @param {string} model
+   */
+  async pickModel(model) {
+    const id = this.currentId;
+    this.newChatModel = model; // new chats start with the last model chosen
+    if (!id || !this.session) {
+      this.changed();
+      return;
+    }
+    const before = this.session.model;
+    this.session.model = model;
+    this.changed();
+    try {
+      markOwnChange(this, id);
+      const s = await this.api.patchSession(id, { model });
+      if (id === this.currentId && this.session) this.session.model = s.model;
+    } catch (err) {
+      if (id === this.currentId && this.session) this.session.model = before;
+      this.notify(this.apiErrorText(err));
+    }
+    this.changed();
   }
 }

@@ -161,6 +161,8 @@ export function errorText(code, serverMessage, limits) {
       return `The request was refused${detail}. Check this chat's settings.`;
     case "not_found":
       return "This chat or reply no longer exists.";
+    case "model_not_found":
+      return "This chat's model is not served here any more. Choose another in the model menu at the top.";
     case "network":
       return "The server cannot be reached. Check that it is running.";
     default:

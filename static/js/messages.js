@@ -4,6 +4,7 @@
 import { replyStats, formatStats, formatStatDetails, formatRate, liveRate } from "./format.js";
 import { userMeta, continueButton, timeElement, setTime, setVersions, updateContinue } from "./branches.js";
 import { icon, ICONS } from "./icons.js";
+import { splitReasoning, thoughtFor } from "./reasoning.js";
 import { chipElement } from "./attachments.js";
 
 // Why a partial reply stopped, when it was not the user's Stop (the gateway stores
@@ -31,7 +32,8 @@ export const COLLAPSED_LINES = 12;
 export class MessageView {
   /**
    * @param {{doc:Document, listEl:HTMLElement, scrollEl:HTMLElement,
-   *          emptyEl:HTMLElement, renderer:{render:(el:HTMLElement, text:string)=>void}}} opts
+   *          emptyEl:HTMLElement, renderer:{render:(el:HTMLElement, text:string)=>void},
+   *          markers?:{open:string, close:string}}} opts
    */
   constructor(opts) {
     this.doc = opts.doc;
@@ -39,9 +41,12 @@ export class MessageView {
     this.scrollEl = opts.scrollEl;
     this.emptyEl = opts.emptyEl;
     this.renderer = opts.renderer;
+    /** The reasoning markers (`GET /api/config` `reasoning`); replies' reasoning shows apart. */
+    this.markers = opts.markers;
     /** @type {WeakMap<HTMLLIElement, {text:string, raf:number, firstAt?:number, firstLen?:number,
-     *   rateAt?:number}>} per assistant message; `firstAt`/`firstLen`: when its first text came, and
-     *   how long it was (the live rate counts what came after) */
+     *   rateAt?:number, thinkMs?:number, thinkFrom?:number}>} per assistant message; `firstAt`/`firstLen`:
+     *   when its first text came, and how long it was (the live rate counts what came after);
+     *   `thinkMs`: how long it reasoned (stored, or measured here from `thinkFrom`) */
     this.replyState = new WeakMap();
     this.bodyIds = 0;
     /** Characters per token of the replies shown so far (for the live rate), 4 until one is known. */
@@ -49,6 +54,8 @@ export class MessageView {
     this.listEl.addEventListener("click", (ev) => {
       const btn = ev.target.closest("button.show-more");
       if (btn && this.listEl.contains(btn)) this.toggleCollapsed(btn);
+      const view = ev.target.closest("button.chip-view");
+      if (view && this.listEl.contains(view)) this.toggleFileText(view);
     });
   }
 
@@ -64,10 +71,11 @@ export class MessageView {
 
   /**
    * @param {HTMLLIElement} li
-   * @returns {string} the assistant message's raw markdown
+   * @returns {string} the assistant message's answer: its markdown without the reasoning
    */
-  textOf(li) {
-    return this.st(li).text;
+  answerOf(li) {
+    const { reasoning, answer } = splitReasoning(this.st(li).text, this.markers);
+    return reasoning === null ? this.st(li).text : answer;
   }
 
   /** Remove every message and show the empty state. */
@@ -117,7 +125,20 @@ export class MessageView {
       const chips = this.doc.createElement("ul");
       chips.className = "attachment-chips in-message";
       chips.setAttribute("aria-label", "Attached files");
-      for (const a of info.attachments) chips.append(chipElement(this.doc, a));
+      info.attachments.forEach((a, i) => {
+        const chip = chipElement(this.doc, a);
+        if (a.text) {
+          const view = this.doc.createElement("button");
+          view.type = "button";
+          view.className = "chip-view";
+          view.dataset.index = String(i);
+          view.textContent = "View";
+          view.setAttribute("aria-label", `View ${a.name}`); // the visible word first (WCAG 2.5.3)
+          view.setAttribute("aria-expanded", "false");
+          chip.append(view);
+        }
+        chips.append(chip);
+      });
       li.append(chips);
       if (!content) body.hidden = true;
     }
@@ -151,6 +172,43 @@ export class MessageView {
       btn.textContent = "Show more";
       body.after(btn);
     }
+  }
+
+  /**
+   * @private Show (or hide) the text the model read of a sent file, under its message's
+   * files: one file's at a time, filled on first view (a file's text can be long).
+   * @param {HTMLButtonElement} btn  a chip's View button
+   */
+  toggleFileText(btn) {
+    const li = btn.closest(".msg.user");
+    const file = (li.attachments || [])[Number(btn.dataset.index)];
+    if (!file) return;
+    let box = li.querySelector(".attachment-preview");
+    const open = btn.getAttribute("aria-expanded") === "true";
+    const files = li.attachments || [];
+    for (const b of li.querySelectorAll("button.chip-view")) {
+      b.setAttribute("aria-expanded", "false");
+      b.setAttribute("aria-label", `View ${files[Number(b.dataset.index)]?.name || "file"}`);
+      b.textContent = "View";
+    }
+    if (open) {
+      box.hidden = true;
+      return;
+    }
+    if (!box) {
+      box = this.doc.createElement("pre");
+      box.className = "attachment-preview";
+      box.id = `attachment-preview-${++this.bodyIds}`;
+      box.tabIndex = 0; // scrollable: reachable by keyboard
+      li.querySelector(".attachment-chips").after(box);
+    }
+    box.setAttribute("aria-label", `Text of ${file.name}`);
+    box.textContent = file.text;
+    box.hidden = false;
+    btn.setAttribute("aria-controls", box.id);
+    btn.setAttribute("aria-expanded", "true");
+    btn.setAttribute("aria-label", `Hide ${file.name}`);
+    btn.textContent = "Hide";
   }
 
   /** @private "Show more" / "Show less" on a long user message */
@@ -194,6 +252,19 @@ export class MessageView {
     main.className = "msg-main";
     const body = d.createElement("div");
     body.className = "msg-body markdown";
+    // the reasoning: "Thinking…" while it is written, then "Thought for 12 s", folded
+    const thinking = d.createElement("details");
+    thinking.className = "thinking";
+    thinking.hidden = true;
+    const thinkingLine = d.createElement("summary");
+    thinkingLine.className = "thinking-line";
+    const thinkingBody = d.createElement("div");
+    thinkingBody.className = "thinking-body markdown";
+    thinking.append(thinkingLine, thinkingBody);
+    // opened or closed by the user (not by `renderThinking`): left as the user set it
+    thinking.addEventListener("toggle", () => {
+      if (String(thinking.open) !== thinking.dataset.auto) thinking.dataset.touched = "1";
+    });
     const typing = d.createElement("div");
     typing.className = "typing";
     typing.setAttribute("aria-hidden", "true");
@@ -229,7 +300,7 @@ export class MessageView {
     versions.className = "versions";
     versions.hidden = true;
     meta.append(versions, badge, stats, actions, timeElement(d, undefined));
-    main.append(this.srLabel("Assistant said:"), body, typing, live, meta);
+    main.append(this.srLabel("Assistant said:"), thinking, body, typing, live, meta);
     li.append(avatar, main);
     this.listEl.append(li);
     this.updateEmpty();
@@ -276,10 +347,37 @@ export class MessageView {
   renderNow(li) {
     const stick = this.isNearBottom();
     const text = this.st(li).text;
-    this.renderer.render(li.querySelector(".msg-body"), text);
+    const { reasoning, answer, closed } = splitReasoning(text, this.markers);
+    this.renderThinking(li, reasoning, closed);
+    this.renderer.render(li.querySelector(".msg-body"), reasoning === null ? text : answer);
     li.querySelector(".typing").hidden = !(li.classList.contains("streaming") && !text);
     if (li.classList.contains("streaming")) this.showLiveRate(li);
     if (stick) this.scrollToBottom();
+  }
+
+  /**
+   * @private The reasoning block: hidden without reasoning; open with "Thinking…" while
+   * the reasoning streams, folded to "Thought for N s" once it is closed (a block the user
+   * opened or closed stays so).
+   */
+  renderThinking(li, reasoning, closed) {
+    const box = li.querySelector(".thinking");
+    box.hidden = reasoning === null;
+    if (reasoning === null) return;
+    const st = this.st(li);
+    const streaming = li.classList.contains("streaming");
+    const now = performance.now();
+    if (streaming && st.thinkFrom === undefined) st.thinkFrom = now;
+    if (closed && st.thinkMs === undefined && st.thinkFrom !== undefined) st.thinkMs = now - st.thinkFrom;
+    const thinking = streaming && !closed;
+    box.classList.toggle("is-thinking", thinking);
+    li.querySelector(".thinking-line").textContent = thinking ? "Thinking…"
+      : st.thinkMs !== undefined ? thoughtFor(st.thinkMs) : "Thoughts";
+    if (!box.dataset.touched) {
+      box.dataset.auto = String(thinking);
+      box.open = thinking;
+    }
+    this.renderer.render(li.querySelector(".thinking-body"), reasoning);
   }
 
   /** @private "≈ 41 tok/s" under a streaming reply, redrawn at most every LIVE_RATE_EVERY_MS */
@@ -300,7 +398,7 @@ export class MessageView {
    * @param {HTMLLIElement} li
    * @param {{id?:string, content?:string, status?:string, finish_reason?:string, usage?:object, timings?:object,
    *   error?:{code:string, message:string}, cut_reason?:string, created_at?:number,
-   *   versions?:{index:number, count:number}}} info  `error`
+   *   versions?:{index:number, count:number}, reasoning_ms?:number}} info  `error`
    *   (or the stored `cut_reason` of a partial reply) says why a reply was interrupted;
    *   `created_at` (Unix seconds) is the time shown on hover (now when missing)
    */
@@ -310,6 +408,7 @@ export class MessageView {
     if (st.raf) cancelAnimationFrame(st.raf);
     st.raf = 0;
     if (typeof info.content === "string") st.text = info.content;
+    if (typeof info.reasoning_ms === "number") st.thinkMs = info.reasoning_ms;
     if (info.id) li.dataset.messageId = info.id;
     li.classList.remove("streaming");
     li.querySelector(".live-rate").hidden = true;

@@ -182,6 +182,7 @@ export class TransferDialog {
         imported += r.imported;
         skipped += r.skipped;
         added.push(...r.chats);
+        if (r.error) failed.push(`${f.name}: ${r.error.message}`); // stopped at the limit of chats
       } catch (err) {
         failed.push(`${f.name}: ${reason(err)}`);
       }

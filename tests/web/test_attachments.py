@@ -81,7 +81,15 @@ def test_files_by_button_drop_and_paste_are_counted_sent_and_kept(new_page: Call
     page.reload()
     page.wait_for_selector(f"body[data-connection=open][data-chat='{sid}']", timeout=WAIT_MS)
     assert [t.strip() for t in page.locator(".msg.user .chip-name").all_text_contents()] == sent
+    # what the model read of each file can be looked at
+    page.click(".msg.user .attachment-chip:first-child .chip-view")
+    assert "Revenue grew." in (page.text_content(".msg.user .attachment-preview") or "")
     shot(page, "attachments-desktop-sent")
+    assert axe_violations(page) == []
+    page.click(".msg.user .attachment-chip:nth-child(2) .chip-view")
+    assert (page.text_content(".msg.user .attachment-preview") or "") == "# Notes\n\nShip on Friday."
+    page.click(".msg.user .attachment-chip:nth-child(2) .chip-view")
+    assert page.is_hidden(".msg.user .attachment-preview")
 
 
 def test_files_that_cannot_be_sent_are_refused_with_a_reason(new_page: Callable[..., Page]) -> None:

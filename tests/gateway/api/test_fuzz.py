@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect as sync_connect
 
@@ -240,7 +240,10 @@ def test_fuzzed_frames_on_a_live_socket_never_break_it(fuzz_gateway):
     seen_codes: set[str] = set()
     with sync_connect(gw.ws_url, origin=gw.origin, additional_headers=headers, max_size=None) as ws:
 
+        # one frame for each check the final assert names, whatever the random draws
         @settings(max_examples=60, **LIVE)
+        @example({"type": 7})
+        @example({"type": "chat", "content": "hi", "params": {"max_tokens": -1}})
         @given(browser_frames())
         def one(frame):
             ws.send(as_wire(frame))

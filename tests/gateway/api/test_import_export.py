@@ -178,3 +178,13 @@ async def test_our_export_of_every_chat_and_version_round_trips_identically(gate
     async with gw.connect(other_cookie) as ws:
         await turn(ws, {"type": "chat", "session_id": new_sid, "content": "And now?"})
     assert other  # the second chat was exported too
+
+
+async def test_an_import_that_meets_the_limit_of_chats_keeps_what_it_stored_and_says_so(gateway_factory):
+    gw = gateway_factory(limits={"max_sessions_per_user": 2})
+    convs = [chatgpt_conversation(f"conv-{i}", f"Chat {i}") for i in range(3)]
+    with client(gw, gw.new_cookie()) as c:
+        r = c.post("/api/import", content=json.dumps(convs).encode()).json()
+        assert r["imported"] == 2 and r["error"]["code"] == "too_many_sessions"
+        assert r["error"]["message"].startswith("1 more chat not imported: at most 2 chats")
+        assert sorted(s["title"] for s in c.get("/api/sessions").json()["sessions"]) == ["Chat 0", "Chat 1"]

@@ -150,3 +150,38 @@ def test_the_compose_override_runs_a_prefill_and_a_decode_engine_behind_the_gate
     else:
         gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"] for n in ("engine", "engine-prefill")]
         assert [d[0]["device_ids"] for d in gpus] == [["${DECODE_GPU:-0}"], ["${PREFILL_GPU:-1}"]]
+
+
+async def test_stop_during_the_prefill_phase_ends_the_turn_and_frees_both_engines(gateway_factory, pd_engines):
+    from tests.engine_gate import of_type
+    from tests.fixtures_servers import gate_in_front_of
+    from tests.gateway_helpers import read_reply, recv, send
+
+    p, d = pd_engines
+    gate = gate_in_front_of(p)
+    try:
+        gw = gateway_factory(engine_urls=[gate.url, d.url])
+        await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+        gate.pause()  # the prefill engine holds still: the turn is in its prefill phase
+        async with gw.connect(gw.new_cookie()) as ws:
+            await send(ws, {"type": "chat", "content": _document(), "params": {"max_tokens": 64, "temperature": 0}})
+            start = await recv(ws)
+            assert start["type"] == "start"
+            rid = start["request_id"]
+            await gate.sent(of_type("generate", rid))
+            await send(ws, {"type": "cancel", "request_id": rid})
+            await gate.sent(of_type("abort", rid))  # the prefill engine is told to stop it
+            gate.resume()
+            r = await read_reply(ws, rid)
+        assert r.error is None and r.done is not None and r.done["finish_reason"] == "abort"
+
+        async def idle(url: str) -> bool:
+            s = await _stats(url)
+            return s["running"] == s["waiting"] == 0 and s["blocks_held_by_requests"] == 0 \
+                and s["blocks_free"] + s["blocks_evictable"] == s["num_blocks"]
+
+        await wait_for(lambda: idle(p.url), 30)
+        await wait_for(lambda: idle(d.url), 30)
+    finally:
+        gate.resume()
+        gate.close()
