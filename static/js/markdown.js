@@ -69,6 +69,8 @@ export function createMarkdownRenderer(win) {
     const html = md.render(text);
     const frag = purify.sanitize(html, config);
     for (const pre of frag.querySelectorAll("pre")) decorateCodeBlock(win.document, pre);
+    // A wide table scrolls sideways: keyboard users reach it by Tab, then scroll with the arrows.
+    for (const table of frag.querySelectorAll("table")) table.tabIndex = 0;
     return frag;
   }
 
@@ -122,6 +124,10 @@ function decorateCodeBlock(doc, pre) {
   copy.textContent = "Copy";
   copy.setAttribute("aria-label", `Copy ${lang || "code"} to clipboard`);
   head.append(label, copy);
+  // The <pre> is the block's one scroller (long lines scroll sideways): focusable, so a
+  // keyboard can scroll it too.
+  pre.tabIndex = 0;
+  pre.setAttribute("aria-label", `${lang || "text"} code`);
   pre.replaceWith(wrap);
   wrap.append(head, pre);
 }

@@ -41,25 +41,29 @@ pytestmark = [pytest.mark.timeout(240)]
 AXE = Path(__file__).resolve().parent / "vendor" / "axe-core" / "axe.min.js"
 BLOCKING = ("serious", "critical")
 
-# A reply with the markdown a model writes, code in several highlight colours included.
+# A reply with the markdown a model writes, code in several highlight colours included, and a
+# code line and a table row wider than any screen (regions that scroll sideways must be
+# reachable by keyboard).
 RICH_REPLY = """Here is a **plan** with `inline code`, a [link](https://example.org) and a table.
 
 | step | what |
 |---|--:|
 | 1 | read |
+| 2 | PLACEHOLDER_CELL |
 
 ```python
 # a comment, a keyword, a string, a number
 def greet(name: str = "world") -> int:
     print(f"hello {name}")  # call
     return 42 if name else None
+PLACEHOLDER_LINE
 ```
 
 > A quote, and a list:
 
 1. first
 2. second
-"""
+""".replace("PLACEHOLDER_CELL", "wide_" * 60).replace("PLACEHOLDER_LINE", "x = " + " + ".join(["width"] * 60))
 
 
 def axe_violations(page: Page) -> list[str]:
