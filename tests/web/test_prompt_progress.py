@@ -42,6 +42,9 @@ def gateway(gateway_factory: Callable[..., Any], chunked_gate: EngineGate) -> It
     yield gateway_factory(engine_urls=[chunked_gate.url])
 
 
+FIRST_WORDS = 240  # the first turn's prompt, in words (about 40% of the context)
+
+
 def words(seed: str, n: int) -> str:
     """``n`` words of made-up text; a fresh ``seed`` per test keeps the prefix cache
     (shared by the tests on one engine) from reading most of the prompt at once."""
@@ -71,10 +74,15 @@ def test_a_long_prompt_shows_reading_progress_then_the_context_meter_warns_near_
     open_chat(page, sid)
     assert page.is_hidden("#context-meter")  # an empty chat uses none of the context
     chunked_gate.pause_on(of_type("progress"))
-    send(page, words(f"{tag}-1", 120))
+    # long enough (about a dozen chunks) that the engine, stopped a step or two after its
+    # first progress frame, is still reading the prompt, however fast its kernels are
+    send(page, words(f"{tag}-1", FIRST_WORDS))
     chunked_gate.wait_paused()
     label = page.locator(".msg.assistant.streaming .prompt-progress-label")
-    label.wait_for(timeout=WAIT_MS)
+    # polled on a timer, not on animation frames (which the stopped engine's first page
+    # did not always get to run while the test waited)
+    page.wait_for_function("() => !!document.querySelector('.msg.assistant.streaming .prompt-progress-label')",
+                           polling=100, timeout=WAIT_MS)
     m = re.fullmatch(r"Reading ([\d,]+) / ([\d,]+) tokens", label.text_content() or "")
     assert m, label.text_content()
     done, total = (int(g.replace(",", "")) for g in m.groups())
@@ -105,7 +113,7 @@ def test_a_long_prompt_shows_reading_progress_then_the_context_meter_warns_near_
     shot(page, f"progress-{tag}-meter")
 
     # a second turn that brings the chat to about 88% of the context: the meter warns
-    per_word = (total - 30) / 120  # about; the chat template adds a few dozen tokens
+    per_word = (total - 30) / FIRST_WORDS  # about; the chat template adds a few dozen tokens
     more = int((0.88 * CHUNKED_MAX_MODEL_LEN - used_tokens(chat) - 20) / per_word)
     send(page, words(f"{tag}-2", more))
     wait_finished(page, 2)

@@ -32,7 +32,9 @@ async def test_a_long_prompt_sends_progress_frames_before_the_first_delta_and_no
     chunked_gate.pause_on(of_type("progress"))
     seen: list[str] = []
     async with gw.connect(cookie) as ws:
-        await send(ws, {"type": "chat", "content": long_text(1), "params": PARAMS})
+        # about a dozen chunks: still reading when the engine stops a step or two after its
+        # first progress frame, however fast its kernels are
+        await send(ws, {"type": "chat", "content": long_text(1, words=300), "params": PARAMS})
 
         async def on_frame(f, r):
             seen.append(f["type"])
@@ -52,7 +54,9 @@ async def test_a_long_prompt_sends_progress_frames_before_the_first_delta_and_no
         assert f["request_id"] == r.request_id and f["session_id"] == r.start["session_id"]
         assert f["prompt_tokens"] == prompt_tokens and f["cached_tokens"] == cached
     done = [f["prompt_tokens_done"] for f in progress]
-    assert done[0] == cached + CHUNK_TOKENS  # the first chunk after the cache hit
+    # the first chunk after the cache hit or, when the engine read the next chunk before the
+    # socket wrote the first frame, a later one: a reply keeps only its newest progress
+    assert cached + CHUNK_TOKENS <= done[0] < prompt_tokens
     assert done == sorted(set(done)) and done[-1] < prompt_tokens
     assert all((d - cached) % CHUNK_TOKENS == 0 for d in done)
     # every progress frame comes before the first delta
