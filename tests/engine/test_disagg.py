@@ -170,22 +170,31 @@ async def test_a_corrupt_page_fails_the_request_clearly_when_set_to_fail(tiny_mo
 
 
 @contextlib.asynccontextmanager
-async def _cutting_relay(upstream: str, after_pages: int) -> AsyncIterator[str]:
-    """A link to ``upstream`` that dies (both sides closed) after passing ``after_pages``
-    binary page frames: a source engine lost in the middle of a transfer."""
+async def _relay(upstream: str, after_pages: int, on_reach: str = "cut",
+                 reached: asyncio.Event | None = None, release: asyncio.Event | None = None) -> AsyncIterator[str]:
+    """A link to ``upstream`` that passes ``after_pages`` binary page frames, sets
+    ``reached``, then either dies at once, both sides closed (``on_reach="cut"``: a
+    source engine lost in the middle of a transfer), or holds the rest back until
+    ``release`` (``"hold"``: a transfer stuck midway, for as long as the test likes)
+    and then passes what the upstream still sends, closing when the upstream does."""
 
     async def handle(client) -> None:
         async with connect(upstream, max_size=None) as up:
             async def down() -> None:
                 sent = 0
-                async for msg in up:
-                    if isinstance(msg, bytes):
-                        if sent == after_pages:
-                            await client.close()
-                            await up.close()
-                            return
-                        sent += 1
-                    await client.send(msg)
+                with contextlib.suppress(Exception):
+                    async for msg in up:
+                        if isinstance(msg, bytes):
+                            if sent == after_pages:
+                                if reached is not None:
+                                    reached.set()
+                                if on_reach == "cut":
+                                    break
+                                await (release or asyncio.Event()).wait()
+                            sent += 1
+                        await client.send(msg)
+                await client.close()
+                await up.close()
 
             task = asyncio.create_task(down())
             with contextlib.suppress(Exception):
@@ -203,7 +212,7 @@ async def test_a_transfer_cut_midway_falls_back_to_local_prefill(tiny_model_dir)
         ids = _prompt(7, 100)
         want = await collect(ref, _req("ref", ids))
         await collect(p, _req("z-p", ids))
-        async with _cutting_relay(url, after_pages=3) as cut:
+        async with _relay(url, after_pages=3) as cut:
             got = await collect(d, _req("z", ids, source=cut))
         assert got.final.output_token_ids == want.final.output_token_ids
         s = await d.stats()
@@ -215,7 +224,7 @@ async def test_a_transfer_cut_midway_fails_clearly_when_set_to_fail(tiny_model_d
     async with _pair(tiny_model_dir, decode={"kv_pull_failure": "fail"}) as (p, url, d, _ref):
         ids = _prompt(8, 100)
         await collect(p, _req("w-p", ids))
-        async with _cutting_relay(url, after_pages=1) as cut:
+        async with _relay(url, after_pages=1) as cut:
             with pytest.raises(EngineError) as e:
                 await collect(d, _req("w", ids, source=cut))
         assert e.value.code == "kv_transfer_failed" and "closed" in e.value.message
@@ -243,40 +252,12 @@ async def test_pages_evicted_at_the_source_before_the_read_fall_back_or_fail(tin
         await _assert_idle_whole(p, d)
 
 
-@contextlib.asynccontextmanager
-async def _holding_relay(upstream: str, after_pages: int, reached: asyncio.Event) -> AsyncIterator[str]:
-    """A link to ``upstream`` that passes ``after_pages`` page frames, sets ``reached`` and
-    holds the rest back: a transfer stuck midway, for as long as the test likes."""
-
-    async def handle(client) -> None:
-        async with connect(upstream, max_size=None) as up:
-            async def down() -> None:
-                sent = 0
-                async for msg in up:
-                    if isinstance(msg, bytes):
-                        if sent == after_pages:
-                            reached.set()
-                            await asyncio.Event().wait()
-                        sent += 1
-                    await client.send(msg)
-
-            task = asyncio.create_task(down())
-            with contextlib.suppress(Exception):
-                async for msg in client:
-                    await up.send(msg)
-            task.cancel()
-
-    port = _free_port()
-    async with serve(handle, "127.0.0.1", port, max_size=None):
-        yield f"ws://127.0.0.1:{port}"
-
-
 async def test_an_abort_during_a_transfer_leaves_both_engines_whole(tiny_model_dir):
     async with _pair(tiny_model_dir) as (p, url, d, _ref):
         ids = _prompt(11, 200)
         await collect(p, _req("t-p", ids))
         reached = asyncio.Event()
-        async with _holding_relay(url, 4, reached) as stuck:
+        async with _relay(url, 4, "hold", reached) as stuck:
             task = asyncio.create_task(collect(d, _req("t", ids, source=stuck)))
             await asyncio.wait_for(reached.wait(), 30)
             task.cancel()  # the user's Stop while the pages are in flight
