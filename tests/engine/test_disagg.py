@@ -132,6 +132,31 @@ async def test_a_partial_hit_on_the_decode_side_pulls_only_the_rest_and_matches(
         await _assert_idle_whole(p, d)
 
 
+async def test_a_later_long_turn_reuses_the_reply_held_on_the_decode_side(tiny_model_dir):
+    # the prefill engine pulls the earlier reply's pages from the decode engine and
+    # computes only the new message; the decode engine then pulls only the new pages
+    async with _pair(tiny_model_dir) as (p, url, d, ref), _serving(d) as d_url:
+        first = _prompt(12, 100)
+        want1 = await collect(ref, _req("ref1", first, n=40))
+        got1 = await _disaggregated(p, url, d, "turn1", first, n=40)
+        assert got1.final.output_token_ids == want1.final.output_token_ids
+        # the decode engine computed 100 + 39 tokens: 8 whole pages; the prefill engine 6
+        second = first + got1.final.output_token_ids + _prompt(13, 60)  # 200 tokens, 12 pages wanted
+        want2 = await collect(ref, _req("ref2", second))
+        p0, d0 = await p.stats(), await d.stats()
+        pre = await collect(p, _req("turn2-p", second, source=d_url))
+        assert pre.final.usage.cached_tokens == 8 * BS  # 6 pages its own, 2 pulled: not recomputed
+        p1 = await p.stats()
+        assert (p1["kv_pulls_total"] - p0["kv_pulls_total"], p1["kv_pull_pages_total"] - p0["kv_pull_pages_total"],
+                p1["kv_pull_failures_total"] - p0["kv_pull_failures_total"]) == (1, 2, 0)
+        got2 = await collect(d, _req("turn2", second, source=url))
+        assert got2.final.output_token_ids == want2.final.output_token_ids
+        assert got2.final.usage.cached_tokens == 12 * BS
+        d1 = await d.stats()
+        assert d1["kv_pull_pages_total"] - d0["kv_pull_pages_total"] == 4  # the new message's pages only
+        await _assert_idle_whole(p, d)
+
+
 def _flip_a_byte_of_page(monkeypatch, index: int) -> None:
     """The source serializes its ``index``-th page of every fetch with one payload byte flipped."""
     real = kv_page.encode_page
