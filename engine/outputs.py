@@ -118,6 +118,8 @@ class RequestOutput:
     A request with ``params.prompt_logprobs`` gets, with its first output that has
     tokens (or its final one), ``prompt_logprobs``: each prompt token scored by the model
     given the tokens before it (token 0, which nothing scores, with 0.0 and no alternatives).
+    A request's first delta with tokens carries ``prompt_usage``: the prompt's length and
+    its tokens served by the prefix cache (``Usage.prompt_tokens``, ``cached_tokens``).
     Finish reason "error" means the engine could not continue the reply (a grammar that
     allowed no token: ``stop_reason`` says why); its text so far is kept.
     """
@@ -142,3 +144,4 @@ class RequestOutput:
     tool_calls: list[ToolCallDelta] | None = None
     output_tool_calls: list[ToolCall] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_usage: Usage | None = None
