@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MARKERS", "ReasoningSplitter", "ThinkMarkers", "split_reasoning", "without_reasoning"]
+__all__ = ["DEFAULT_MARKERS", "ReasoningSplitter", "ThinkMarkers", "split_reasoning", "thought_for",
+           "without_reasoning"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,19 @@ def split_reasoning(text: str, markers: ThinkMarkers = DEFAULT_MARKERS) -> tuple
     if end < 0:
         return body.strip(), ""
     return body[:end].strip(), body[end + len(markers.close):].lstrip()
+
+
+def thought_for(ms: float | None) -> str:
+    """The label of a reply's reasoning, as the page words it (``static/js/reasoning.js``
+    ``thoughtFor``): "Thought for 12 s" (whole seconds from 10 s up, one decimal below,
+    "a moment" under 0.1 s) for ``ms`` milliseconds of reasoning; "Thoughts" when the time
+    is not known (None)."""
+    if ms is None:
+        return "Thoughts"
+    s = ms / 1000
+    if not s >= 0.1:
+        return "Thought for a moment"
+    return f"Thought for {int(s + 0.5) if s >= 10 else f'{s:.1f}'} s"  # JS Math.round: halves up
 
 
 def without_reasoning(messages: list[dict[str, str]], markers: ThinkMarkers = DEFAULT_MARKERS
