@@ -12,7 +12,7 @@ the text it could not write (written later as one delta, so seqs stay gapless), 
 every store write is retried with backoff for up to ``store_retry_s`` seconds; the
 store's FINISH is idempotent by message id, so the reply is stored exactly once and
 ``done`` follows it. A turn is answered ``store_unavailable`` only when it was not
-accepted (its begin is undone, in the background if Redis is still down).
+accepted.
 """
 
 from __future__ import annotations
@@ -81,7 +81,6 @@ class GenerationManager:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
         self.cancels.close()
-        self.starter.close()
 
     # ---- starting a reply ------------------------------------------------------------
 
@@ -109,8 +108,8 @@ class GenerationManager:
         else:
             info, merged = await self.starter.preamble(owner, session_id, params, model)
         try:
-            begun = await self.store.begin_turn(owner, info.id, mode="chat", content=content,
-                                                client_msg_id=client_msg_id, attachments=attachments)
+            begun = await self.starter.begin(owner, info, "chat", content=content, client_msg_id=client_msg_id,
+                                             attachments=attachments)
             return await self.starter.launch(self._request(owner, info, begun, merged, client_msg_id,
                                                            clamp_max_tokens=clamp_max_tokens,
                                                            created_chat=session_id is None))
@@ -128,7 +127,7 @@ class GenerationManager:
         as a version (``SessionStore.switch_version`` shows it again). Same errors as
         ``chat``, and ``conflict`` when ``replaces`` is given and is not the last reply's id."""
         info, merged = await self.starter.preamble(owner, session_id, params)
-        begun = await self.store.begin_turn(owner, info.id, mode="regenerate", replaces=replaces)
+        begun = await self.starter.begin(owner, info, "regenerate", replaces=replaces)
         return await self.starter.launch(self._request(owner, info, begun, merged, None))
 
     async def edit(self, owner: str, session_id: str, message_id: str, content: str, params: dict[str, Any],
@@ -138,9 +137,8 @@ class GenerationManager:
         switch back to (``SessionStore.switch_version``). Same errors as ``chat``, and
         ``conflict`` when the chat has no such user message."""
         info, merged = await self.starter.preamble(owner, session_id, params)
-        begun = await self.store.begin_turn(owner, info.id, mode="edit", content=content,
-                                            client_msg_id=client_msg_id, replaces=message_id,
-                                            attachments=attachments)
+        begun = await self.starter.begin(owner, info, "edit", content=content, client_msg_id=client_msg_id,
+                                         replaces=message_id, attachments=attachments)
         return await self.starter.launch(self._request(owner, info, begun, merged, client_msg_id))
 
     async def continue_reply(self, owner: str, session_id: str, message_id: str,
@@ -156,7 +154,7 @@ class GenerationManager:
                 stop at max_tokens or by a Stop, or its token ids are not stored.
         """
         info, merged = await self.starter.preamble(owner, session_id, params)
-        begun = await self.store.begin_turn(owner, info.id, mode="continue", replaces=message_id)
+        begun = await self.starter.begin(owner, info, "continue", replaces=message_id)
         continued = self.starter.continued(begun, info.model)
         if isinstance(continued, str):
             await self.store.fail_turn(owner, info.id, begun, None)
