@@ -413,7 +413,8 @@ class EngineCore:
         output at the first that ends the request (the rest are dropped).
         ``drafted``/``kept``: the step's drafts for the request and how many were right
         (``tokens`` is the kept drafts and one sampled token)."""
-        if req.first_token_s is None:
+        first = req.first_token_s is None
+        if first:
             req.first_token_s = now
         constraint = req.constraint
         for used, (tok, logprob) in enumerate(zip(tokens, logprobs), 1):
@@ -436,7 +437,9 @@ class EngineCore:
         out = RequestOutput(request_id=req.request_id, text=req.pending_text, token_ids=req.pending_ids,
                             logprobs=req.pending_logprobs or None, trim_prior=req.pending_trim,
                             tool_calls=req.pending_tool_calls or None,
-                            prompt_logprobs=self._prompt_logprobs_once(req))
+                            prompt_logprobs=self._prompt_logprobs_once(req),
+                            prompt_usage=Usage(prompt_tokens=len(req.prompt_ids),
+                                               cached_tokens=max(req.num_cached_tokens, 0)) if first else None)
         req.pending_text, req.pending_ids, req.pending_logprobs, req.pending_trim = "", [], [], 0
         req.pending_tool_calls = []
         return out

@@ -57,7 +57,8 @@ class GenerateRequest:
         continue_final_message: the last message is the assistant's, and the reply
             continues it (no end of turn, no new generation prompt) instead of answering.
         kv_source: the URL of an engine holding this prompt's KV (a prefill engine that ran
-            it): the pages this engine lacks are pulled from there first (``engine.disagg``).
+            it; for a prefill engine, the chat's decode engine holding its earlier turns):
+            the pages this engine lacks are pulled from there first (``engine.disagg``).
     """
 
     request_id: str
@@ -118,6 +119,8 @@ class RequestOutput:
     A request with ``params.prompt_logprobs`` gets, with its first output that has
     tokens (or its final one), ``prompt_logprobs``: each prompt token scored by the model
     given the tokens before it (token 0, which nothing scores, with 0.0 and no alternatives).
+    A request's first delta with tokens carries ``prompt_usage``: the prompt's length and
+    its tokens served by the prefix cache (``Usage.prompt_tokens``, ``cached_tokens``).
     Finish reason "error" means the engine could not continue the reply (a grammar that
     allowed no token: ``stop_reason`` says why); its text so far is kept.
     """
@@ -142,3 +145,4 @@ class RequestOutput:
     tool_calls: list[ToolCallDelta] | None = None
     output_tool_calls: list[ToolCall] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_usage: Usage | None = None

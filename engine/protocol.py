@@ -248,7 +248,10 @@ class DeltaFrame:
     (a call's first has its id and name; the others fragments of its arguments' JSON
     text); with tools, ``text`` is the content outside calls. ``prompt_logprobs``
     (protocol 7; once, with the first item that has tokens, when asked for): an entry
-    per prompt token, the first with ``logprob`` null.
+    per prompt token, the first with ``logprob`` null. ``usage`` (on the request's first
+    item with tokens only; absent from older engines): the prompt's ``prompt_tokens`` and
+    ``cached_tokens``, known once it is read, so that an API can state them before the
+    reply ends (Anthropic's ``message_start``).
     """
 
     request_id: str
@@ -258,6 +261,7 @@ class DeltaFrame:
     trim_prior: int = 0
     tool_calls: list[dict[str, Any]] | None = None
     prompt_logprobs: list[dict[str, Any]] | None = None
+    usage: Usage | None = None
 
 
 @dataclass
@@ -387,6 +391,8 @@ def _item_dict(item: ReplyItem) -> dict[str, Any]:
             d["tool_calls"] = item.tool_calls
         if item.prompt_logprobs:
             d["prompt_logprobs"] = item.prompt_logprobs
+        if item.usage is not None:
+            d["usage"] = {"prompt_tokens": item.usage.prompt_tokens, "cached_tokens": item.usage.cached_tokens}
         return d
     d = {"type": "done", "request_id": item.request_id, "text": item.text, "token_ids": item.token_ids}
     if item.logprobs:
@@ -527,12 +533,15 @@ def _item(d: dict[str, Any]) -> ReplyItem:
         raise FrameError(f"'trim_prior' of a {kind} frame must be >= 0")
     tool_calls = _dict_list(d, "tool_calls")
     prompt_logprobs = _dict_list(d, "prompt_logprobs")
-    if kind == "delta":
-        return DeltaFrame(rid, text, ids, logprobs, trim, tool_calls, prompt_logprobs)
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens",
                                                                "cached_disk_tokens")})
+    except (TypeError, ValueError):
+        raise FrameError(f"usage of a {kind} frame must hold numbers") from None
+    if kind == "delta":
+        return DeltaFrame(rid, text, ids, logprobs, trim, tool_calls, prompt_logprobs, u if "usage" in d else None)
+    try:
         t = Timings(ttft_ms=float(timings.get("ttft_ms", 0.0)), tpot_ms=float(timings.get("tpot_ms", 0.0)),
                     e2e_ms=float(timings.get("e2e_ms", 0.0)), queue_ms=float(timings.get("queue_ms", 0.0)),
                     draft_tokens=int(timings.get("draft_tokens", 0)),

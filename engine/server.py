@@ -96,7 +96,8 @@ def output_item(request_id: str, out: RequestOutput, vocab: Vocabulary | None = 
     calls = [c.as_dict() for c in out.tool_calls] if out.tool_calls else None
     prompt_lps = prompt_logprob_dicts(out.prompt_logprobs, vocab) if out.prompt_logprobs else None
     if not out.finished:
-        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, out.trim_prior, calls, prompt_lps)
+        return DeltaFrame(request_id, out.text, out.token_ids, logprobs, out.trim_prior, calls, prompt_lps,
+                          out.prompt_usage)
     assert out.usage is not None and out.timings is not None  # a finished output carries both
     whole = [c.as_dict() for c in out.output_tool_calls] if out.output_tool_calls is not None else None
     return DoneFrame(request_id, out.text, out.token_ids, logprobs, out.finish_reason or "stop", out.stop_reason,

@@ -6,7 +6,7 @@ A request becomes a chat for the engine (``api_to_engine.messages_from_anthropic
 message is a prefill the reply continues, as Anthropic's API treats it) with its tools
 (``tools_from_anthropic``), on the same engine path as chat completions. The answer is a
 ``message`` with ``text`` and ``tool_use`` content blocks, or, streamed, Anthropic's
-events: ``message_start``, ``content_block_start`` / ``content_block_delta``
+events: ``message_start`` (with the prompt's tokens), ``content_block_start`` / ``content_block_delta``
 (``text_delta``, ``input_json_delta``) / ``content_block_stop`` per block,
 ``message_delta`` (``stop_reason``, usage), ``message_stop``. Errors are Anthropic's
 ``{"type": "error", "error": {"type", "message"}}``.
@@ -31,7 +31,8 @@ from starlette.responses import Response
 from gateway.api import api_to_engine as a2e
 from gateway.api import engine_to_api as e2a
 from gateway.api.openai_replies import Delta, Finished, ReplyEvent
-from gateway.api.openai_request import OpenAIError, bad, check_text, sampling_fields
+from gateway.api.openai_request import BodyWording, OpenAIError, bad, check_body, check_text, sampling_fields
+from gateway.api.reply_collect import ChoiceReply, CollectingWriter
 from gateway.api.sse import json_bytes, sse
 
 KNOWN_FIELDS = frozenset({
@@ -40,6 +41,8 @@ KNOWN_FIELDS = frozenset({
     # routing, caching and accounting hints of Anthropic's service: no effect here
     "cache_control", "container", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id",
 })
+
+_WORDING = BodyWording("{}: Extra inputs are not permitted", quote="")  # as Anthropic's validation words them
 
 # HTTP status -> Anthropic's error type
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -83,22 +86,13 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
     """
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in KNOWN_FIELDS)
-    if unknown:
-        raise bad(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model must be a string", "model")
-    check_text(model, "model")
+    head = check_body(body, KNOWN_FIELDS, _WORDING)
+    body = head.body
     thinking = body.get("thinking")
     if thinking is not None and not isinstance(thinking, dict):
         raise bad("thinking must be an object", "thinking")
     if not count_only and body.get("max_tokens") is None:
         raise bad("max_tokens: Field required", "max_tokens")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise bad("stream must be a boolean", "stream")
     try:
         messages = a2e.messages_from_anthropic(body.get("system"), body.get("messages"))
         if not messages or all(m["role"] == "system" for m in messages):
@@ -128,7 +122,7 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
         raise
     if structured is not None:
         params["structured"] = structured
-    return MessagesRequest(messages, model, params, extra, bool(body.get("stream")))
+    return MessagesRequest(messages, head.model, params, extra, head.stream)
 
 
 def _output_format(config: Any) -> dict[str, Any] | None:
@@ -151,8 +145,8 @@ def _output_format(config: Any) -> dict[str, Any] | None:
         {"type": "json_schema", "json_schema": {"schema": fmt.get("schema"), "strict": True}}, "output_config")
 
 
-def _usage(done: Finished | None) -> dict[str, Any]:
-    u = done.usage if done is not None else {}
+def _usage(u: dict[str, int]) -> dict[str, Any]:
+    """Anthropic's ``usage`` from ours (``Finished.usage``, or a first delta's ``prompt_usage``)."""
     prompt, cached = int(u.get("prompt_tokens", 0)), int(u.get("cached_tokens", 0))
     return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
             "output_tokens": int(u.get("completion_tokens", 0))}
@@ -163,7 +157,7 @@ def _stop(done: Finished) -> tuple[str, str | None]:
     return reason, done.stop_reason if reason == "stop_sequence" and isinstance(done.stop_reason, str) else None
 
 
-class MessagesWriter:
+class MessagesWriter(CollectingWriter):
     """Builds one Messages answer (``openai_api.Writer``; see module doc).
 
     Args:
@@ -174,23 +168,38 @@ class MessagesWriter:
     def __init__(self, message_id: str, model: str) -> None:
         self.id = message_id
         self.model = model
-        self.text: list[str] = []
-        self.finished: Finished | None = None
+        self.choices = [ChoiceReply()]  # one choice: these APIs have no n
         self._block = -1  # the index of the open content block, -1 before any
         self._block_kind = ""  # "text" or "tool_use"
+        self._started = False  # message_start went out
+
+    @property
+    def finished(self) -> Finished | None:
+        """The reply's ``Finished``, once it came."""
+        return self.choices[0].finished
 
     def _event(self, name: str, data: dict[str, Any]) -> bytes:
         return sse(json_bytes({"type": name, **data}), name)
 
     def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": _usage(self.finished)}
+                "stop_reason": stop[0], "stop_sequence": stop[1],
+                "usage": _usage(self.finished.usage if self.finished is not None else {})}
 
     def start_events(self) -> list[bytes]:
-        """``message_start`` (usage comes with ``message_delta``: the prompt's count is
-        known when the reply ends) and a ``ping``."""
-        return [self._event("message_start", {"message": self._message([], (None, None))}),
-                self._event("ping", {})]
+        """Nothing yet: ``message_start`` goes with the first event, which knows the prompt's tokens."""
+        return []
+
+    def _start(self, ev: ReplyEvent) -> list[bytes]:
+        """``message_start`` (its usage: the prompt's tokens, from the reply's first delta
+        or its end) and a ``ping``, before the first event's own."""
+        if self._started:
+            return []
+        self._started = True
+        usage = ev.prompt_usage if isinstance(ev, Delta) else ev.usage if isinstance(ev, Finished) else None
+        message = self._message([], (None, None))
+        message["usage"] = _usage({**(usage or {}), "completion_tokens": 0})
+        return [self._event("message_start", {"message": message}), self._event("ping", {})]
 
     def _close_block(self) -> list[bytes]:
         if self._block < 0 or not self._block_kind:
@@ -200,7 +209,7 @@ class MessagesWriter:
 
     def stream_events(self, index: int, ev: ReplyEvent) -> list[bytes]:
         """Content block events for a delta; ``message_delta`` and ``message_stop`` at the end."""
-        out: list[bytes] = []
+        out = self._start(ev)
         if isinstance(ev, Delta):
             if ev.text:
                 if self._block_kind != "text":
@@ -219,11 +228,11 @@ class MessagesWriter:
                 for e in e2a.anthropic_tool_use_events(d, self._block):
                     out.append(sse(json_bytes(e), e["type"]))
         elif isinstance(ev, Finished):
-            self.finished = ev
+            self.choices[0].finished = ev
             out += self._close_block()
             reason, seq = _stop(ev)
             out.append(self._event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                     "usage": _usage(ev)}))
+                                                     "usage": _usage(ev.usage)}))
             out.append(self._event("message_stop", {}))
         return out
 
@@ -235,17 +244,9 @@ class MessagesWriter:
         """An ``error`` event, as Anthropic's stream sends one."""
         return [sse(json_bytes(anthropic_error_body(e)), "error")]
 
-    def take(self, index: int, ev: ReplyEvent) -> None:
-        """Keep one event for ``body``."""
-        if isinstance(ev, Delta):
-            self.text.append(ev.text)
-        elif isinstance(ev, Finished):
-            self.finished = ev
-
     def body(self) -> dict[str, Any]:
         """The ``message``."""
-        done = self.finished or Finished("stop")
-        text = "".join(self.text)
+        done, text = self.choices[0].done, self.choices[0].whole_text
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         content += e2a.anthropic_tool_use_blocks(done.tool_calls or [])
         return self._message(content, _stop(done))
@@ -263,5 +264,5 @@ class CountWriter(MessagesWriter):
 
     def body(self) -> dict[str, Any]:
         """``{"input_tokens": N}``."""
-        done = self.finished or Finished("stop")
+        done = self.choices[0].done
         return {"input_tokens": int(done.usage.get("prompt_tokens", 0))}

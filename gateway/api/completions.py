@@ -18,9 +18,17 @@ from typing import Any
 
 from gateway.api import api_to_engine as a2e
 from gateway.api import engine_to_api as e2a
-from gateway.api.openai_chat import usage_of
+from gateway.api.openai_chat import openai_error_event, usage_of
 from gateway.api.openai_replies import Delta, Finished, ReplyEvent
-from gateway.api.openai_request import IGNORED_FIELDS, NUMERIC_FIELDS, OpenAIError, bad, check_text, sampling_fields
+from gateway.api.openai_request import (
+    IGNORED_FIELDS,
+    NUMERIC_FIELDS,
+    bad,
+    check_body,
+    check_text,
+    sampling_fields,
+)
+from gateway.api.reply_collect import ChoiceReply, CollectingWriter
 from gateway.api.sse import json_bytes, sse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for this API
@@ -64,23 +72,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
     """
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in KNOWN_FIELDS)
-    if unknown:
-        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
-    check_text(model, "model")
+    head = check_body(body, KNOWN_FIELDS, flags=("stream", "echo"), stream_options=True)
+    body = head.body
     if body.get("suffix"):
         raise bad("'suffix' (insertion) is not supported by this server", "suffix")
-    for flag in ("stream", "echo"):
-        if body.get(flag) is not None and not isinstance(body[flag], bool):
-            raise bad(f"'{flag}' must be a boolean", flag)
-    opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
-        raise bad("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
     try:
         prompts = a2e.completion_prompts(body.get("prompt"))
         n = a2e.choice_count(body.get("n"))
@@ -109,17 +104,12 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if echo and (logprobs is not None or any("prompt_token_ids" in p for p in prompts)):
         # the prompt's own tokens: their logprobs, and the text of a prompt of ids
         params["prompt_logprobs"] = logprobs or 0
-    return CompletionRequest(prompts, model, params, n, logprobs, echo, bool(body.get("stream")),
-                             bool((opts or {}).get("include_usage", False)))
+    return CompletionRequest(prompts, head.model, params, n, logprobs, echo, head.stream, head.include_usage)
 
 
 @dataclass
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    prompt_entries: list[dict[str, Any]] | None = None
-    finished: Finished | None = None
-    sent_echo: bool = False
+class _Choice(ChoiceReply):
+    sent_echo: bool = False  # streamed: the echoed prompt went out
 
 
 def _entries_text(entries: list[dict[str, Any]]) -> str:
@@ -127,7 +117,7 @@ def _entries_text(entries: list[dict[str, Any]]) -> str:
     return bytes(b for e in entries for b in (e.get("bytes") or [])).decode("utf-8", errors="replace")
 
 
-class CompletionWriter:
+class CompletionWriter(CollectingWriter):
     """Builds one completions answer from the engine's events (``openai_api.Writer``).
 
     Args:
@@ -141,19 +131,19 @@ class CompletionWriter:
         self.id = completion_id
         self.model = model
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(len(creq.prompts) * creq.n)]
+        self.choices: list[_Choice] = [_Choice() for _ in range(len(creq.prompts) * creq.n)]
 
     def _prompt_text(self, index: int, st: _Choice) -> str:
         p = self.creq.prompts[index // self.creq.n]
         if "prompt" in p:
             return str(p["prompt"])
-        return _entries_text(st.prompt_entries or [])
+        return _entries_text(st.prompt_logprobs or [])
 
     def _logprobs(self, st: _Choice, entries: list[dict[str, Any]], offset: int,
                   with_prompt: bool) -> dict[str, Any] | None:
         if self.creq.logprobs is None:
             return None
-        lead = (st.prompt_entries or []) if with_prompt else []
+        lead = (st.prompt_logprobs or []) if with_prompt else []
         return e2a.completion_logprobs([*lead, *entries], offset)
 
     def _chunk(self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> bytes:
@@ -171,7 +161,7 @@ class CompletionWriter:
         st = self.choices[index]
         if isinstance(ev, Delta):
             if ev.prompt_logprobs is not None:
-                st.prompt_entries = ev.prompt_logprobs
+                st.prompt_logprobs = ev.prompt_logprobs
             echo = ""
             if self.creq.echo and not st.sent_echo:
                 echo, st.sent_echo = self._prompt_text(index, st), True
@@ -194,9 +184,9 @@ class CompletionWriter:
         """The usage chunk (when asked), then ``[DONE]``."""
         out = []
         if self.creq.include_usage:
-            done = [c.finished for c in self.choices if c.finished is not None]
             out.append(sse(json_bytes({"id": self.id, "object": "text_completion", "created": self.created,
-                                       "model": self.model, "choices": [], "usage": self._usage(done)})))
+                                       "model": self.model, "choices": [],
+                                       "usage": self._usage(self.finished_choices())})))
         return out + [sse(b"[DONE]")]
 
     def _usage(self, done: list[Finished]) -> dict[str, Any]:
@@ -208,31 +198,15 @@ class CompletionWriter:
         u["total_tokens"] = prompt + u["completion_tokens"]
         return u
 
-    @staticmethod
-    def error_event(e: OpenAIError) -> list[bytes]:
-        """An error after the stream began (a ``data: {"error"}`` event)."""
-        return [sse(json_bytes(e.body()))]
-
-    def take(self, index: int, ev: ReplyEvent) -> None:
-        """Keep one event for ``body``."""
-        st = self.choices[index]
-        if isinstance(ev, Delta):
-            if ev.prompt_logprobs is not None:
-                st.prompt_entries = ev.prompt_logprobs
-            st.text.append(ev.text)
-            st.logprobs.extend(ev.logprobs)
-        elif isinstance(ev, Finished):
-            st.finished = ev
+    error_event = staticmethod(openai_error_event)
 
     def body(self) -> dict[str, Any]:
         """The ``text_completion`` body."""
         choices = []
         for i, st in enumerate(self.choices):
-            fin = st.finished or Finished("stop")
             echo = self._prompt_text(i, st) if self.creq.echo else ""
-            choices.append({"index": i, "text": echo + "".join(st.text),
+            choices.append({"index": i, "text": echo + st.whole_text,
                             "logprobs": self._logprobs(st, st.logprobs, 0, self.creq.echo),
-                            "finish_reason": fin.finish_reason})
-        done = [c.finished for c in self.choices if c.finished is not None]
+                            "finish_reason": st.done.finish_reason})
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": self._usage(done)}
+                "system_fingerprint": None, "choices": choices, "usage": self._usage(self.finished_choices())}

@@ -82,6 +82,7 @@ from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
 from gateway.replies.hooks import EventFanout, GenerationEvents
+from gateway.store.sessions import SessionInfo
 
 log = logging.getLogger("gateway.openai")
 
@@ -224,19 +225,19 @@ class OpenAIApi:
             raise GatewayError("internal_error", "no user")
         return [uid]
 
-    async def owner_of(self, request: Request, sid: str) -> str:
-        """The first of ``owners`` that owns chat ``sid`` (the first one for ``"new"``).
+    async def owner_of(self, request: Request, sid: str) -> tuple[str, SessionInfo | None]:
+        """The first of ``owners`` that owns chat ``sid``, with the chat (the first owner
+        and None for ``"new"``).
 
         Raises:
             GatewayError: ``not_found`` when none does.
         """
         owners = self.owners(request)
         if sid == NEW_SESSION:
-            return owners[0]
+            return owners[0], None
         for uid in owners:
             try:
-                await request.app.state.store.get_session(uid, sid)
-                return uid
+                return uid, await request.app.state.store.get_session(uid, sid)
             except GatewayError as e:
                 if e.code != "not_found":
                     raise
@@ -412,7 +413,7 @@ class OpenAIApi:
             if not creq.plain:
                 raise bad("with a session link, only text replies are served (no tools, response_format, "
                           "logprobs, logit_bias, n or continue_final_message)", "session_id")
-            return ChoiceSet([await self._start_linked(request, creq, sid)])
+            return ChoiceSet([await self._start_linked(request, creq, sid, model)])
         return await self.start_engine_choices(request, creq.messages, creq.params, creq.n, model,
                                                extra=creq.extra)
 
@@ -453,8 +454,11 @@ class OpenAIApi:
             raise
         return ChoiceSet(sources)
 
-    async def _start_linked(self, request: Request, creq: ChatRequest, sid: str) -> SessionReply:
-        """Append the request's last (user) message to chat ``sid`` and start its reply."""
+    async def _start_linked(self, request: Request, creq: ChatRequest, sid: str,
+                            model: str | None = None) -> SessionReply:
+        """Append the request's last (user) message to chat ``sid`` and start its reply.
+        ``model`` (the request's, when it names a served one) becomes the chat's model, as
+        the page's model picker would make it; None keeps the chat's."""
         state = request.app.state
         last = creq.messages[-1]
         if last["role"] != "user" or not last["content"].strip():
@@ -463,25 +467,26 @@ class OpenAIApi:
         cmid = request.headers.get(IDEMPOTENCY_HEADER)
         if cmid is not None and not _IDEMPOTENCY_RE.match(cmid):
             raise bad("the Idempotency-Key header must be 1-128 characters [A-Za-z0-9_.:-]")
-        owner = await self.owner_of(request, sid)
+        owner, chat = await self.owner_of(request, sid)
         created = False
         if sid == NEW_SESSION:
             system = [m["content"] for m in creq.messages if m["role"] == "system"]
             default_prompt, params = await state.user_defaults.for_new_chat(
                 owner, state.config.defaults.system_prompt)
             info = await state.store.create_session(
-                owner, system_prompt=system[0] if system else default_prompt, params=params)
+                owner, system_prompt=system[0] if system else default_prompt, params=params, model=model or "")
             sid, created = info.id, True
         try:
             started = await state.generations.chat(owner, sid, last["content"], creq.params, cmid,
-                                                   clamp_max_tokens=False)
+                                                   clamp_max_tokens=False, model=model)
         except GatewayError:
             if created:
                 await _delete_quietly(request, owner, sid)
             raise
-        info = state.router.info()
-        return SessionReply(state.generations, state.streams, owner, started, info.model if info else "",
-                            created_chat=created)
+        # the answer names the model the reply comes from: the request's, the chat's, else the default engine's
+        default = state.router.info()
+        named = model or (chat.model if chat is not None else "") or (default.model if default else "")
+        return SessionReply(state.generations, state.streams, owner, started, named, created_chat=created)
 
     async def _abandon(self, choices: ChoiceSet, watcher: DisconnectWatcher) -> None:
         """The client left (or the server is stopping, or the request failed): abort the reply."""

@@ -16,24 +16,22 @@ content, and the message's ``reasoning_content`` (present only when the reply re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.api import engine_to_api as e2a
 from gateway.api.openai_replies import Delta, Failed, Finished, ReplyEvent
 from gateway.api.openai_request import ChatRequest, OpenAIError
+from gateway.api.reply_collect import ChoiceReply, CollectingWriter
 from gateway.api.sse import json_bytes, sse
 from gateway.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
 
 
 @dataclass
-class ChoiceState:
-    """What one choice wrote so far."""
+class ChoiceState(ChoiceReply):
+    """What one choice wrote so far, and the streamed split of its reasoning."""
 
-    text: list[str] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finished: Finished | None = None
-    think: ReasoningSplitter | None = None  # the streamed split of its reasoning
+    think: ReasoningSplitter | None = None
 
 
 def usage_of(finished: list[Finished]) -> dict[str, Any]:
@@ -50,7 +48,12 @@ def usage_of(finished: list[Finished]) -> dict[str, Any]:
                                       "cached_tokens_by_tier": {"pool": cached - disk, "disk": disk}}}
 
 
-class ChatWriter:
+def openai_error_event(e: OpenAIError) -> list[bytes]:
+    """An error after the stream began, as OpenAI sends it (a ``data: {"error"}`` event)."""
+    return [sse(json_bytes(e.body()))]
+
+
+class ChatWriter(CollectingWriter):
     """Builds one chat-completions answer (see module doc).
 
     Args:
@@ -69,7 +72,7 @@ class ChatWriter:
         self.created = int(time.time())
         self.extra_fields = extra_fields or {}
         self.markers = markers
-        self.choices = [ChoiceState(think=ReasoningSplitter(markers)) for _ in range(creq.n)]
+        self.choices: list[ChoiceState] = [ChoiceState(think=ReasoningSplitter(markers)) for _ in range(creq.n)]
         self._base: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk",
                                       "created": self.created, "model": model, "system_fingerprint": None}
         if creq.include_usage:
@@ -119,32 +122,19 @@ class ChatWriter:
         """After every choice finished: the usage chunk (when asked) and ``[DONE]``."""
         out = []
         if self.creq.include_usage:
-            done = [c.finished for c in self.choices if c.finished is not None]
-            out.append(sse(json_bytes({**self._base, "choices": [], "usage": usage_of(done)})))
+            out.append(sse(json_bytes({**self._base, "choices": [], "usage": usage_of(self.finished_choices())})))
         return out + [sse(b"[DONE]")]
 
-    @staticmethod
-    def error_event(e: OpenAIError) -> list[bytes]:
-        """An error after the stream began, as OpenAI sends it (a ``data: {"error"}`` event)."""
-        return [sse(json_bytes(e.body()))]
+    error_event = staticmethod(openai_error_event)
 
     # ---- whole -----------------------------------------------------------------------
-
-    def take(self, index: int, ev: ReplyEvent) -> None:
-        """Keep one event of choice ``index`` for ``body``."""
-        st = self.choices[index]
-        if isinstance(ev, Delta):
-            st.text.append(ev.text)
-            st.logprobs.extend(ev.logprobs)
-        elif isinstance(ev, Finished):
-            st.finished = ev
 
     def body(self) -> dict[str, Any]:
         """The ``chat.completion`` body, once every choice finished."""
         choices = []
         for i, st in enumerate(self.choices):
-            fin = st.finished or Finished("stop")
-            reasoning, text = split_reasoning("".join(st.text), self.markers)
+            fin = st.done
+            reasoning, text = split_reasoning(st.whole_text, self.markers)
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
@@ -155,9 +145,9 @@ class ChatWriter:
             choices.append({"index": i, "message": message,
                             "logprobs": e2a.chat_logprobs(st.logprobs) if self.creq.logprobs else None,
                             "finish_reason": fin.finish_reason})
-        done = [c.finished for c in self.choices if c.finished is not None]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": usage_of(done), **self.extra_fields}
+                "system_fingerprint": None, "choices": choices, "usage": usage_of(self.finished_choices()),
+                **self.extra_fields}
 
 
 def is_end(ev: ReplyEvent) -> bool:

@@ -52,13 +52,16 @@ class Delta:
     """New reply text; ``n_tokens`` engine tokens (0 when the source does not know).
     From an engine (protocol 7, when asked for): ``logprobs`` (an entry per token),
     ``tool_calls`` (call deltas), ``prompt_logprobs`` (once, an entry per prompt token),
-    in the engine's wire shapes (docs/protocol.md section 1)."""
+    in the engine's wire shapes (docs/protocol.md section 1); ``prompt_usage`` (the
+    reply's first delta, from engines that send it): the prompt's ``prompt_tokens`` and
+    ``cached_tokens``."""
 
     text: str
     n_tokens: int = 0
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     prompt_logprobs: list[dict[str, Any]] | None = None
+    prompt_usage: dict[str, int] | None = None
 
 
 @dataclass
@@ -240,7 +243,7 @@ class EngineReply:
             events: list[ReplyEvent] = []
             if batch.text or batch.token_ids or batch.tool_calls:
                 events.append(Delta(batch.text, len(batch.token_ids), batch.logprobs, batch.tool_calls,
-                                    batch.prompt_logprobs))
+                                    batch.prompt_logprobs, batch.prompt_usage))
                 self.events.on_delta(self.request_id, len(batch.token_ids), len(batch.text), time.perf_counter())
             if batch.end is not None:
                 events.append(self._end(batch.end))

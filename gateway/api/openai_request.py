@@ -154,6 +154,68 @@ def check_text(value: Any, field: str, param: str | None = None) -> None:
         raise bad(message, param or field)
 
 
+@dataclass(frozen=True)
+class BodyWording:
+    """How one API words the errors ``check_body`` raises, as that API's own service does.
+
+    Attributes:
+        unknown: the message for a field it does not know, ``{}`` standing for the field.
+        quote: the quote around a field's name in a type error (``'model'`` or ``model``).
+    """
+
+    unknown: str
+    quote: str = "'"
+
+
+OPENAI_WORDING = BodyWording("Unrecognized request argument supplied: {}")
+
+
+@dataclass(frozen=True)
+class BodyHead:
+    """The fields every API's body checks the same way.
+
+    Attributes:
+        body: the body, known to be a JSON object.
+        model: the requested model name, or None.
+        stream: the body's ``stream``.
+        include_usage: ``stream_options.include_usage`` (False where the API has none).
+    """
+
+    body: dict[str, Any]
+    model: str | None
+    stream: bool
+    include_usage: bool = False
+
+
+def check_body(body: Any, known: frozenset[str], wording: BodyWording = OPENAI_WORDING,
+               flags: tuple[str, ...] = ("stream",), stream_options: bool = False) -> BodyHead:
+    """The start of every API's request check: the body is an object, every field is
+    one the API knows, ``model`` is a string of valid Unicode, each of ``flags`` a
+    boolean, and (``stream_options``) ``stream_options`` an object with a boolean
+    ``include_usage``.
+
+    Raises:
+        OpenAIError: 400 naming the first bad field, in ``wording``.
+    """
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise bad(wording.unknown.format(unknown[0]), unknown[0])
+    q = wording.quote
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad(f"{q}model{q} must be a string", "model")
+    check_text(model, "model")
+    for flag in flags:
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise bad(f"{q}{flag}{q} must be a boolean", flag)
+    opts = body.get("stream_options") if stream_options else None
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+        raise bad(f"{q}stream_options{q} must be an object like {{\"include_usage\": true}}", "stream_options")
+    return BodyHead(body, model, bool(body.get("stream")), bool((opts or {}).get("include_usage", False)))
+
+
 def _content(i: int, role: str, content: Any) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text"}`` parts."""
     param = f"messages[{i}].content"
@@ -345,26 +407,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
     """
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in KNOWN_FIELDS)
-    if unknown:
-        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    head = check_body(body, KNOWN_FIELDS, stream_options=True)
+    body = head.body
     messages = _messages(body.get("messages"))
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
-    check_text(model, "model")
     try:
         n = a2e.choice_count(body.get("n"))
     except a2e.FieldError as e:
         raise bad(e.message, e.param) from None
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
-    opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
-        raise bad("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
     sid = body.get("session_id")
     if sid is not None and not isinstance(sid, str):
         raise bad("'session_id' must be a string", "session_id")
@@ -373,6 +422,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
     features, extra = _engine_fields(body, messages)
     params = sampling_fields(body)
     params.update(features)
-    return ChatRequest(messages=messages, model=model, params=params, stream=bool(stream),
-                       include_usage=bool((opts or {}).get("include_usage", False)), session_id=sid, n=n,
+    return ChatRequest(messages=messages, model=head.model, params=params, stream=head.stream,
+                       include_usage=head.include_usage, session_id=sid, n=n,
                        logprobs="logprobs" in features, extra=extra)

@@ -30,7 +30,16 @@ from typing import Any
 from gateway.api import api_to_engine as a2e
 from gateway.api import engine_to_api as e2a
 from gateway.api.openai_replies import Delta, Finished, ReplyEvent
-from gateway.api.openai_request import IGNORED_FIELDS, OpenAIError, bad, check_text, sampling_fields
+from gateway.api.openai_request import (
+    IGNORED_FIELDS,
+    BodyWording,
+    OpenAIError,
+    bad,
+    check_body,
+    check_text,
+    sampling_fields,
+)
+from gateway.api.reply_collect import ChoiceReply, CollectingWriter
 from gateway.api.sse import json_bytes, sse
 
 KNOWN_FIELDS = frozenset({
@@ -38,6 +47,7 @@ KNOWN_FIELDS = frozenset({
     "parallel_tool_calls", "text", "store", "previous_response_id", "conversation", "background", "include",
     "truncation", "reasoning", "top_logprobs", "stream_options", "max_tool_calls",
 }) | IGNORED_FIELDS
+_WORDING = BodyWording("Unknown parameter: '{}'.")  # as OpenAI's Responses API words it
 
 
 @dataclass(frozen=True)
@@ -81,23 +91,14 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
     """
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in KNOWN_FIELDS)
-    if unknown:
-        raise bad(f"Unknown parameter: '{unknown[0]}'.", unknown[0])
+    head = check_body(body, KNOWN_FIELDS, _WORDING)
+    body = head.body
     for name in ("previous_response_id", "conversation"):
         if body.get(name):
             raise bad(f"'{name}' needs stored responses, which this server does not keep; send the whole input",
                       name)
     if body.get("background"):
         raise bad("background responses are not served by this server", "background")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
-    check_text(model, "model")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise bad("'stream' must be a boolean", "stream")
     try:
         messages = a2e.messages_from_responses(body.get("instructions"), body.get("input"))
         if not any(m["role"] != "system" for m in messages):
@@ -130,7 +131,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {}}
-    return ResponsesRequest(messages, model, params, extra, bool(body.get("stream")), echo)
+    return ResponsesRequest(messages, head.model, params, extra, head.stream, echo)
 
 
 def _usage(done: Finished | None) -> dict[str, Any]:
@@ -141,7 +142,7 @@ def _usage(done: Finished | None) -> dict[str, Any]:
             "total_tokens": prompt + completion}
 
 
-class ResponsesWriter:
+class ResponsesWriter(CollectingWriter):
     """Builds one Responses answer (``openai_api.Writer``; see module doc).
 
     Args:
@@ -155,11 +156,15 @@ class ResponsesWriter:
         self.id = response_id
         self.model = model
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.finished: Finished | None = None
+        self.choices = [ChoiceReply()]  # one choice: these APIs have no n
         self.items: list[dict[str, Any]] = []  # output items so far (streaming)
         self._seq = 0
         self._open: dict[str, Any] | None = None  # the item being streamed
+
+    @property
+    def finished(self) -> Finished | None:
+        """The reply's ``Finished``, once it came."""
+        return self.choices[0].finished
 
     def _event(self, name: str, data: dict[str, Any]) -> bytes:
         out = sse(json_bytes({"type": name, "sequence_number": self._seq, **data}), name)
@@ -237,7 +242,7 @@ class ResponsesWriter:
                     out.append(self._event("response.function_call_arguments.delta", {
                         "item_id": self._open["id"], "output_index": at, "delta": d["arguments"]}))
         elif isinstance(ev, Finished):
-            self.finished = ev
+            self.choices[0].finished = ev
             out += self._close_item()
             status = self._status()
             name = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -254,18 +259,10 @@ class ResponsesWriter:
 
     # ---- whole -----------------------------------------------------------------------
 
-    def take(self, index: int, ev: ReplyEvent) -> None:
-        """Keep one event for ``body``."""
-        if isinstance(ev, Delta):
-            self.text.append(ev.text)
-        elif isinstance(ev, Finished):
-            self.finished = ev
-
     def body(self) -> dict[str, Any]:
         """The ``response``."""
-        done = self.finished or Finished("stop")
+        done, text = self.choices[0].done, self.choices[0].whole_text
         output: list[dict[str, Any]] = []
-        text = "".join(self.text)
         if text or not done.tool_calls:
             output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": "completed",
                            "role": "assistant",

@@ -45,7 +45,8 @@ class Batch:
     socket shows it). ``trim_prior`` (a continued reply): characters to take off the end
     of the reply's earlier text before ``text`` (docs/protocol.md, continuing a cut reply).
     ``logprobs``, ``tool_calls``, ``prompt_logprobs``: the items' entries of those
-    (protocol 7; the HTTP APIs' requests that ask for them)."""
+    (protocol 7; the HTTP APIs' requests that ask for them). ``prompt_usage``: the
+    prompt's ``prompt_tokens`` and ``cached_tokens``, from the reply's first delta."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -55,6 +56,7 @@ class Batch:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     prompt_logprobs: list[dict[str, Any]] | None = None
+    prompt_usage: dict[str, int] | None = None
 
 
 class EngineRun:
@@ -208,6 +210,7 @@ class EngineRun:
         logprobs: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
         prompt_logprobs: list[dict[str, Any]] | None = None
+        prompt_usage: dict[str, int] | None = None
         end: DoneFrame | ErrorFrame | None = None
         progress: ProgressFrame | None = None
         for it in items:
@@ -223,6 +226,8 @@ class EngineRun:
                 calls.extend(it.tool_calls or ())
                 if it.prompt_logprobs:
                     prompt_logprobs = it.prompt_logprobs
+                if isinstance(it, DeltaFrame) and it.usage is not None:
+                    prompt_usage = {"prompt_tokens": it.usage.prompt_tokens, "cached_tokens": it.usage.cached_tokens}
             if isinstance(it, (DoneFrame, ErrorFrame)):
                 end = it
                 break
@@ -240,7 +245,7 @@ class EngineRun:
         joined = "".join(text)
         if joined and self._think_prefix:
             joined, self._think_prefix = self._think_prefix + joined, ""
-        return Batch(joined, ids, end, progress, trim, logprobs, calls, prompt_logprobs)
+        return Batch(joined, ids, end, progress, trim, logprobs, calls, prompt_logprobs, prompt_usage)
 
     def wake(self) -> None:
         """Make a waiting ``next`` return None now."""

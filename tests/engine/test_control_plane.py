@@ -100,8 +100,8 @@ def test_a_step_frame_carries_the_items_of_several_requests_and_round_trips():
     from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, Timings, Usage, encode
 
     timings = Timings(1.0, 2.0, 3.0, 0.5, draft_tokens=12, accepted_tokens=9, acceptance_rate=0.75, tokens_per_step=2.5)
-    step = StepFrame([DeltaFrame("a", "hé", [1, 2]), DoneFrame("b", "", [], None, "length", None, "xy", [3, 4],
-                                                               [5], True, Usage(1, 0, 2), timings),
+    step = StepFrame([DeltaFrame("a", "hé", [1, 2]), DeltaFrame("d", "x", [7], usage=Usage(12, 8)),
+                      DoneFrame("b", "", [], None, "length", None, "xy", [3, 4], [5], True, Usage(1, 0, 2), timings),
                       ErrorFrame("context_length_exceeded", "too long", "c")])
     assert decode_engine_frame(encode(step)) == step
 
@@ -123,6 +123,7 @@ def test_malformed_client_frames_raise_a_clear_frame_error(text, expect):
     ('{"type": "step"}', "items"),
     ('{"type": "step", "items": [{"type": "delta"}]}', "request_id"),
     ('{"type": "step", "items": [{"type": "done", "request_id": "r", "usage": {"prompt_tokens": "x"}}]}', "numbers"),
+    ('{"type": "step", "items": [{"type": "delta", "request_id": "r", "usage": {"cached_tokens": []}}]}', "numbers"),
     ('{"type": "hello", "model": "m"}', "max_model_len"),
 ])
 def test_malformed_engine_frames_raise_a_clear_frame_error(text, expect):

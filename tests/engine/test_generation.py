@@ -154,6 +154,21 @@ async def test_max_tokens_n_streams_exactly_n_tokens_and_final_frame_keeps_them(
         assert o.text == o.final.output_text
 
 
+async def test_the_first_delta_states_the_prompts_tokens_and_no_later_one_does(tiny_model_dir, tiny_tok,
+                                                                                start_engine):
+    eng = start_engine(tiny_model_dir)
+    ids = _ids(tiny_tok, " ".join(PROMPTS * 3))  # several whole pages, which the second run finds cached
+    first = await collect(eng, GenerateRequest("u1", ids, params=greedy(6)))
+    again = await collect(eng, GenerateRequest("u2", ids, params=greedy(6)))  # its prompt now cached
+    for o in (first, again):
+        with_tokens = [d for d in o.deltas if d.token_ids and not d.finished]
+        assert with_tokens[0].prompt_usage is not None
+        assert with_tokens[0].prompt_usage.prompt_tokens == len(ids) == o.final.usage.prompt_tokens
+        assert with_tokens[0].prompt_usage.cached_tokens == o.final.usage.cached_tokens
+        assert all(d.prompt_usage is None for d in o.deltas[1:])
+    assert again.final.usage.cached_tokens > 0
+
+
 @pytest.mark.slow
 async def test_smollm2_answers_capital_of_france_like_transformers(smollm2_dir, start_engine):
     eng = start_engine(smollm2_dir, num_blocks=512)

@@ -62,6 +62,21 @@ def test_the_streamed_message_equals_the_whole_one(api_gateway):
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_message_start_states_the_prompts_tokens(api_gateway):
+    ac = claude(api_gateway())
+    whole = message(ac)
+    with ac.messages.stream(model="default", max_tokens=12, extra_body={"temperature": 0},
+                            messages=[{"role": "user", "content": ASK}]) as s:
+        events = list(s)
+        final = s.get_final_message()
+    start = events[0]
+    assert start.type == "message_start"
+    read = start.message.usage.input_tokens + (start.message.usage.cache_read_input_tokens or 0)
+    assert read == whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0) > 0
+    assert start.message.usage.output_tokens == 0
+    assert final.usage.input_tokens == start.message.usage.input_tokens  # the SDK keeps message_start's count
+
+
 def test_a_stop_sequence_is_named(api_gateway):
     ac = claude(api_gateway())
     whole = message(ac, max_tokens=16).content[0].text

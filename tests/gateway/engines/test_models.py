@@ -117,3 +117,29 @@ async def test_the_openai_api_and_the_terminal_client_route_by_model(two_models,
     bad_out, bad_err = io.StringIO(), io.StringIO()
     code = await ask(socket_url(gw.base_url), gw.new_cookie(), "Hello", out=bad_out, err=bad_err, model="nope")
     assert code == 1 and "model_not_found" in bad_err.getvalue()
+
+
+async def test_a_linked_openai_request_sets_the_chats_model_as_the_picker_would(two_models, engine_gate,
+                                                                                  thinker_gate):
+    gw, plain, thinker = two_models
+    ask_for = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with gw.http(gw.new_cookie()) as c:
+        sid = (await c.post("/api/sessions", json={"model": plain})).json()["id"]
+        res = await c.post("/v1/chat/completions", json={
+            "model": thinker, "session_id": sid, "messages": [{"role": "user", "content": "Hi"}], **ask_for})
+        assert res.status_code == 200, res.text
+        assert res.json()["model"] == thinker and len(generates(thinker_gate)) == 1 and not generates(engine_gate)
+        assert (await c.get(f"/api/sessions/{sid}")).json()["model"] == thinker
+        # no model named: the chat keeps its own, and the answer names it
+        res = await c.post("/v1/chat/completions", json={
+            "session_id": sid, "messages": [{"role": "user", "content": "And?"}], **ask_for})
+        assert res.status_code == 200 and res.json()["model"] == thinker and len(generates(thinker_gate)) == 2
+        body = (await c.get(f"/api/sessions/{sid}")).json()
+        assert body["model"] == thinker and [m.get("model") for m in body["messages"][1::2]] == [thinker, thinker]
+        # a chat the request creates starts with the model it names
+        res = await c.post("/v1/chat/completions", json={
+            "model": thinker, "session_id": "new", "messages": [{"role": "user", "content": "Hi"}], **ask_for})
+        assert res.status_code == 200 and res.json()["model"] == thinker
+        created = res.json()["session_id"]
+        assert (await c.get(f"/api/sessions/{created}")).json()["model"] == thinker
+        assert len(generates(thinker_gate)) == 3 and not generates(engine_gate)

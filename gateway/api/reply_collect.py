@@ -1,0 +1,68 @@
+"""What the API writers keep of a request's reply events to build a whole answer.
+
+Every API (chat completions, completions, Anthropic Messages, Responses) answers a
+non-streamed request from the same things: each choice's text, its tokens' logprobs,
+the prompt's logprobs (completions' ``echo``) and its ``Finished`` (finish reason,
+usage, whole tool calls). ``ChoiceReply`` collects them for one choice and
+``CollectingWriter`` gives a writer the ``take`` of ``openai_api.Writer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.api.openai_replies import Delta, Finished, ReplyEvent
+
+
+@dataclass
+class ChoiceReply:
+    """One choice's reply so far.
+
+    Attributes:
+        text: the text of each ``Delta``, in order.
+        logprobs: each token's logprob entry (the engine's wire shape), in order.
+        prompt_logprobs: the prompt's entries, once the engine sent them, else None.
+        finished: the ``Finished`` event, once it came.
+    """
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any]] | None = None
+    finished: Finished | None = None
+
+    def take(self, ev: ReplyEvent) -> None:
+        """Keep one event (a ``Failed`` is the caller's to answer: nothing is kept)."""
+        if isinstance(ev, Delta):
+            if ev.prompt_logprobs is not None:
+                self.prompt_logprobs = ev.prompt_logprobs
+            self.text.append(ev.text)
+            self.logprobs.extend(ev.logprobs)
+        elif isinstance(ev, Finished):
+            self.finished = ev
+
+    @property
+    def whole_text(self) -> str:
+        """The text so far, joined."""
+        return "".join(self.text)
+
+    @property
+    def done(self) -> Finished:
+        """The ``Finished`` event, or a plain "stop" when none came."""
+        return self.finished or Finished("stop")
+
+
+class CollectingWriter:
+    """A writer's whole-answer half: ``choices`` (one ``ChoiceReply`` or subclass per
+    choice, set by the subclass) and ``take``."""
+
+    choices: Sequence[ChoiceReply]
+
+    def take(self, index: int, ev: ReplyEvent) -> None:
+        """Keep one event of choice ``index`` for the writer's ``body``."""
+        self.choices[index].take(ev)
+
+    def finished_choices(self) -> list[Finished]:
+        """The ``Finished`` of every choice that has one, in choice order."""
+        return [c.finished for c in self.choices if c.finished is not None]
