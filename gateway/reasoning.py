@@ -117,6 +117,11 @@ class ReasoningSplitter:
         """True between the opening marker and the closing one."""
         return self._state == "reasoning"
 
+    @property
+    def settled(self) -> bool:
+        """True once the reasoning, if any, is over: all later text is answer."""
+        return self._state in ("after", "answer")
+
     def feed(self, text: str) -> tuple[str, str]:
         """Take the next piece of the reply; returns the new ``(reasoning, answer)`` text."""
         buf = self._held + text
