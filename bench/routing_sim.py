@@ -121,8 +121,8 @@ class Costs:
 
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, bfloat16 KV: 2 * 30 * 3 * 64 * 2 bytes = 23,040
-# bytes a token, 368,640 a 16-token page; the engine's default CPU budget (1 GiB,
-# EngineConfig.kv_cache_bytes) holds 1 GiB // 368,640 = 2,912 pages (engine/kv_cache.py).
+# bytes a token, 368,640 a 16-token page; a 1 GiB pool (`--kv-cache-gib 1`, the engine's
+# fixed default before it followed free memory, engine/kv_cache.py) holds 1 GiB // 368,640 = 2,912 pages.
 CPU_COSTS = Costs(
     name="cpu", measured=True,
     source=("docs/benchmarks.md, SmolLM2-135M default format on 2 threads: decode step by batch "

@@ -217,7 +217,7 @@ class AsyncEngine:
             if self.core.config.role == "prefill":  # computes the prompt's KV and its first token only
                 params = dataclasses.replace(params, max_tokens=1)
             self.core.check_fits(len(ids), params)
-            if request.kv_source and self.core.config.role != "prefill":
+            if request.kv_source:  # pages from the engine that has them (engine.disagg.pull)
                 from engine.disagg.pull import pull_prompt
 
                 await pull_prompt(self, ids, request.kv_source, request.cache_salt, shared)

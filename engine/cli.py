@@ -59,8 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_bytes / 2**30,
-                   help="KV cache budget in GiB on the CPU (default: %(default)s)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache budget in GiB on the CPU (default: half the host memory available "
+                        "after the weights load, at most 8, at least 0.25)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                    help="share of the GPU memory free after the weights are loaded that the KV "
                         "cache takes (default: %(default)s)")
@@ -109,7 +110,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--spec-ngram must be MIN,MAX (two integers), got {a.spec_ngram!r}") from None
     return EngineConfig(
         model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size, num_blocks=a.num_blocks,
-        kv_cache_bytes=int(a.kv_cache_gib * 2**30), gpu_memory_fraction=a.gpu_memory_fraction,
+        kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib is not None else None,
+        gpu_memory_fraction=a.gpu_memory_fraction,
         max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, enable_prefix_cache=not a.no_prefix_cache,
         schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,

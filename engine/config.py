@@ -103,7 +103,9 @@ class EngineConfig:
         block_size: tokens per KV block (>= 1).
         num_blocks: KV blocks in the pool; None sizes it from ``kv_cache_bytes`` (CPU)
             or ``gpu_memory_fraction`` of free device memory (GPU).
-        kv_cache_bytes: CPU KV budget in bytes when ``num_blocks`` is None.
+        kv_cache_bytes: CPU KV budget in bytes when ``num_blocks`` is None; None follows
+            the free host memory (``engine.kv_cache.default_cpu_kv_bytes``: half of what is
+            available after the weights are loaded, at most 8 GiB, at least 256 MiB).
         gpu_memory_fraction: fraction of free GPU memory for KV when on CUDA.
         max_model_len: context limit in tokens; None takes the model's.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
@@ -154,7 +156,7 @@ class EngineConfig:
     device: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
     gpu_memory_fraction: float = 0.85
     max_model_len: int | None = None
     max_num_batched_tokens: int = 512
@@ -217,6 +219,8 @@ class EngineConfig:
             raise ConfigError(f"kv_pull_failure must be 'local' or 'fail', got {self.kv_pull_failure!r}")
         if not self.kv_pull_timeout_s > 0:
             raise ConfigError("kv_pull_timeout_s must be > 0")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError("kv_cache_bytes must be >= 1")
         if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
             raise ConfigError("kv_disk_bytes must be >= 1")
         if not (0 < self.gpu_memory_fraction <= 1):

@@ -57,7 +57,8 @@ class GenerateRequest:
         continue_final_message: the last message is the assistant's, and the reply
             continues it (no end of turn, no new generation prompt) instead of answering.
         kv_source: the URL of an engine holding this prompt's KV (a prefill engine that ran
-            it): the pages this engine lacks are pulled from there first (``engine.disagg``).
+            it; for a prefill engine, the chat's decode engine holding its earlier turns):
+            the pages this engine lacks are pulled from there first (``engine.disagg``).
     """
 
     request_id: str

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MARKERS", "ReasoningSplitter", "ThinkMarkers", "split_reasoning", "without_reasoning"]
+__all__ = ["DEFAULT_MARKERS", "ReasoningSplitter", "ThinkMarkers", "split_reasoning", "thought_for",
+           "without_reasoning"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,19 @@ def split_reasoning(text: str, markers: ThinkMarkers = DEFAULT_MARKERS) -> tuple
     return body[:end].strip(), body[end + len(markers.close):].lstrip()
 
 
+def thought_for(ms: float | None) -> str:
+    """The label of a reply's reasoning, as the page words it (``static/js/reasoning.js``
+    ``thoughtFor``): "Thought for 12 s" (whole seconds from 10 s up, one decimal below,
+    "a moment" under 0.1 s) for ``ms`` milliseconds of reasoning; "Thoughts" when the time
+    is not known (None)."""
+    if ms is None:
+        return "Thoughts"
+    s = ms / 1000
+    if not s >= 0.1:
+        return "Thought for a moment"
+    return f"Thought for {int(s + 0.5) if s >= 10 else f'{s:.1f}'} s"  # JS Math.round: halves up
+
+
 def without_reasoning(messages: list[dict[str, str]], markers: ThinkMarkers = DEFAULT_MARKERS
                       ) -> list[dict[str, str]]:
     """The chat with each assistant message's reasoning taken out (its answer only), for
@@ -102,6 +116,11 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         """True between the opening marker and the closing one."""
         return self._state == "reasoning"
+
+    @property
+    def settled(self) -> bool:
+        """True once the reasoning, if any, is over: all later text is answer."""
+        return self._state in ("after", "answer")
 
     def feed(self, text: str) -> tuple[str, str]:
         """Take the next piece of the reply; returns the new ``(reasoning, answer)`` text."""

@@ -12,6 +12,12 @@ the ordinary prefill (``EngineConfig.kv_pull_failure == "local"``) or ends the r
 with ``kv_transfer_failed`` ("fail"). Either way the answer is never wrong: pages enter
 the tree only after their check, and the engine always computes at least the prompt's
 last token itself.
+
+The same pull runs the other way for a chat's later turn: a prefill engine given a
+``kv_source`` (the chat's decode engine, which computed the earlier replies) pulls the
+leading pages it lacks from there, then prefills only the rest. That source is not
+expected to hold the whole prompt (the new message is on neither engine yet), so a
+shorter answer than asked is no failure there; a corrupt page or a cut link is.
 """
 
 from __future__ import annotations
@@ -73,18 +79,19 @@ class PullResult:
 
 
 async def fetch_pages(url: str, frame: KvFetchFrame, timeout_s: float,
-                      secret: str | None = None) -> tuple[list[bytes], str]:
+                      secret: str | None = None, partial_ok: bool = False) -> tuple[list[bytes], str]:
     """Ask the engine at ``url`` for pages (``KvFetchFrame``) and collect its answer.
 
     Args:
         url: the source engine's internal WebSocket, ``ws://host:port``.
         timeout_s: the whole exchange's limit (seconds).
         secret: the link's shared secret (default: ``ENGINE_SECRET`` of this process).
+        partial_ok: the source may hold fewer pages than asked (its leading ones are sent).
 
     Returns:
         The binary page frames received, in order, and "" when the source said it sent
-        them all, else why the answer is short (the source's error, a cut link, a timeout,
-        or fewer pages than asked).
+        all it holds of them, else why the answer is short (the source's error, a cut
+        link, a timeout, or fewer pages than asked unless ``partial_ok``).
     """
     secret = os.environ.get(SECRET_ENV) if secret is None else secret
     headers = {SECRET_HEADER: secret} if secret else None
@@ -107,7 +114,7 @@ async def fetch_pages(url: str, frame: KvFetchFrame, timeout_s: float,
                         return f"the source engine: {reply.error}"
                     if reply.pages != len(pages):
                         return f"the source said {reply.pages} pages and sent {len(pages)}"
-                    if len(pages) < frame.num_pages:
+                    if len(pages) < frame.num_pages and not partial_ok:
                         return f"the source holds {len(pages)} of the {frame.num_pages} pages asked (evicted)"
                     return ""
                 if isinstance(reply, ErrorFrame):
@@ -126,7 +133,9 @@ async def pull_prompt(engine: AsyncEngine, token_ids: list[int], url: str, cache
                       shared_tokens: int = 0) -> PullResult:
     """Bring the pages of ``token_ids`` that ``engine`` lacks from the engine at ``url``
     into its tree (module doc). Only pages before the prompt's last token are wanted:
-    the engine computes that token itself to sample from it.
+    the engine computes that token itself to sample from it. A prefill engine takes
+    what the source holds of them (a chat's decode engine: the earlier turns); any other
+    role expects them all (the prefill engine that just computed the prompt).
 
     Raises:
         KvTransferError: fewer pages than wanted were adopted and the engine is set to
@@ -144,7 +153,8 @@ async def pull_prompt(engine: AsyncEngine, token_ids: list[int], url: str, cache
     result.pages_wanted = wanted_end - have
     frame = KvFetchFrame(f"pull-{id(result):x}", token_ids[:wanted_end * bs], have, wanted_end - have, cache_salt,
                          shared_tokens)
-    raw, error = await fetch_pages(url, frame, core.config.kv_pull_timeout_s)
+    partial_ok = core.config.role == "prefill"
+    raw, error = await fetch_pages(url, frame, core.config.kv_pull_timeout_s, partial_ok=partial_ok)
     fetched = time.monotonic()
     raw = raw[:frame.num_pages]  # a source that sends more than asked gets no further
     result.bytes = sum(len(r) for r in raw)
@@ -158,8 +168,8 @@ async def pull_prompt(engine: AsyncEngine, token_ids: list[int], url: str, cache
     log.debug("pulled %d pages (%d bytes) from %s: fetch %.1f ms, check %.1f ms, adopt %.1f ms", len(raw),
               result.bytes, url, (fetched - start) * 1000, (checked - fetched) * 1000,
               (time.monotonic() - checked) * 1000)
-    if not error and result.pages_held < wanted_end:
-        error = f"{wanted_end - result.pages_held} pages did not fit this engine's pool"
+    if not error and result.pages_held < have + len(raw):
+        error = f"{have + len(raw) - result.pages_held} pages did not fit this engine's pool"
     result.error = error
     result.ms = (time.monotonic() - start) * 1000
     engine.count_pull(result)

@@ -15,7 +15,8 @@ content (docs/protocol.md section 3).
 * ``GET /api/search?q=text`` -> ``{"results": [{"id", "title", "updated_at", "snippet",
   "in_title"}]}``: chats whose title or any message contains ``q`` (case-insensitive,
   1-200 characters), newest first, at most ``SEARCH_LIMIT``; the snippet is the text
-  around the first match (``SNIPPET_CHARS`` either side).
+  around the first match (``SNIPPET_CHARS`` either side). A reply's reasoning is read
+  and shown as the page shows it: apart from its answer, without its markers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from starlette.routing import Route
 from gateway.api.http import PUBLIC_MESSAGE_FIELDS, _sid, _uid, api
 from gateway.chat_import import EXPORT_FORMAT, read_upload
 from gateway.errors import GatewayError
+from gateway.reasoning import DEFAULT_MARKERS, ThinkMarkers, split_reasoning, thought_for
 from gateway.store.imports import ChatTransfer
 from gateway.store.sessions import SessionInfo, redis_errors
 
@@ -62,14 +64,36 @@ def chat_json(info: SessionInfo, messages: list[dict[str, Any]], versions: Versi
     return out
 
 
-def _md_messages(messages: list[dict[str, Any]], level: str = "##") -> list[str]:
+def shown_parts(m: dict[str, Any], markers: ThinkMarkers = DEFAULT_MARKERS) -> tuple[str | None, str]:
+    """A message's text as the page shows it: ``(reasoning, answer)``, reasoning None for a
+    user message or a reply without any (``gateway.reasoning.split_reasoning``; the
+    markers themselves are in neither)."""
+    content = str(m.get("content", ""))
+    if m.get("role") != "assistant":
+        return None, content
+    return split_reasoning(content, markers)
+
+
+def _md_reasoning(m: dict[str, Any], reasoning: str) -> list[str]:
+    """A reply's reasoning as a labelled quote ("Thought for 4.2 s", as the page's folded
+    block reads), each line quoted so no text of it can end the quote."""
+    ms = m.get("reasoning_ms")
+    label = thought_for(float(ms) if isinstance(ms, (int, float)) else None)
+    return [f"> *{label}*", ">"] + [f"> {line}" if line.strip() else ">" for line in reasoning.splitlines()] + [""]
+
+
+def _md_messages(messages: list[dict[str, Any]], level: str = "##",
+                 markers: ThinkMarkers = DEFAULT_MARKERS) -> list[str]:
     lines: list[str] = []
     for m in messages:
         role = "You" if m.get("role") == "user" else "Assistant"
         lines += [f"{level} {role}", ""]
         for a in m.get("attachments") or []:
             lines += [f"*Attached: {a.get('name', 'file')}*", ""]
-        text = str(m.get("content", "")).rstrip()
+        reasoning, text = shown_parts(m, markers)
+        if reasoning:
+            lines += _md_reasoning(m, reasoning)
+        text = text.rstrip()
         if text:
             lines += [text, ""]
         if m.get("role") == "assistant" and m.get("status") == "partial":
@@ -77,29 +101,35 @@ def _md_messages(messages: list[dict[str, Any]], level: str = "##") -> list[str]
     return lines
 
 
-def chat_markdown(info: SessionInfo, messages: list[dict[str, Any]], versions: Versions | None = None) -> str:
+def chat_markdown(info: SessionInfo, messages: list[dict[str, Any]], versions: Versions | None = None,
+                  markers: ThinkMarkers = DEFAULT_MARKERS) -> str:
     """The Markdown export: a title, the system prompt as a quote, then one section per
-    message (``## You`` / ``## Assistant``, attached files named), a cut reply marked as
-    such; then, under "Other versions", each version not shown, after the message it
+    message (``## You`` / ``## Assistant``, attached files named, a reply's reasoning as
+    a quote labelled as the page labels it, without its ``markers``), a cut reply marked
+    as such; then, under "Other versions", each version not shown, after the message it
     follows."""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info.created_at))
     lines = [f"# {info.title or 'Untitled chat'}", "", f"*Started {when}.*", ""]
     if info.system_prompt:
         lines += ["> **System prompt:** " + info.system_prompt.replace("\n", "\n> "), ""]
-    lines += _md_messages(messages)
+    lines += _md_messages(messages, markers=markers)
     others = [(a, i, len(entries), e) for a, entries in (versions or {}).items()
               for i, e in enumerate(entries) if not e.get("current")]
     if others:
         lines += ["---", "", "## Other versions", ""]
-        texts = {m["id"]: str(m.get("content", "")) for m in messages if m.get("id")}
+        def shown(m: dict[str, Any]) -> str:
+            reasoning, answer = shown_parts(m, markers)
+            return answer or reasoning or ""
+
+        texts = {m["id"]: shown(m) for m in messages if m.get("id")}
         for entries in (versions or {}).values():
             for e in entries:
                 for m in e.get("messages", []):
-                    texts.setdefault(m.get("id", ""), str(m.get("content", "")))
+                    texts.setdefault(m.get("id", ""), shown(m))
         for anchor, i, n, e in others:
             after = "the start" if anchor == "^" else "“" + " ".join(texts.get(anchor, "").split())[:60] + "”"
             lines += [f"### Version {i + 1} of {n}, after {after}", ""]
-            lines += _md_messages(e["messages"], "####")
+            lines += _md_messages(e["messages"], "####", markers)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -130,7 +160,7 @@ async def export_session(request: Request) -> Response:
         body = json.dumps(chat_json(info, messages, versions), ensure_ascii=False, indent=2).encode("utf-8", "replace")
         media = "application/json"
     else:
-        body = chat_markdown(info, messages, versions).encode("utf-8", "replace")
+        body = chat_markdown(info, messages, versions, state.config.think_markers).encode("utf-8", "replace")
         media = "text/markdown; charset=utf-8"
     disposition = f'attachment; filename="{_filename(info, fmt)}"'
     return Response(body, media_type=media, headers={"content-disposition": disposition,
@@ -163,7 +193,8 @@ async def export_all(request: Request) -> Response:
         body = json.dumps(doc, ensure_ascii=False, indent=2).encode("utf-8", "replace")
         media = "application/json"
     else:
-        body = "\n---\n\n".join(chat_markdown(*c) for c in chats).encode("utf-8", "replace")
+        markers = state.config.think_markers
+        body = "\n---\n\n".join(chat_markdown(*c, markers) for c in chats).encode("utf-8", "replace")
         media = "text/markdown; charset=utf-8"
     return Response(body, media_type=media, headers={
         "content-disposition": f'attachment; filename="chats-{day}.{fmt}"', "cache-control": "no-store"})
@@ -214,9 +245,23 @@ def _snippet(text: str, at: int, length: int) -> str:
     return ("…" if start > 0 else "") + s + ("…" if end < len(text) else "")
 
 
-def match_chats(query: str, chats: list[tuple[SessionInfo, list[str]]]) -> list[dict[str, Any]]:
+def _message_snippet(m: dict[str, Any], q: str, markers: ThinkMarkers) -> str | None:
+    """The snippet of message ``m`` around casefolded ``q``, or None: the text the page
+    shows is searched, the answer before the reasoning (whose snippet starts "Thoughts: "),
+    never the reasoning markers."""
+    reasoning, answer = shown_parts(m, markers)
+    for prefix, text in (("", answer), ("Thoughts: ", reasoning or "")):
+        at = text.casefold().find(q)
+        if at >= 0:
+            return prefix + _snippet(text, at, len(q))
+    return None
+
+
+def match_chats(query: str, chats: list[tuple[SessionInfo, list[str]]],
+                markers: ThinkMarkers = DEFAULT_MARKERS) -> list[dict[str, Any]]:
     """The search results for ``query`` over ``(chat, raw message JSON strings)`` pairs
-    (already newest first): title matches and content matches alike, one row per chat."""
+    (already newest first): title matches and content matches alike, one row per chat.
+    A reply is searched as the page shows it (``_message_snippet``)."""
     q = query.casefold()
     out: list[dict[str, Any]] = []
     for info, raw_messages in chats:
@@ -224,10 +269,9 @@ def match_chats(query: str, chats: list[tuple[SessionInfo, list[str]]]) -> list[
                "in_title": q in info.title.casefold()}
         found = row["in_title"]
         for raw in raw_messages:
-            content = str(json.loads(raw).get("content", ""))
-            at = content.casefold().find(q)
-            if at >= 0:
-                row["snippet"], found = _snippet(content, at, len(q)), True
+            snippet = _message_snippet(json.loads(raw), q, markers)
+            if snippet is not None:
+                row["snippet"], found = snippet, True
                 break
         if found:
             out.append(row)
@@ -251,7 +295,7 @@ async def search(request: Request) -> Response:
         lists = await pipe.execute() if chats else []
     rows = list(zip(chats, lists))
     # decoding every message is CPU work: off the event loop
-    results = await asyncio.to_thread(match_chats, query, rows)
+    results = await asyncio.to_thread(match_chats, query, rows, state.config.think_markers)
     return JSONResponse({"results": results})
 
 

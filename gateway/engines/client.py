@@ -49,7 +49,7 @@ from engine.protocol import (
     encode,
 )
 from gateway.config import BIG_FRAME_CHARS
-from gateway.engines.disagg import PrefillThenDecode
+from gateway.engines.disagg import PrefillPlan, PrefillThenDecode
 from gateway.engines.prefix_index import PrefixIndex
 from gateway.engines.prompt_ids import RoutingTokenizer
 from gateway.engines.routing import (
@@ -283,7 +283,7 @@ class EngineClient:
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
                        extra: dict[str, Any] | None = None,
-                       prefill: EngineClient | None = None) -> EngineRequest:
+                       prefill: PrefillPlan | None = None) -> EngineRequest:
         """Start a generation; read its items from the returned handle. With
         ``clamp_max_tokens`` the engine lowers ``max_tokens`` to the context room left
         (docs/protocol.md section 1) instead of refusing the request; ``continued_tokens``:
@@ -293,7 +293,7 @@ class EngineClient:
         the shared messages go to engines of protocol 6 and later). ``extra``: protocol 7's
         ``GenerateFrame`` fields (``prompt``, ``tools``, ``tool_choice``,
         ``parallel_tool_calls``, ``continue_final_message``), for the APIs that use them.
-        With ``prefill`` (a prefill engine, for a decode engine: ``gateway/engines/disagg.py``)
+        With ``prefill`` (a prefill engine's plan, for a decode engine: ``gateway/engines/disagg.py``)
         the prompt is prefilled there first and this engine pulls its KV; the handle reads
         the same.
 
@@ -311,7 +311,7 @@ class EngineClient:
         req = EngineRequest(self, request_id)
         self._requests[request_id] = req
         if prefill is not None:
-            req.phases = PrefillThenDecode(req, prefill, replace(frame, kv_source=prefill.url))
+            req.phases = PrefillThenDecode(req, prefill, replace(frame, kv_source=prefill.engine.url))
             return req
         try:
             text = await asyncio.to_thread(encode, frame) if size > BIG_FRAME_CHARS else encode(frame)

@@ -11,6 +11,13 @@ itself: no prefill engine is up, or the decode engine already holds all but
 ``RoutingPolicy.local_prefill_tokens`` of the prompt (a chat's next turn whose new
 message is short; moving it would cost more than computing it).
 
+A chat's later turn whose new part is long goes through the prefill engine too, but
+the earlier turns' KV (the previous reply above all, which only the decode engine
+computed) is not computed again: the prefill engine's ``generate`` names the decode
+engine as its ``kv_source`` (``PrefillPlan.pull_from_decode``), so it first pulls the
+pages it lacks from there and prefills only the rest; the decode engine then pulls only
+the pages of the new part. Each side moves and computes only what the other lacks.
+
 ``PrefillThenDecode`` is the request handle of such a turn: it reads as one request on
 the decode engine (``EngineRequest``), so the reply path, Stop, fail-over and the
 browser and OpenAI APIs see no difference. Its first phase runs on the prefill engine
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.protocol import DoneFrame, ErrorFrame, GenerateFrame, ProgressFrame, Timings, Usage, encode
@@ -37,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.engines.disagg")
 
-__all__ = ["PrefillThenDecode", "prefill_engine"]
+__all__ = ["PrefillPlan", "PrefillThenDecode", "prefill_engine"]
 
 # the generate fields EngineClient.generate takes as ``extra`` (protocol 7)
 EXTRA_FIELDS = ("prompt", "tools", "tool_choice", "parallel_tool_calls", "continue_final_message")
@@ -49,15 +56,33 @@ def _role(c: EngineClient) -> str:
     return c.info.role if c.info is not None else ""
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Where a turn's prompt is prefilled before its decode engine gets it.
+
+    Attributes:
+        engine: the prefill engine.
+        pull_from_decode: the decode engine may hold pages of the prompt the prefill
+            engine lacks (a chat's earlier turns and replies): the prefill engine pulls
+            them from there before it prefills the rest (module doc). False when the
+            router's prefix index says the decode engine holds no more of the prompt
+            than the prefill engine (a new chat): no round trip is spent asking.
+    """
+
+    engine: EngineClient
+    pull_from_decode: bool = False
+
+
 def prefill_engine(router: EngineRouter, decode: EngineClient, key: str,
-                   prompt: RoutePrompt | None) -> EngineClient | None:
+                   prompt: RoutePrompt | None) -> PrefillPlan | None:
     """The prefill engine for a turn that ``decode`` will serve, or None (module doc).
 
     Args:
         router: the gateway's engines (their health, loads and prefix index).
         decode: the engine the router chose for the reply.
         key: the chat id (ties between prefill engines go to its rendezvous choice).
-        prompt: what the router knows of the prompt (None: nothing; a new chat).
+        prompt: what the router knows of the prompt (None: a chat with history whose
+            ids the gateway does not know).
     """
     info = decode.info
     if info is None or info.role != "decode":
@@ -74,16 +99,20 @@ def prefill_engine(router: EngineRouter, decode: EngineClient, key: str,
             return None
     loads = [replace(e, matched_tokens=matched.get(e.url, 0)) for e in router.loads(prefill)]
     url = choose_cache_aware(key, loads, max(1, num_tokens), router.policy)
-    return next(c for c in prefill if c.url == url)
+    chosen = next(c for c in prefill if c.url == url)
+    # unknown ids (None): ask; the decode engine answers with what it holds, maybe nothing
+    pull = prompt is None or matched.get(decode.url, 0) > matched.get(url, 0)
+    return PrefillPlan(chosen, pull)
 
 
 class PrefillThenDecode:
     """Runs a turn's two phases behind one ``EngineRequest`` of the decode engine
     (``decode``'s handle ``handle``; module doc). Built by ``EngineClient.generate``."""
 
-    def __init__(self, handle: Any, prefill: EngineClient, frame: GenerateFrame) -> None:
+    def __init__(self, handle: Any, plan: PrefillPlan, frame: GenerateFrame) -> None:
         self.handle = handle
-        self.prefill = prefill
+        self.prefill = plan.engine
+        self.pull_from = handle.client.url if plan.pull_from_decode else None
         self.frame = frame
         self.decode_sent = False
         self.task: asyncio.Task[None] = asyncio.get_running_loop().create_task(
@@ -94,6 +123,8 @@ class PrefillThenDecode:
         source: str | None = self.prefill.url
         try:
             extra = {k: getattr(f, k) for k in EXTRA_FIELDS if getattr(f, k) not in (None, False)}
+            if self.pull_from is not None:  # the earlier turns' pages come from the decode engine
+                extra["kv_source"] = self.pull_from
             pre = await self.prefill.generate(
                 f.request_id, f.messages, f.prefix_token_ids, dict(f.params or {}, max_tokens=1),
                 prompt_token_ids=f.prompt_token_ids, cache_salt=f.cache_salt, clamp_max_tokens=f.clamp_max_tokens,

@@ -60,6 +60,7 @@ import httpx
 from engine.protocol import DeltaFrame, DoneFrame, EngineInfo, ErrorFrame, ReplyItem, Timings, Usage
 from gateway.config import GatewayConfig
 from gateway.engines.client import UNREACHABLE_WARN_S, EngineClient, EngineRequest, engine_unavailable
+from gateway.engines.disagg import PrefillPlan
 from gateway.errors import GatewayError
 from gateway.reasoning import DEFAULT_MARKERS, ThinkMarkers
 from gateway.retry import Backoff, Outage
@@ -404,7 +405,7 @@ class UpstreamClient(EngineClient):
                        clamp_max_tokens: bool = False, continued_tokens: int = 0,
                        shared_messages: list[dict[str, str]] | None = None,
                        extra: dict[str, Any] | None = None,
-                       prefill: EngineClient | None = None) -> EngineRequest:
+                       prefill: PrefillPlan | None = None) -> EngineRequest:
         """Start a streamed reply to ``messages``; read its items from the returned handle.
         ``prefix_token_ids``, ``cache_salt``, ``shared_messages``, ``continued_tokens``,
         ``prefill`` (an upstream has no engine role) and

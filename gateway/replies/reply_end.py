@@ -29,6 +29,8 @@ class ReplyEnd:
         cut_reason: why a reply stopped short (``user_stop``, ``gateway_shutdown``,
             ``engine_lost``, ``upstream_error``, ``error``), None for a whole reply.
         error: ``{"code", "message", "status"?}`` of a reply that failed part-way, else None.
+        reasoning_ms: how long the reply reasoned (ms; ``gateway/replies/reasoning_clock.py``),
+            None when it has no reasoning.
     """
 
     finish_reason: str
@@ -39,20 +41,24 @@ class ReplyEnd:
     timings: Timings | None = None
     cut_reason: str | None = None
     error: dict[str, Any] | None = None
+    reasoning_ms: float | None = None
 
     @classmethod
-    def of_done(cls, done: DoneFrame, cut_reason: str | None, completion_tokens: int | None = None) -> ReplyEnd:
+    def of_done(cls, done: DoneFrame, cut_reason: str | None, completion_tokens: int | None = None,
+                reasoning_ms: float | None = None) -> ReplyEnd:
         """The end the engine reported; ``completion_tokens`` overrides its count (a reply
         the gateway ended without the engine's word counts what it received)."""
         u = done.usage
         return cls(done.finish_reason, u.prompt_tokens, u.cached_tokens,
                    u.completion_tokens if completion_tokens is None else completion_tokens,
-                   u.cached_disk_tokens, done.timings, cut_reason)
+                   u.cached_disk_tokens, done.timings, cut_reason, reasoning_ms=reasoning_ms)
 
     @classmethod
-    def of_error(cls, error: dict[str, Any], cut_reason: str, completion_tokens: int) -> ReplyEnd:
+    def of_error(cls, error: dict[str, Any], cut_reason: str, completion_tokens: int,
+                 reasoning_ms: float | None = None) -> ReplyEnd:
         """A reply that failed after some of it was written (``completion_tokens`` of it)."""
-        return cls("error", completion_tokens=completion_tokens, cut_reason=cut_reason, error=error)
+        return cls("error", completion_tokens=completion_tokens, cut_reason=cut_reason, error=error,
+                   reasoning_ms=reasoning_ms)
 
     def usage(self) -> dict[str, int]:
         """The ``usage`` object of the stored message and of ``done`` (tokens)."""
@@ -80,6 +86,8 @@ class ReplyEnd:
         if self.cut_reason is not None:
             msg["cut_reason"] = self.cut_reason
         msg.update(usage=self.usage(), timings=self.timings_dict(), created_at=created_at, request_id=request_id)
+        if self.reasoning_ms is not None:
+            msg["reasoning_ms"] = self.reasoning_ms
         return msg
 
     def done_entry(self, request_id: str, session_id: str, message_id: str,
@@ -92,4 +100,6 @@ class ReplyEnd:
             done["error"] = self.error
         if title:
             done["title"] = title
+        if self.reasoning_ms is not None:
+            done["reasoning_ms"] = self.reasoning_ms
         return done

@@ -132,6 +132,31 @@ async def test_a_partial_hit_on_the_decode_side_pulls_only_the_rest_and_matches(
         await _assert_idle_whole(p, d)
 
 
+async def test_a_later_long_turn_reuses_the_reply_held_on_the_decode_side(tiny_model_dir):
+    # the prefill engine pulls the earlier reply's pages from the decode engine and
+    # computes only the new message; the decode engine then pulls only the new pages
+    async with _pair(tiny_model_dir) as (p, url, d, ref), _serving(d) as d_url:
+        first = _prompt(12, 100)
+        want1 = await collect(ref, _req("ref1", first, n=40))
+        got1 = await _disaggregated(p, url, d, "turn1", first, n=40)
+        assert got1.final.output_token_ids == want1.final.output_token_ids
+        # the decode engine computed 100 + 39 tokens: 8 whole pages; the prefill engine 6
+        second = first + got1.final.output_token_ids + _prompt(13, 60)  # 200 tokens, 12 pages wanted
+        want2 = await collect(ref, _req("ref2", second))
+        p0, d0 = await p.stats(), await d.stats()
+        pre = await collect(p, _req("turn2-p", second, source=d_url))
+        assert pre.final.usage.cached_tokens == 8 * BS  # 6 pages its own, 2 pulled: not recomputed
+        p1 = await p.stats()
+        assert (p1["kv_pulls_total"] - p0["kv_pulls_total"], p1["kv_pull_pages_total"] - p0["kv_pull_pages_total"],
+                p1["kv_pull_failures_total"] - p0["kv_pull_failures_total"]) == (1, 2, 0)
+        got2 = await collect(d, _req("turn2", second, source=url))
+        assert got2.final.output_token_ids == want2.final.output_token_ids
+        assert got2.final.usage.cached_tokens == 12 * BS
+        d1 = await d.stats()
+        assert d1["kv_pull_pages_total"] - d0["kv_pull_pages_total"] == 4  # the new message's pages only
+        await _assert_idle_whole(p, d)
+
+
 def _flip_a_byte_of_page(monkeypatch, index: int) -> None:
     """The source serializes its ``index``-th page of every fetch with one payload byte flipped."""
     real = kv_page.encode_page
@@ -170,22 +195,31 @@ async def test_a_corrupt_page_fails_the_request_clearly_when_set_to_fail(tiny_mo
 
 
 @contextlib.asynccontextmanager
-async def _cutting_relay(upstream: str, after_pages: int) -> AsyncIterator[str]:
-    """A link to ``upstream`` that dies (both sides closed) after passing ``after_pages``
-    binary page frames: a source engine lost in the middle of a transfer."""
+async def _relay(upstream: str, after_pages: int, on_reach: str = "cut",
+                 reached: asyncio.Event | None = None, release: asyncio.Event | None = None) -> AsyncIterator[str]:
+    """A link to ``upstream`` that passes ``after_pages`` binary page frames, sets
+    ``reached``, then either dies at once, both sides closed (``on_reach="cut"``: a
+    source engine lost in the middle of a transfer), or holds the rest back until
+    ``release`` (``"hold"``: a transfer stuck midway, for as long as the test likes)
+    and then passes what the upstream still sends, closing when the upstream does."""
 
     async def handle(client) -> None:
         async with connect(upstream, max_size=None) as up:
             async def down() -> None:
                 sent = 0
-                async for msg in up:
-                    if isinstance(msg, bytes):
-                        if sent == after_pages:
-                            await client.close()
-                            await up.close()
-                            return
-                        sent += 1
-                    await client.send(msg)
+                with contextlib.suppress(Exception):
+                    async for msg in up:
+                        if isinstance(msg, bytes):
+                            if sent == after_pages:
+                                if reached is not None:
+                                    reached.set()
+                                if on_reach == "cut":
+                                    break
+                                await (release or asyncio.Event()).wait()
+                            sent += 1
+                        await client.send(msg)
+                await client.close()
+                await up.close()
 
             task = asyncio.create_task(down())
             with contextlib.suppress(Exception):
@@ -203,7 +237,7 @@ async def test_a_transfer_cut_midway_falls_back_to_local_prefill(tiny_model_dir)
         ids = _prompt(7, 100)
         want = await collect(ref, _req("ref", ids))
         await collect(p, _req("z-p", ids))
-        async with _cutting_relay(url, after_pages=3) as cut:
+        async with _relay(url, after_pages=3) as cut:
             got = await collect(d, _req("z", ids, source=cut))
         assert got.final.output_token_ids == want.final.output_token_ids
         s = await d.stats()
@@ -215,7 +249,7 @@ async def test_a_transfer_cut_midway_fails_clearly_when_set_to_fail(tiny_model_d
     async with _pair(tiny_model_dir, decode={"kv_pull_failure": "fail"}) as (p, url, d, _ref):
         ids = _prompt(8, 100)
         await collect(p, _req("w-p", ids))
-        async with _cutting_relay(url, after_pages=1) as cut:
+        async with _relay(url, after_pages=1) as cut:
             with pytest.raises(EngineError) as e:
                 await collect(d, _req("w", ids, source=cut))
         assert e.value.code == "kv_transfer_failed" and "closed" in e.value.message
@@ -243,40 +277,12 @@ async def test_pages_evicted_at_the_source_before_the_read_fall_back_or_fail(tin
         await _assert_idle_whole(p, d)
 
 
-@contextlib.asynccontextmanager
-async def _holding_relay(upstream: str, after_pages: int, reached: asyncio.Event) -> AsyncIterator[str]:
-    """A link to ``upstream`` that passes ``after_pages`` page frames, sets ``reached`` and
-    holds the rest back: a transfer stuck midway, for as long as the test likes."""
-
-    async def handle(client) -> None:
-        async with connect(upstream, max_size=None) as up:
-            async def down() -> None:
-                sent = 0
-                async for msg in up:
-                    if isinstance(msg, bytes):
-                        if sent == after_pages:
-                            reached.set()
-                            await asyncio.Event().wait()
-                        sent += 1
-                    await client.send(msg)
-
-            task = asyncio.create_task(down())
-            with contextlib.suppress(Exception):
-                async for msg in client:
-                    await up.send(msg)
-            task.cancel()
-
-    port = _free_port()
-    async with serve(handle, "127.0.0.1", port, max_size=None):
-        yield f"ws://127.0.0.1:{port}"
-
-
 async def test_an_abort_during_a_transfer_leaves_both_engines_whole(tiny_model_dir):
     async with _pair(tiny_model_dir) as (p, url, d, _ref):
         ids = _prompt(11, 200)
         await collect(p, _req("t-p", ids))
         reached = asyncio.Event()
-        async with _holding_relay(url, 4, reached) as stuck:
+        async with _relay(url, 4, "hold", reached) as stuck:
             task = asyncio.create_task(collect(d, _req("t", ids, source=stuck)))
             await asyncio.wait_for(reached.wait(), 30)
             task.cancel()  # the user's Stop while the pages are in flight

@@ -8,6 +8,7 @@ Screenshots go to artifacts/screenshots/reasoning-*.png."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,11 +59,13 @@ def test_reasoning_streams_in_a_thinking_block_that_folds_when_the_reply_ends(
     assert page.locator(".msg.assistant .msg-body").text_content() == ""  # all of it was reasoning
 
 
-def test_a_stored_reply_shows_its_reasoning_folded_above_its_answer(new_page: Callable[..., Page], gateway) -> None:
-    page = new_page()
+def stored_reply_with_reasoning(page: Page, gw: Any) -> str:
+    """A chat of the page's user ("Rainbows") whose reply reasoned for 4.2 s, then answered
+    "**Light bends** in raindrops.", written to the store as the gateway stores replies;
+    returns its id."""
     page.goto("/")
-    uid = user_of(page, gateway)
-    store = gateway.app.state.store
+    uid = user_of(page, gw)
+    store = gw.app.state.store
 
     async def seed() -> str:
         chat = await store.create_session(uid, title="Rainbows")
@@ -74,7 +77,13 @@ def test_a_stored_reply_shows_its_reasoning_folded_above_its_answer(new_page: Ca
             "timings": {"ttft_ms": 10.0, "tpot_ms": 5.0, "e2e_ms": 100.0}, "created_at": 0.0}, None, None)
         return chat.id
 
-    sid = gateway.run(seed())
+    sid: str = gw.run(seed())
+    return sid
+
+
+def test_a_stored_reply_shows_its_reasoning_folded_above_its_answer(new_page: Callable[..., Page], gateway) -> None:
+    page = new_page()
+    sid = stored_reply_with_reasoning(page, gateway)
     open_chat(page, sid)
     reply = page.locator(".msg.assistant")
     assert reply.locator(".thinking-line").text_content() == "Thought for 4.2 s"
@@ -96,3 +105,29 @@ def test_a_stored_reply_shows_its_reasoning_folded_above_its_answer(new_page: Ca
     line.click()
     shot(page, "reasoning-phone-dark-open")
     assert axe_violations(page) == []
+
+
+def test_search_and_the_markdown_export_show_reasoning_apart_as_the_page_does(
+        new_page: Callable[..., Page], gateway) -> None:
+    page = new_page()
+    sid = stored_reply_with_reasoning(page, gateway)
+    open_chat(page, sid)
+    hit = f"#search-results .search-hit[data-id='{sid}'] .hit-snippet"
+    page.fill("#chat-search", "bends")
+    page.wait_for_selector(hit)
+    assert page.text_content(hit) == "**Light bends** in raindrops."  # the answer, not the reasoning before it
+    page.fill("#chat-search", "refraction")
+    page.wait_for_selector(f"{hit} >> text=Thoughts:")
+    assert page.text_content(hit) == "Thoughts: Sunlight, droplets, refraction. Keep it short."
+    shot(page, "reasoning-desktop-light-search")
+    page.fill("#chat-search", "think>")  # the markers are not the reply's text
+    page.wait_for_selector("#search-results >> text=No chats contain")
+    page.press("#chat-search", "Escape")
+
+    page.click("#open-settings")
+    with page.expect_download() as dl:
+        page.click("#export-md")
+    md = Path(dl.value.path()).read_text()
+    assert "<think>" not in md and "</think>" not in md
+    assert ("## Assistant\n\n> *Thought for 4.2 s*\n>\n> Sunlight, droplets, refraction.\n> Keep it short.\n\n"
+            "**Light bends** in raindrops.\n") in md

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from gateway.api.auth import COOKIE_NAME
+from gateway.api.auth import COOKIE_NAME, UserIds
 from tests.fixtures_servers import RunningGateway
 
 SHORT = {"max_tokens": 4, "temperature": 0.0}
@@ -96,3 +96,43 @@ async def test_user_defaults_apply_to_new_chats_from_the_page_and_the_socket(gat
         assert chat["messages"][-1]["usage"]["completion_tokens"] <= 5  # the default max_tokens applied
     with client(gw, gw.new_cookie()) as other:
         assert other.get("/api/defaults").json()["system_prompt"] == gw.config.defaults.system_prompt
+
+
+async def test_search_and_the_markdown_export_show_a_replys_reasoning_as_the_page_does(gateway_factory):
+    gw = gateway_factory(engine_urls=[], reasoning_markers="<reason> </reason>")
+    cookie = gw.new_cookie()
+    uid = UserIds(gw.config.secret_key).verify(cookie)
+    assert uid is not None
+    store = gw.app.state.store
+
+    async def seed(title: str, reply: str, reasoning_ms: float | None) -> str:
+        chat = await store.create_session(uid, title=title)
+        begun = await store.begin_turn(uid, chat.id, mode="chat", content="How does a rainbow form?")
+        fields: dict[str, Any] = {"content": reply, "status": "complete", "finish_reason": "stop",
+                                  "usage": {"prompt_tokens": 9, "cached_tokens": 0, "completion_tokens": 9},
+                                  "timings": {"ttft_ms": 1.0, "tpot_ms": 1.0, "e2e_ms": 9.0}, "created_at": 0.0}
+        if reasoning_ms is not None:
+            fields["reasoning_ms"] = reasoning_ms
+        await store.finish_turn(uid, chat.id, begun, fields, None, None)
+        return chat.id
+
+    sid = gw.run(seed("Rainbows", "<reason>\nSunlight meets droplets.\n\nKeep it short.\n</reason>\n\n"
+                                  "Light bends in raindrops.", 4200.0))
+    cut = gw.run(seed("Cut", "  <reason>Still weighing the droplets", None))
+    with client(gw, cookie) as c:
+        def search(q: str) -> list[tuple[str, str]]:
+            return [(r["id"], r["snippet"]) for r in c.get("/api/search", params={"q": q}).json()["results"]]
+
+        assert search("bends") == [(sid, "Light bends in raindrops.")]
+        assert search("droplets") == [(cut, "Thoughts: Still weighing the droplets"),
+                                      (sid, "Thoughts: Sunlight meets droplets. Keep it short.")]
+        assert search("reason") == []  # the markers are not the reply's text
+        text = c.get(f"/api/sessions/{sid}/export", params={"format": "md"}).text
+        assert ("## Assistant\n\n> *Thought for 4.2 s*\n>\n> Sunlight meets droplets.\n>\n> Keep it short.\n\n"
+                "Light bends in raindrops.\n") in text
+        every = c.get("/api/export", params={"format": "md"}).text
+        assert "## Assistant\n\n> *Thoughts*\n>\n> Still weighing the droplets\n" in every
+        assert "<reason>" not in every and "</reason>" not in every
+        # the JSON export keeps the stored text whole: importing it gives the chat back as it was
+        body = c.get(f"/api/sessions/{sid}/export", params={"format": "json"}).json()
+        assert body["messages"][1]["content"].startswith("<reason>\nSunlight")

@@ -52,13 +52,14 @@ def _document() -> str:
 async def test_a_chat_through_prefill_and_decode_engines_streams_one_engines_reply(
         gateway_factory, pd_engines, engine_url):
     p, d = pd_engines
-    doc = _document()
+    doc, later = _document(), _document()
     one = gateway_factory()  # the reference: one engine of role "both"
     cookie = one.new_cookie()
     async with one.connect(cookie) as ws:
         want = await chat(ws, doc + "\nSummarize.", max_tokens=12)
         want2 = await chat(ws, "And again?", want.start["session_id"], max_tokens=12)
-    assert want.done is not None and want2.done is not None, (want.error, want2.error)
+        want3 = await chat(ws, later + "\nAnd these?", want.start["session_id"], max_tokens=12)
+    assert want.done is not None and want2.done is not None and want3.done is not None, (want.error, want2.error)
 
     gw = gateway_factory(engine_urls=[p.url, d.url])
     router = gw.app.state.router
@@ -83,6 +84,23 @@ async def test_a_chat_through_prefill_and_decode_engines_streams_one_engines_rep
         assert got2.text == want2.text
         assert (await _stats(p.url))["requests_total"] == after_p["requests_total"]
         assert got2.done["usage"]["cached_tokens"] >= got.done["usage"]["prompt_tokens"] - 16
+        # a long later message is prefilled on the prefill engine, which pulls the chat's
+        # earlier turns (the replies only the decode engine computed) instead of computing
+        # them; the decode engine then pulls only the new message's pages
+        before_p, before_d = await _stats(p.url), await _stats(d.url)
+        got3 = await chat(ws, later + "\nAnd these?", got.start["session_id"], max_tokens=12)
+        assert got3.done is not None, got3.error
+        assert got3.text == want3.text
+        after_p, after_d = await _stats(p.url), await _stats(d.url)
+        assert after_p["requests_total"] == before_p["requests_total"] + 1
+        assert after_p["kv_pulls_total"] == before_p["kv_pulls_total"] + 1
+        assert after_p["kv_pull_pages_total"] > before_p["kv_pull_pages_total"]
+        assert after_p["kv_pull_failures_total"] == before_p["kv_pull_failures_total"]
+        prior = got2.done["usage"]["prompt_tokens"] + 11  # the tokens turn 2 left on the decode engine
+        assert after_p["cached_tokens_total"] - before_p["cached_tokens_total"] >= prior - 16
+        new = got3.done["usage"]["prompt_tokens"] - prior
+        assert 0 < 16 * (after_d["kv_pull_pages_total"] - before_d["kv_pull_pages_total"]) <= new + 16
+        assert got3.done["usage"]["cached_tokens"] >= got3.done["usage"]["prompt_tokens"] - 16
 
 
 def _completion(base_url: str, content: str) -> dict[str, Any]:
