@@ -8,8 +8,9 @@ past the tree's match into the tier gets those pages read back into fresh blocks
 inserted into the tree before its prefill.
 
 Threads: the step loop calls ``probe``, ``store``, ``load`` and ``poll``; one writer thread
-encodes and writes pages, one reader thread reads and checks them, so a restore never
-waits behind a queue of writes. What crosses between them:
+encodes and writes pages, reader threads (``TierConfig.readers``, one restore at a time,
+its pages split among them) read and check them, so a restore never waits behind a queue
+of writes. What crosses between them:
 
 - a write: the page's K and V copied out of the pool on the step loop (a block can be
   handed to another request the moment it is evicted), so the writer never touches the
@@ -32,6 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,11 +71,15 @@ class TierConfig:
         disk_bytes: the most bytes of page files kept there.
         max_queue_bytes: the most bytes of pages waiting to be written (copied out of
             the pool); pages beyond it are dropped, not waited for.
+        readers: threads that read one restore's pages (page ``i`` by reader ``i %
+            readers``): reading a file and its CRC-32 release the GIL, so a restore runs
+            on as many cores as there are readers while the step loop waits for it.
     """
 
     disk_dir: Path | None
     disk_bytes: int
     max_queue_bytes: int = 256 << 20
+    readers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,7 @@ class LoadJob:
     done: bool = False
     cancelled: bool = False
     started_s: float = field(default_factory=time.monotonic)
+    limit: int = 1 << 62  # the readers': the first page index that failed so far
 
 
 class KVTiers:
@@ -196,6 +203,8 @@ class KVTiers:
         self._writes: queue.Queue[tuple[PageRef, torch.Tensor] | None] = queue.Queue()
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
         self._jobs: list[LoadJob] = []  # the step loop's: queued, not yet polled
+        self._helpers = (ThreadPoolExecutor(config.readers - 1, thread_name_prefix="kv-tier-reader")
+                         if config.readers > 1 and self.store is not None else None)
         self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
                          threading.Thread(target=self._read_loop, name="kv-tier-reader", daemon=True)]
         if self.store is not None:
@@ -375,32 +384,55 @@ class KVTiers:
 
     def _read_loop(self) -> None:
         assert self.store is not None
+        scratch = bytearray(self.key.payload_bytes + (64 << 10))  # one page file (payload + header), reused
+        helpers = self._helpers
         while True:
             job = self._loads.get()
             if job is None:
+                if helpers is not None:
+                    helpers.shutdown(wait=True)
                 return
             try:
                 job.buffer = torch.empty((len(job.pages), *self.key.shape), dtype=self.key.torch_dtype)
-                for i, p in enumerate(job.pages):
-                    if job.cancelled or self.disabled:
-                        break
-                    kv = self._read(p, job.buffer[i])
-                    if kv is None:
-                        break
-                    job.pages_kv.append(kv)
+                n, ways = len(job.pages), self.config.readers
+                if helpers is None or n < 2 * ways:
+                    good = self._read_stride(job, 0, 1, scratch)
+                else:  # page i by reader i % ways; this thread is reader 0
+                    parts = [helpers.submit(self._read_stride, job, w, ways, None) for w in range(1, ways)]
+                    good = self._read_stride(job, 0, ways, scratch)
+                    good = min([good] + [f.result() for f in parts])
+                assert job.buffer is not None
+                job.pages_kv = list(job.buffer[:good].unbind(0))
             except Exception:
+                job.pages_kv = []
                 log.exception("KV tier read failed")
             finally:
                 job.done = True
                 if self.wake is not None:
                     self.wake()
 
-    def _read(self, p: PageRef, out: torch.Tensor) -> torch.Tensor | None:
-        """One page's K and V, checked, read into ``out``; None (and the file deleted when
-        it is bad) when it cannot be served."""
+    def _read_stride(self, job: LoadJob, first: int, step: int, scratch: bytearray | None) -> int:
+        """Read pages ``first, first + step, ...`` of ``job`` into its buffer, in order, up to
+        the first that cannot be served; returns that page's index (``len(job.pages)`` when
+        all were), so the smallest over the strides ends the contiguous prefix served. Stops
+        early once another stride failed before its next page (``job.limit``)."""
+        if scratch is None:
+            scratch = bytearray(self.key.payload_bytes + (64 << 10))
+        assert job.buffer is not None
+        for i in range(first, len(job.pages), step):
+            if job.cancelled or self.disabled or i >= job.limit:
+                return i
+            if self._read(job.pages[i], job.buffer[i], scratch) is None:
+                job.limit = min(job.limit, i)
+                return i
+        return len(job.pages)
+
+    def _read(self, p: PageRef, out: torch.Tensor, scratch: bytearray) -> torch.Tensor | None:
+        """One page's K and V, checked, read into ``out`` (through ``scratch``, the file's
+        bytes); None (and the file deleted when it is bad) when it cannot be served."""
         assert self.store is not None
         try:
-            data = self.store.get(p.chain_hash)
+            data = self.store.read_into(p.chain_hash, scratch)
         except OSError as e:
             log.warning("KV tier read of page %016x failed: %s", p.chain_hash, e)
             return None
@@ -410,12 +442,14 @@ class KVTiers:
             page = decode_page(data, self.key, scope=p.scope, chain_hash=p.chain_hash,
                                parent_hash=p.parent_hash, token_ids=p.token_ids, out=out)
         except (PageError, ValueError) as e:
-            self.counters.corrupt += 1
+            with self._lock:
+                self.counters.corrupt += 1
             self.store.discard(p.chain_hash)
             log.warning("KV tier page %016x refused (%s); recomputing it", p.chain_hash, e)
             return None
-        self.counters.pages_read += 1
-        self.counters.bytes_read += len(data)
+        with self._lock:  # several readers
+            self.counters.pages_read += 1
+            self.counters.bytes_read += len(data)
         return page.kv
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import signal
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -157,6 +159,41 @@ async def test_a_later_long_turn_reuses_the_reply_held_on_the_decode_side(tiny_m
         await _assert_idle_whole(p, d)
 
 
+@contextlib.asynccontextmanager
+async def _a_reply_decoding(eng: AsyncEngine, rid: str) -> AsyncIterator[None]:
+    """A long reply decoding on ``eng`` (its first token out) for the block's duration."""
+    first = asyncio.Event()
+
+    async def run() -> None:
+        async for _out in eng.generate(_req(rid, _prompt(99, 10), n=1500)):
+            first.set()
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(first.wait(), 30)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_moved_prompt_puts_no_prefill_chunk_in_the_decode_engines_steps(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(16, 100)
+        async with _a_reply_decoding(ref, "stream"):  # one engine: the prompt rides in its decode steps
+            await collect(ref, _req("ref", ids))
+        s = await ref.stats()
+        assert s["mixed_steps_total"] >= 1 and s["long_chunk_steps_total"] >= 1
+        async with _a_reply_decoding(d, "stream"):  # the pair: the decode engine computes 4 tokens
+            got = await _disaggregated(p, url, d, "moved", ids)
+        assert got.final.usage.cached_tokens == 96
+        s = await d.stats()
+        assert s["mixed_steps_total"] >= 1 and s["mixed_prompt_tokens_total"] <= 4 * s["mixed_steps_total"]
+        assert s["long_chunk_steps_total"] == 0
+        await _assert_idle_whole(p, d)
+
+
 def _flip_a_byte_of_page(monkeypatch, index: int) -> None:
     """The source serializes its ``index``-th page of every fetch with one payload byte flipped."""
     real = kv_page.encode_page
@@ -201,7 +238,10 @@ async def _relay(upstream: str, after_pages: int, on_reach: str = "cut",
     ``reached``, then either dies at once, both sides closed (``on_reach="cut"``: a
     source engine lost in the middle of a transfer), or holds the rest back until
     ``release`` (``"hold"``: a transfer stuck midway, for as long as the test likes)
-    and then passes what the upstream still sends, closing when the upstream does."""
+    and then passes what the upstream still sends, closing when the upstream does.
+    With ``on_reach="hold_fetch"`` it is the asker's ``kv_fetch`` that waits for
+    ``release`` (``reached`` set when it arrives; ``after_pages`` unused): the source
+    has not answered yet, whatever happens to it meanwhile."""
 
     async def handle(client) -> None:
         async with connect(upstream, max_size=None) as up:
@@ -210,7 +250,7 @@ async def _relay(upstream: str, after_pages: int, on_reach: str = "cut",
                 with contextlib.suppress(Exception):
                     async for msg in up:
                         if isinstance(msg, bytes):
-                            if sent == after_pages:
+                            if sent == after_pages and on_reach != "hold_fetch":
                                 if reached is not None:
                                     reached.set()
                                 if on_reach == "cut":
@@ -224,8 +264,13 @@ async def _relay(upstream: str, after_pages: int, on_reach: str = "cut",
             task = asyncio.create_task(down())
             with contextlib.suppress(Exception):
                 async for msg in client:
+                    if on_reach == "hold_fetch" and isinstance(msg, str) and json.loads(msg)["type"] == "kv_fetch":
+                        if reached is not None:
+                            reached.set()
+                        await (release or asyncio.Event()).wait()
                     await up.send(msg)
             task.cancel()
+            await client.close()
 
     port = _free_port()
     async with serve(handle, "127.0.0.1", port, max_size=None):
@@ -291,6 +336,70 @@ async def test_an_abort_during_a_transfer_leaves_both_engines_whole(tiny_model_d
         await _assert_idle_whole(p, d)
         for eng in (p, d):  # with every cached page evicted, every block is free
             assert await eng.call(lambda c: (c.evict_all(), c.pool.num_free)[1]) == eng.core.pool.num_blocks
+
+
+async def _prefill_over_the_link(url: str, rid: str, ids: list[int]) -> None:
+    """One prefill on the engine process at ``url`` (the internal protocol), to its end."""
+    async with connect(url, max_size=None) as ws:
+        await ws.recv()  # hello
+        await ws.send(json.dumps({"type": "generate", "request_id": rid, "prompt_token_ids": ids,
+                                  "params": {"max_tokens": 1, "temperature": 0}}))
+        async for raw in ws:
+            items = json.loads(raw).get("items", [])
+            assert not any(i["type"] == "error" for i in items), items
+            if any(i["type"] == "done" for i in items):
+                return
+
+
+@pytest.mark.parametrize("setting", ["local", "fail"])
+async def test_the_prefill_engine_process_killed_during_a_pull_falls_back_or_fails_per_the_setting(
+        tiny_model_dir, setting):
+    from gateway.server.local import LocalEngine
+
+    # the prefill engine is a real process, in the decode engine's format (float32 KV, pages of 16)
+    proc = LocalEngine(model=str(tiny_model_dir), extra_args=[
+        "--role", "prefill", "--device", "cpu", "--dtype", "float32", "--block-size", str(BS), "--num-blocks",
+        "256", "--threads", "1", "--no-kv-disk", "--speculative", "off"])
+    url = proc.start(timeout_s=600)
+    d = make_engine(tiny_model_dir, role="decode", kv_pull_failure=setting)
+    ref = make_engine(tiny_model_dir)
+    d.start()
+    ref.start()
+    try:
+        # a first move goes through: the process's pages are the decode engine's format
+        ok = _prompt(14, 100)
+        await _prefill_over_the_link(url, "ok-p", ok)
+        got = await collect(d, _req("ok", ok, source=url))
+        assert got.final.output_token_ids == (await collect(ref, _req("ref-ok", ok))).final.output_token_ids
+        assert ((await d.stats())["kv_pull_pages_total"], (await d.stats())["kv_pull_failures_total"]) == (6, 0)
+
+        ids = _prompt(15, 150)
+        await _prefill_over_the_link(url, "k-p", ids)
+        # killed between the ask and the answer: pages a process wrote before it died still
+        # arrive (the kernel delivers them), so this is where a kill leaves pages unsent
+        reached, release = asyncio.Event(), asyncio.Event()
+        async with _relay(url, 0, "hold_fetch", reached, release) as link:
+            task = asyncio.create_task(collect(d, _req("k", ids, source=link)))
+            await asyncio.wait_for(reached.wait(), 30)  # the decode engine has asked for the pages
+            assert proc.process is not None
+            proc.process.send_signal(signal.SIGKILL)
+            assert await asyncio.to_thread(proc.process.wait, 30) == -signal.SIGKILL
+            release.set()
+            if setting == "local":  # computed here instead, the same greedy answer
+                got = await asyncio.wait_for(task, 60)
+                assert got.final.output_token_ids == (await collect(ref, _req("ref-k", ids))).final.output_token_ids
+                assert got.final.usage.cached_tokens == 0
+            else:
+                with pytest.raises(EngineError) as e:
+                    await asyncio.wait_for(task, 60)
+                assert e.value.code == "kv_transfer_failed" and "after 0 pages" in e.value.message
+        s = await d.stats()
+        assert (s["kv_pulls_total"], s["kv_pull_failures_total"], s["kv_pull_pages_total"]) == (2, 1, 6)
+        await _assert_idle_whole(d)
+    finally:
+        proc.stop()
+        d.shutdown()
+        ref.shutdown()
 
 
 @pytest.mark.parametrize("bad", [{"role": "router"}, {"kv_pull_failure": "retry"}, {"kv_pull_timeout_s": 0}])

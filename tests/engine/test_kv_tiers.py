@@ -98,6 +98,45 @@ def test_abort_mid_restore_frees_its_blocks_and_drops_the_result(tmp_path: Path)
     tiers.close()
 
 
+@pytest.mark.parametrize("readers", [1, 3])
+def test_readers_serve_the_pages_before_a_corrupt_one_byte_identical(tmp_path: Path, readers: int) -> None:
+    k, v = _kv(32)
+    tiers = KVTiers(KEY, TierConfig(tmp_path, 1 << 20, readers=readers), k, v)
+    tokens = list(range(1, 42))  # 10 whole pages
+    refs = page_refs(tokens, CacheScope("ns|"), 4, 0, 10)
+    tiers.store_pages(refs, list(range(10)))
+    assert tiers.flush()
+    assert tiers.store is not None
+    bad = tiers.store.path_of(refs[6].chain_hash)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit in the payload
+    bad.write_bytes(bytes(data))
+    job = tiers.load(None, refs, list(range(16, 26)))
+    for _ in range(500):
+        if job.done:
+            break
+        time.sleep(0.01)
+    assert job.done and len(job.pages_kv) == 6  # pages 7.. may have been read, but only the prefix serves
+    assert tiers.poll() == [job]
+    tiers.scatter(job)
+    for layer in range(2):
+        assert torch.equal(k[layer][16:22], k[layer][0:6]) and torch.equal(v[layer][16:22], v[layer][0:6])
+    assert tiers.counters.corrupt == 1 and refs[6].chain_hash not in tiers.store
+    tiers.close()
+
+
+def test_read_into_reuses_the_scratch_and_returns_bytes_for_a_larger_file(tmp_path: Path) -> None:
+    store = DiskPageStore(tmp_path, "k", max_bytes=1 << 20)
+    store.put(1, b"small page")
+    store.put(2, bytes(range(200)) * 10)
+    scratch = bytearray(100)
+    got = store.read_into(1, scratch)
+    assert isinstance(got, memoryview) and bytes(got) == b"small page" and bytes(scratch[:10]) == b"small page"
+    big = store.read_into(2, scratch)
+    assert isinstance(big, bytes) and big == bytes(range(200)) * 10
+    assert store.read_into(3, scratch) is None
+
+
 # ----- the engine ---------------------------------------------------------------------------
 
 def _chat(seed: int, n: int = 150) -> list[int]:
