@@ -27,7 +27,6 @@ plus the request-head probes (``heads``). ``--only`` runs some of them.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import re
@@ -46,6 +45,10 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.raw_ws import ZERO_MASK, client_frame, handshake  # noqa: E402
+
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 PROBES = ("heads", "cache", "revoke", "engine", "pings", "frames", "bodies", "hangups")
 GATEWAY_NOFILE = 1024  # a default shell's open-file limit, as in the report that found these
@@ -126,43 +129,15 @@ def big_header(port: int, out: list[str]) -> None:
     out.append(f"{line} after {sent / (1 << 20):.1f} MiB sent")
 
 
-def masked(payload: bytes, opcode: int = 0x1, length: int | None = None) -> bytes:
-    """A client frame header (masked with zeros, so the payload goes as is) and payload;
-    ``length`` overrides the length the header announces."""
-    n = len(payload) if length is None else length
-    if n < 126:
-        head = bytes([0x80 | opcode, 0x80 | n])
-    elif n < 1 << 16:
-        head = bytes([0x80 | opcode, 0x80 | 126]) + n.to_bytes(2, "big")
-    else:
-        head = bytes([0x80 | opcode, 0x80 | 127]) + n.to_bytes(8, "big")
-    return head + b"\0\0\0\0" + payload
-
-
 def ws_open(port: int, cookie: str, source: str = "127.0.0.1") -> socket.socket:
-    """A WebSocket handshake on a plain socket (the test controls reading); 101 consumed.
+    """A WebSocket handshake on a plain socket from ``source`` (the probe controls
+    reading; a 4 KiB receive window); 101 consumed.
 
     Raises:
         ConnectionError: the handshake was refused.
     """
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.bind((source, 0))
-    s.settimeout(30)
-    s.connect(("127.0.0.1", port))
-    key = base64.b64encode(os.urandom(16)).decode()
-    s.sendall((f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nOrigin: http://127.0.0.1:{port}\r\n"
-               f"Cookie: chat_uid={cookie}\r\n\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = s.recv(1)
-        if not chunk:
-            raise ConnectionError("closed during the handshake")
-        head += chunk
-    if not head.startswith(b"HTTP/1.1 101"):
-        raise ConnectionError(head.split(b"\r\n", 1)[0].decode())
-    return s
+    return handshake("127.0.0.1", port, f"chat_uid={cookie}", f"http://127.0.0.1:{port}", rcvbuf=4096,
+                     source=source, timeout_s=30)
 
 
 def new_user(base: str) -> str:
@@ -326,7 +301,7 @@ def probe_engine(port: int, base: str, pid: int, engine_port: int | None) -> lis
 def probe_pings(port: int, base: str, pid: int) -> list[dict[str, Any]]:
     s = ws_open(port, new_user(base))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
-    chunk = masked(b"p" * 125, opcode=0x9) * 8000  # about 1 MiB of pings
+    chunk = client_frame(b"p" * 125, opcode=0x9, mask=ZERO_MASK) * 8000  # about 1 MiB of pings
     pushed, outcome = 0, "still open after 20 s"
     deadline = time.monotonic() + 20
     s.settimeout(1)
@@ -358,7 +333,7 @@ def probe_frames(port: int, base: str, pid: int) -> list[dict[str, Any]]:
         s.settimeout(30)
         n, sent = 15 << 20, 0
         try:
-            s.sendall(masked(b"", length=n))
+            s.sendall(client_frame(b"", length=n, mask=ZERO_MASK))
             block = b"x" * 65536
             while sent < n:
                 s.sendall(block)

@@ -83,14 +83,20 @@ def gate_in_front_of(engine: LocalEngine) -> EngineGate:
     return gate
 
 
-@pytest.fixture
-def engine_gate(tiny_engine: LocalEngine) -> Iterator[EngineGate]:
-    """An ``EngineGate`` in front of the shared tiny engine (see the module doc)."""
-    gate = gate_in_front_of(tiny_engine)
+@contextlib.contextmanager
+def _gate(engine: LocalEngine) -> Iterator[EngineGate]:
+    gate = gate_in_front_of(engine)
     try:
         yield gate
     finally:
         gate.close()  # resumes the engine first: later tests share it
+
+
+@pytest.fixture
+def engine_gate(tiny_engine: LocalEngine) -> Iterator[EngineGate]:
+    """An ``EngineGate`` in front of the shared tiny engine (see the module doc)."""
+    with _gate(tiny_engine) as gate:
+        yield gate
 
 
 @pytest.fixture
@@ -111,11 +117,8 @@ def thinker_engine(tiny_thinker_dir: Path) -> Iterator[LocalEngine]:
 @pytest.fixture
 def thinker_gate(thinker_engine: LocalEngine) -> Iterator[EngineGate]:
     """An ``EngineGate`` in front of ``thinker_engine``."""
-    gate = gate_in_front_of(thinker_engine)
-    try:
+    with _gate(thinker_engine) as gate:
         yield gate
-    finally:
-        gate.close()
 
 
 @pytest.fixture(scope="session")
@@ -130,11 +133,8 @@ def chunked_engine(tiny_model_dir: Path) -> Iterator[LocalEngine]:
 @pytest.fixture
 def chunked_gate(chunked_engine: LocalEngine) -> Iterator[EngineGate]:
     """An ``EngineGate`` in front of ``chunked_engine``."""
-    gate = gate_in_front_of(chunked_engine)
-    try:
+    with _gate(chunked_engine) as gate:
         yield gate
-    finally:
-        gate.close()
 
 
 @pytest.fixture(scope="session")

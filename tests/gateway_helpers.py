@@ -4,10 +4,7 @@ the official OpenAI client on a running gateway."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -104,42 +101,6 @@ async def wait_for(predicate: Callable[[], Awaitable[bool] | bool], timeout: flo
             return
         await asyncio.sleep(interval)
     raise AssertionError("condition not reached in time")
-
-
-def masked_frame(payload: bytes, opcode: int = 0x1) -> bytes:
-    """A client-to-server WebSocket frame (RFC 6455 section 5.2: clients mask)."""
-    mask = os.urandom(4)
-    n = len(payload)
-    if n < 126:
-        head = bytes([0x80 | opcode, 0x80 | n])
-    elif n < 1 << 16:
-        head = bytes([0x80 | opcode, 0x80 | 126]) + n.to_bytes(2, "big")
-    else:
-        head = bytes([0x80 | opcode, 0x80 | 127]) + n.to_bytes(8, "big")
-    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-
-
-def raw_ws_connect(host: str, port: int, cookie_header: str, origin: str, rcvbuf: int | None = None) -> socket.socket:
-    """A WebSocket handshake on a plain socket (so the test controls reading); the
-    101 response is consumed. ``rcvbuf`` shrinks the receive window before connecting."""
-    s = socket.socket()
-    if rcvbuf:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.settimeout(10)
-    s.connect((host, port))
-    key = base64.b64encode(os.urandom(16)).decode()
-    s.sendall((f"GET /ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nOrigin: {origin}\r\n"
-               f"Cookie: {cookie_header}\r\n\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = s.recv(1)
-        if not chunk:
-            raise ConnectionError("closed during the handshake")
-        head += chunk
-    if not head.startswith(b"HTTP/1.1 101"):
-        raise ConnectionError(head.decode(errors="replace"))
-    return s
 
 
 def openai_client(gw: Any, api_key: str = "unused", **kwargs: Any) -> Any:

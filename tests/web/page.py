@@ -15,7 +15,7 @@ from typing import Any
 
 from playwright.sync_api import Page, WebSocketRoute
 
-from tests.engine_gate import EngineGate, of_type
+from tests.engine_gate import EngineGate, of_type, text_delta
 
 CHROMIUM = Path("/usr/bin/chromium")
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -70,6 +70,13 @@ def open_chat(page: Page, sid: str | None = None) -> None:
     page.wait_for_selector(f"body[data-connection=open][data-chat='{sid or 'new'}']", timeout=WAIT_MS)
 
 
+def reload_chat(page: Page, sid: str) -> None:
+    """Reload the page (on chat ``sid``); wait until its socket is open and the chat's
+    history is shown again."""
+    page.reload()
+    page.wait_for_selector(f"body[data-connection=open][data-chat='{sid}']", timeout=WAIT_MS)
+
+
 def create_chat(page: Page, params: dict[str, Any], **fields: Any) -> str:
     """Create a chat through the HTTP API as the page's user; returns its id."""
     if not page.url.startswith("http"):
@@ -97,6 +104,24 @@ def wait_finished(page: Page, count: int = 1) -> None:
     page.wait_for_function(
         "(n) => document.querySelectorAll('.msg.assistant[data-status]').length >= n "
         "&& !document.querySelector('.msg.assistant.streaming')", arg=count, timeout=WAIT_MS)
+
+
+def wait_one_reply(page: Page, longer_than: int = -1) -> None:
+    """Wait until the page shows exactly one reply, finished (it carries data-status), with
+    more than ``longer_than`` characters (a continued reply is longer than the cut one)."""
+    page.wait_for_function(
+        "(n) => { const a = document.querySelectorAll('.msg.assistant');"
+        " return a.length === 1 && a[0].dataset.status && !a[0].classList.contains('streaming')"
+        " && a[0].querySelector('.msg-body').textContent.length > n; }",
+        arg=longer_than, timeout=WAIT_MS)
+
+
+def send_paused(page: Page, gate: EngineGate, text: str) -> int:
+    """Send ``text`` with the engine paused at its reply's first text (``gate``); returns,
+    once the page shows that text, its length. Resume ``gate`` (or Stop) to go on."""
+    gate.pause_on(text_delta())
+    send(page, text)
+    return wait_streaming_text(page, 0)
 
 
 def wait_streaming_text(page: Page, more_than: int = 0) -> int:

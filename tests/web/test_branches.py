@@ -17,9 +17,11 @@ from tests.web.page import (
     create_chat,
     get_chat,
     open_chat,
+    reload_chat,
     send,
     shot,
     wait_finished,
+    wait_one_reply,
 )
 
 
@@ -72,8 +74,7 @@ def test_edit_resends_and_the_old_branch_comes_back_with_the_version_arrows(new_
     assert len(shown) == 2 and all(shown)
     assert [m["id"] for m in get_chat(page, sid)["messages"]] == [m["id"] for m in old]  # nothing lost
 
-    page.reload()
-    page.wait_for_selector(f"body[data-connection=open][data-chat='{sid}']", timeout=WAIT_MS)
+    reload_chat(page, sid)
     wait_chat(page, ["First question", "Second question"], 2)  # the choice is stored
     page.locator(".msg.user .version-next").first.click()
     wait_chat(page, ["Edited question"], 1)
@@ -101,11 +102,7 @@ def test_continue_extends_a_reply_cut_at_max_tokens(new_page: Callable[..., Page
     # measured before the click: read after it, the continuation may already be whole
     cut_length = len(reply.locator(".msg-body").text_content() or "")
     button.click()
-    page.wait_for_function(
-        "(n) => { const a = document.querySelectorAll('.msg.assistant');"
-        " return a.length === 1 && a[0].dataset.status && !a[0].classList.contains('streaming')"
-        " && a[0].querySelector('.msg-body').textContent.length > n; }",
-        arg=cut_length, timeout=WAIT_MS)
+    wait_one_reply(page, cut_length)
     after = get_chat(page, sid)["messages"]
     assert len(after) == 2 and after[1]["id"] == before["id"]
     assert after[1]["content"].startswith(before["content"]) and len(after[1]["content"]) > len(before["content"])

@@ -45,6 +45,7 @@ from tests.web.page import (
     open_chat,
     rendered_text,
     send,
+    send_paused,
     shot,
     stop_and_resume,
     wait_finished,
@@ -127,9 +128,7 @@ def test_stop_keeps_the_partial_reply_with_a_badge(new_page: Callable[..., Page]
     page = new_page()
     sid = create_chat(page, LONG)
     open_chat(page, sid)
-    engine_gate.pause_on(text_delta())
-    send(page, "Write a very long story about a canal.")
-    wait_streaming_text(page, 0)
+    send_paused(page, engine_gate, "Write a very long story about a canal.")
     assert page.is_visible("#stop") and page.is_hidden("#send")
 
     stop_and_resume(page, engine_gate)
@@ -154,9 +153,7 @@ def test_reply_in_progress_continues_after_reload(new_page: Callable[..., Page],
     page = new_page()
     sid = create_chat(page, LONG)
     open_chat(page, sid)
-    engine_gate.pause_on(text_delta())
-    send(page, "Count slowly to a thousand.")
-    wait_streaming_text(page, 0)
+    send_paused(page, engine_gate, "Count slowly to a thousand.")
 
     page.reload()
     page.wait_for_selector("body[data-connection=open]")
@@ -200,9 +197,7 @@ def test_dropped_socket_reconnects_and_resumes_from_last_seq(new_page: Callable[
         new MutationObserver(() => { if (!banner.hidden) window.__bannerSeen = true; })
             .observe(banner, {attributes: true});
     }""")
-    engine_gate.pause_on(text_delta())
-    send(page, "Tell me everything about rivers.")
-    before = wait_streaming_text(page, 0)
+    before = send_paused(page, engine_gate, "Tell me everything about rivers.")
 
     sockets[0].close(code=4000, reason="test drop")
     servers[0].close()

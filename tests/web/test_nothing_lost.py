@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from playwright.sync_api import Page
 
-from tests.engine_gate import EngineGate, text_delta
+from tests.engine_gate import EngineGate
 from tests.web.page import (
     LONG,
     PHONE,
@@ -19,11 +19,13 @@ from tests.web.page import (
     create_chat,
     get_chat,
     open_chat,
+    reload_chat,
     send,
+    send_paused,
     shot,
     stop_and_resume,
     wait_finished,
-    wait_streaming_text,
+    wait_one_reply,
 )
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -31,10 +33,7 @@ pytestmark = [pytest.mark.timeout(180)]
 
 def reply_state(page: Page) -> tuple[str, str, str]:
     """The one reply's (message id, text, version label), once it is finished."""
-    page.wait_for_function(
-        "() => { const a = document.querySelectorAll('.msg.assistant');"
-        " return a.length === 1 && a[0].dataset.status && !a[0].classList.contains('streaming'); }",
-        timeout=WAIT_MS)
+    wait_one_reply(page)
     reply = page.locator(".msg.assistant")
     label = reply.locator(".version-label")
     return (reply.get_attribute("data-message-id") or "", reply.locator(".msg-body").text_content() or "",
@@ -78,8 +77,7 @@ def test_regenerate_keeps_the_old_reply_as_a_version_shown_with_arrows(new_page:
     regenerate_and_wait(page, first_id)
     third_id, _, label = reply_state(page)
     assert label == "3/3"
-    page.reload()
-    page.wait_for_selector(f"body[data-connection=open][data-chat='{sid}']", timeout=WAIT_MS)
+    reload_chat(page, sid)
     assert reply_state(page)[2] == "3/3"
     for label, want in (("2/3", second_id), ("1/3", first_id)):
         page.click(".msg.assistant .version-prev")
@@ -89,8 +87,7 @@ def test_regenerate_keeps_the_old_reply_as_a_version_shown_with_arrows(new_page:
 
     page.set_viewport_size(PHONE)
     page.emulate_media(color_scheme="dark")
-    page.reload()
-    page.wait_for_selector(f"body[data-connection=open][data-chat='{sid}']", timeout=WAIT_MS)
+    reload_chat(page, sid)
     assert reply_state(page)[2] == "1/3"
     arrow = page.locator(".msg.assistant .version-next").bounding_box()
     assert arrow is not None and arrow["x"] + arrow["width"] <= PHONE["width"] and arrow["height"] >= 24
@@ -101,9 +98,7 @@ def test_a_reply_stopped_by_the_user_can_be_continued(new_page: Callable[..., Pa
     page = new_page()
     sid = create_chat(page, LONG)
     open_chat(page, sid)
-    engine_gate.pause_on(text_delta())
-    send(page, "Write a very long story about a canal.")
-    wait_streaming_text(page, 0)
+    send_paused(page, engine_gate, "Write a very long story about a canal.")
     stop_and_resume(page, engine_gate)
     page.wait_for_selector(".msg.assistant .badge-partial", timeout=WAIT_MS)
     reply = page.locator(".msg.assistant")
@@ -117,11 +112,7 @@ def test_a_reply_stopped_by_the_user_can_be_continued(new_page: Callable[..., Pa
                   "'application/json'}, body: JSON.stringify({params})})", [sid, {**LONG, "max_tokens": 12}])
     cut_length = len(reply.locator(".msg-body").text_content() or "")
     button.click()
-    page.wait_for_function(
-        "(n) => { const a = document.querySelectorAll('.msg.assistant');"
-        " return a.length === 1 && a[0].dataset.status && !a[0].classList.contains('streaming')"
-        " && a[0].querySelector('.msg-body').textContent.length > n; }",
-        arg=cut_length, timeout=WAIT_MS)
+    wait_one_reply(page, cut_length)
     after = get_chat(page, sid)["messages"]
     assert len(after) == 2 and after[1]["id"] == before["id"]
     assert after[1]["content"].startswith(before["content"]) and len(after[1]["content"]) > len(before["content"])
@@ -131,7 +122,6 @@ def test_a_reply_stopped_by_the_user_can_be_continued(new_page: Callable[..., Pa
                                                    + before["usage"]["completion_tokens"])
     assert after[1]["usage"]["cached_tokens"] > 0
     page.set_viewport_size(PHONE)
-    page.reload()
-    page.wait_for_selector(f"body[data-connection=open][data-chat='{sid}']", timeout=WAIT_MS)
+    reload_chat(page, sid)
     page.wait_for_selector(".msg.assistant[data-status]")
     shot(page, "phone-light-continued-after-stop")

@@ -22,7 +22,9 @@ from tests.web.page import (
     create_chat,
     get_chat,
     open_chat,
+    reload_chat,
     send,
+    send_paused,
     shot,
     stop_and_resume,
     wait_finished,
@@ -70,8 +72,7 @@ def test_a_long_paste_is_collapsed_with_show_more_and_show_less(new_page: Callab
     # a stored chat comes back collapsed, on a phone too
     page.set_viewport_size(PHONE)
     page.emulate_media(color_scheme="dark")
-    page.reload()
-    page.wait_for_selector(f"body[data-connection=open][data-chat='{sid}']", timeout=WAIT_MS)
+    reload_chat(page, sid)
     page.wait_for_selector(".msg.user .show-more")
     assert bubble_height(page, 1) < 400
     page.locator(".msg.user .show-more").scroll_into_view_if_needed()
@@ -88,9 +89,7 @@ def test_the_busy_notice_goes_when_the_reply_ends_or_its_chat_is_deleted(
     other = create_chat(page, SHORT, title="Another chat")
     sid = create_chat(page, LONG)
     open_chat(page, sid)
-    engine_gate.pause_on(text_delta())
-    send(page, "Write a very long story.")
-    wait_streaming_text(page, 0)
+    send_paused(page, engine_gate, "Write a very long story.")
     send(page, "And another thing")
     page.wait_for_selector("#notice:not([hidden]) >> text=still being written")
     stop_and_resume(page, engine_gate)
@@ -99,9 +98,7 @@ def test_the_busy_notice_goes_when_the_reply_ends_or_its_chat_is_deleted(
 
     # again, and this time the chat is deleted while it writes
     page.fill("#input", "")
-    engine_gate.pause_on(text_delta())
-    send(page, "Write another long story.")
-    wait_streaming_text(page, 0)
+    send_paused(page, engine_gate, "Write another long story.")
     send(page, "And one more thing")
     page.wait_for_selector("#notice:not([hidden]) >> text=still being written")
 

@@ -11,9 +11,10 @@ import json
 import pytest
 from websockets.exceptions import ConnectionClosed
 
+from bench.raw_ws import client_frame, handshake
 from gateway.api.auth import COOKIE_NAME
 from tests.engine_gate import of_type
-from tests.gateway_helpers import chat, masked_frame, raw_ws_connect, read_reply, recv, send, wait_for
+from tests.gateway_helpers import chat, read_reply, recv, send, wait_for
 
 MIB = 1 << 20
 
@@ -120,12 +121,12 @@ async def test_a_client_that_stops_reading_is_bounded_closed_and_its_reply_still
     stats = gw.app.state.ws_stats
     cookie = gw.new_cookie()
     host, port = "127.0.0.1", int(gw.base_url.rsplit(":", 1)[1])
-    sock = raw_ws_connect(host, port, f"{COOKIE_NAME}={cookie}", gw.origin, rcvbuf=4096)
+    sock = handshake(host, port, f"{COOKIE_NAME}={cookie}", gw.origin, rcvbuf=4096)
     try:
-        sock.sendall(masked_frame(json.dumps({"type": "chat", "content": "List 2,000 numbered words.",
+        sock.sendall(client_frame(json.dumps({"type": "chat", "content": "List 2,000 numbered words.",
                                               "params": {"max_tokens": 300, "temperature": 0,
                                                          "ignore_eos": True}}).encode()))
-        ping = masked_frame(b'{"type":"ping"}')
+        ping = client_frame(b'{"type":"ping"}')
         sock.settimeout(0.5)
         sent = 0
         try:  # pongs fill the pipe quickly; the socket never reads

@@ -310,10 +310,10 @@ def test_a_client_that_hangs_up_mid_body_or_mid_stream_is_counted_not_an_error(g
 
 
 def _ws_handshake(port: int, cookie: str, origin: str, sndbuf: int | None = None) -> socket.socket:
+    from bench.raw_ws import handshake
     from gateway.api.auth import COOKIE_NAME
-    from tests.gateway_helpers import raw_ws_connect
 
-    sock = raw_ws_connect("127.0.0.1", port, f"{COOKIE_NAME}={cookie}", origin, rcvbuf=4096)
+    sock = handshake("127.0.0.1", port, f"{COOKIE_NAME}={cookie}", origin, rcvbuf=4096)
     if sndbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     return sock
@@ -324,12 +324,12 @@ def test_a_ping_flood_that_never_reads_is_not_read_either_and_is_aborted(gateway
     fill the connection's write buffer the gateway stops reading it (so what the client can
     push in is bounded by the kernel's buffers, not by the gateway's memory), and aborts it
     when its writes stay paused."""
-    from tests.gateway_helpers import masked_frame
+    from bench.raw_ws import client_frame
 
     gw = gateway_factory(wait_for_engine=False, limits={"ws_send_timeout_s": 1.0})
     stats = gw.app.state.connection_stats
     sock = _ws_handshake(_port(gw), gw.new_cookie(), gw.origin, sndbuf=65536)
-    chunk = masked_frame(b"p" * 125, opcode=0x9) * 8000  # about 1 MiB of pings
+    chunk = client_frame(b"p" * 125, opcode=0x9) * 8000  # about 1 MiB of pings
     pushed, cap = 0, 64 << 20
     sock.settimeout(5)
     try:
