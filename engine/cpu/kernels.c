@@ -886,6 +886,23 @@ static void load_kv_block(const cs_attn_args *a, int64_t g, const int64_t *slots
             }
             const char *src[8];
             for (int i = 0; i < 8; i++) src[i] = j8 + i < n ? kv_row(a->k_cache, slots[j8 + i], g, a) : NULL;
+            if (a->kv_bf16 && D % 16 == 0) {
+                /* transpose pairs of bfloat16 as 32-bit units, then split each pair: half the
+                 * shuffles of converting first */
+                const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+                for (int64_t d = 0; d < D; d += 16) {
+                    __m256 r[8];
+                    for (int i = 0; i < 8; i++)
+                        r[i] = !src[i] ? _mm256_setzero_ps() : _mm256_loadu_ps((const float *)((const uint16_t *)src[i] + d));
+                    transpose8(r);
+                    for (int p = 0; p < 8; p++) {
+                        const __m256i u = _mm256_castps_si256(r[p]);
+                        _mm256_storeu_ps(kT + (d + 2 * p) * CS_KEYS + j8, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+                        _mm256_storeu_ps(kT + (d + 2 * p + 1) * CS_KEYS + j8, _mm256_castsi256_ps(_mm256_and_si256(u, hi)));
+                    }
+                }
+                continue;
+            }
             for (int64_t d = 0; d < D; d += 8) {
                 __m256 r[8];
                 for (int i = 0; i < 8; i++)
