@@ -24,9 +24,12 @@ replies (ms; a step that brings k tokens counts k gaps of its time / k; a prompt
 delays a handful of steps in thousands, so it shows beyond p99), TTFT p50/p99 of the new
 chats (ms, from their arrival to their first token, prefill and transfer included),
 goodput (new chats per minute whose TTFT was under 10 s and TPOT under 100 ms), KV bytes
-and milliseconds per transfer (the decode engine's ``kv_pull*`` counters), and the share
+and milliseconds per transfer (the decode engine's ``kv_pull*`` counters), the share
 of decode steps that also computed a prompt chunk (the engines' ``mixed_steps_total`` /
-``decode_steps_total``, with the prompt tokens per such step). Needs a quiet machine.
+``decode_steps_total``, with the prompt tokens per such step), and the share delayed by
+a prefill chunk (``long_chunk_steps_total``: one prompt's chunk over two pages; not a
+stream's 24-token message, which the decode engine computes as the gateway would, nor
+the last page of a moved prompt). Needs a quiet machine.
 """
 
 from __future__ import annotations
@@ -218,7 +221,7 @@ async def run_rate(prefill_url: str, decode_url: str, rate: float, args: argpars
     d0, d1 = before[decode_url], after[decode_url]
     res.stats = {k: d1.get(k, 0) - d0.get(k, 0) for k in
                  ("kv_pulls_total", "kv_pull_bytes_total", "kv_pull_ms_total", "kv_pull_failures_total",
-                  "decode_steps_total", "mixed_steps_total", "mixed_prompt_tokens_total")}
+                  "decode_steps_total", "mixed_steps_total", "mixed_prompt_tokens_total", "long_chunk_steps_total")}
     return res
 
 
@@ -238,6 +241,7 @@ def summary(res: Result) -> dict[str, Any]:
         "transfer_failures": s.get("kv_pull_failures_total", 0),
         "mixed_step_share": s.get("mixed_steps_total", 0) / max(1, s.get("decode_steps_total", 0)),
         "prompt_tokens_per_mixed_step": s.get("mixed_prompt_tokens_total", 0) / max(1, s.get("mixed_steps_total", 0)),
+        "chunk_step_share": s.get("long_chunk_steps_total", 0) / max(1, s.get("decode_steps_total", 0)),
     }
 
 
@@ -285,14 +289,15 @@ def main() -> None:
         return
     print(f"\n{'setup':5} {'rate/s':>6} {'chats':>5} {'ITL p50':>8} {'ITL p99':>8} {'p99.9':>7} {'max':>7} "
           f"{'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'good/min':>8} {'MB/xfer':>7} {'ms/xfer':>7} {'mixed':>6} {'tok/mixed':>9}")
+          f"{'good/min':>8} {'MB/xfer':>7} {'ms/xfer':>7} {'mixed':>6} {'tok/mixed':>9} {'chunk':>6}")
     for setup, rows in out["setups"].items():
         for rate, r in rows.items():
             print(f"{setup:5} {rate:>6} {r['new_chats']:>5} {fmt(r['itl_p50_ms']):>8} {fmt(r['itl_p99_ms']):>8} "
                   f"{fmt(r['itl_p999_ms'], 0):>7} {fmt(r['itl_max_ms'], 0):>7} "
                   f"{fmt(r['ttft_p50_ms'], 0):>9} {fmt(r['ttft_p99_ms'], 0):>9} {fmt(r['goodput_per_min'], 2):>8} "
                   f"{fmt(r['kv_mb_per_transfer']):>7} {fmt(r['kv_ms_per_transfer'], 0):>7} "
-                  f"{r['mixed_step_share']:>6.3f} {fmt(r['prompt_tokens_per_mixed_step']):>9}")
+                  f"{r['mixed_step_share']:>6.3f} {fmt(r['prompt_tokens_per_mixed_step']):>9} "
+                  f"{r['chunk_step_share']:>6.4f}")
 
 
 if __name__ == "__main__":

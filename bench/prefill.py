@@ -1,7 +1,7 @@
 """Prefill speed, side by side: how fast each system reads a long prompt.
 
     python bench/prefill.py [--systems ours,llamacpp,llamacpp-q4_1,hf] [--prompts 512,2048,6000]
-                            [--repeats 2] [--json]
+                            [--repeats 2] [--no-llama-bench] [--json]
 
 Each system (``serving_lib.systems``: ours = gateway + engine in its default format;
 llama.cpp's llama-server with one 8192-token slot on its fastest CPU format, Q4_0 made
@@ -11,7 +11,9 @@ Q4_1 file; transformers in bfloat16) is started alone and sent, one at a time, c
 fresh random words (a new text each time, so no prefix cache helps) with
 ``max_tokens`` 1. The time to the one token is the prefill (plus one sample and the
 HTTP round trip); prefill tokens/s = the server's ``usage.prompt_tokens`` / that time,
-median over ``--repeats``. Prints a table, with each system's ratio to ours.
+median over ``--repeats``. Beside the servers, llama.cpp's own ``llama-bench -p N -n 0`` on each
+of its files (raw prompt processing: no server, no HTTP, no tokenizing, no sampling) where it is
+built and ``llamacpp`` is among the systems. Prints a table, with each system's ratio to ours.
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ from bench.serving_lib import systems as S  # noqa: E402
 from bench.serving_lib.openai_client import stream_chat  # noqa: E402
 from bench.serving_lib.workloads import TextMaker  # noqa: E402
 
-# llama.cpp's Q4_0 of the same weights, made by bench/build_llamacpp.sh --models
-PEER_Q4_0 = Path.home() / ".cache/chatserve/llama.cpp/models/smollm2-135m-instruct-Q4_0.gguf"
+LLAMA_BENCH = S.LLAMA_SERVER_DEFAULT.with_name("llama-bench")
 
 
 def build(names: list[str], threads: int, model: Path | None = None) -> dict[str, S.System]:
@@ -50,9 +51,9 @@ def build(names: list[str], threads: int, model: Path | None = None) -> dict[str
         elif name in ("llamacpp", "llamacpp-q4_1"):
             if not S.llama_server_available(S.LLAMA_SERVER_DEFAULT):
                 print("skipping llama.cpp: run bench/build_llamacpp.sh", file=sys.stderr)
-            elif name == "llamacpp" and PEER_Q4_0.is_file():
+            elif name == "llamacpp" and S.PEER_Q4_0.is_file():
                 out["llama.cpp Q4_0"] = S.LlamaCpp("llama.cpp Q4_0", threads=threads, slot_tokens=8192,
-                                                   gguf=PEER_Q4_0)
+                                                   gguf=S.PEER_Q4_0)
             else:  # the package's Q4_1 file
                 out["llama.cpp Q4_1"] = S.LlamaCpp("llama.cpp Q4_1", threads=threads, slot_tokens=8192)
         elif name == "hf":
@@ -84,6 +85,25 @@ async def measure(url: str, model: str, sizes: list[int], repeats: int, seed: in
     return out
 
 
+def llama_bench_prefill(gguf: Path, threads: int, sizes: list[int], reps: int = 2) -> dict[int, dict[str, float]]:
+    """llama-bench's raw prompt processing (``-p N -n 0``) of ``gguf`` per size: ms, tokens, tokens/s.
+
+    Raises:
+        RuntimeError: llama-bench failed (its message included).
+    """
+    import subprocess
+
+    proc = subprocess.run([str(LLAMA_BENCH), "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, sizes)),
+                           "-n", "0", "-r", str(reps), "-o", "json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {proc.stderr[-1000:]}")
+    out: dict[int, dict[str, float]] = {}
+    for row in json.loads(proc.stdout):
+        n, tok_s = int(row["n_prompt"]), float(row["avg_ts"])
+        out[n] = {"ms": n / tok_s * 1000, "prompt_tokens": n, "tok_s": tok_s}
+    return out
+
+
 def table(results: dict[str, dict[int, dict[str, float]]], sizes: list[int]) -> str:
     """Markdown: prefill tokens/s per system and prompt size, and each against ours."""
     names = list(results)
@@ -107,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="HF folder for ours (tests; the peers run the bundled model)")
+    p.add_argument("--no-llama-bench", action="store_true", help="leave out llama-bench's raw figures")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     sizes = [int(x) for x in a.prompts.split(",") if x]
@@ -120,6 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         finally:
             system.stop()
+    # llama.cpp's raw figures go beside its servers (not beside ours alone)
+    if not a.no_llama_bench and LLAMA_BENCH.is_file() and "llamacpp" in a.systems.split(","):
+        for q, gguf in (("Q4_0", S.PEER_Q4_0), ("Q4_1", S.PEER_Q4_1)):
+            if gguf.is_file():
+                label = f"llama-bench {q} (raw)"
+                results[label] = llama_bench_prefill(gguf, a.threads, sizes)
+                print(f"[{label}] " + ", ".join(f"{n}: {r['tok_s']:.0f} tok/s" for n, r in results[label].items()),
+                      file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps({"load_before": load, "results": results}))
     else:

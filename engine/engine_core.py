@@ -39,6 +39,12 @@ from engine.tools.stream import ToolCallStream
 
 log = logging.getLogger(__name__)
 
+# a prompt chunk longer than this many pages is a prefill chunk for the step counters:
+# longer than a chat's next message kept on its decode engine (the gateway's
+# ROUTING_LOCAL_PREFILL_TOKENS, two pages of 16 by default) and than the last page that
+# a prompt moved from a prefill engine leaves to its decode engine (docs/scaling.md)
+LONG_CHUNK_PAGES = 2
+
 
 def _step_timings(req: Request, n_out: int) -> dict[str, Any]:
     """A finished request's speculation totals and output tokens per decode step (the
@@ -75,6 +81,9 @@ class EngineCounters:
     decode_steps_total: int = 0  # steps that decoded for at least one request
     mixed_steps_total: int = 0  # of those, steps that also computed a prompt chunk
     mixed_prompt_tokens_total: int = 0  # prompt tokens computed in those mixed steps
+    # of the mixed steps, those where one prompt's chunk exceeded LONG_CHUNK_PAGES pages: a
+    # prefill chunk, not a short next message or the last page of a prompt moved here
+    long_chunk_steps_total: int = 0
     aborted_total: int = 0
     spec_drafted_total: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted_total: int = 0  # of those, kept
@@ -134,6 +143,8 @@ class EngineCore:
         self.cache = RadixCache(self.pool, config.block_size, enabled=config.enable_prefix_cache, events=True)
         # the KV tiers beneath the pool (None: off); their pages are named like the tree's
         self.tiers = tiers_for(config, model_config, namespace, kv.k_caches, kv.v_caches)
+        if self.tiers is not None and self.tiers.config.write_back:
+            self.cache.on_evict = self.tiers.store_evicted
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                             config.schedule_policy),
@@ -330,7 +341,8 @@ class EngineCore:
     def _count_step_mix(self, sched: ScheduledBatch) -> None:
         """Count a step that decodes for some request: and whether a prompt chunk rode in it
         (every decoding request then waited for that chunk), with the chunk's tokens."""
-        prompt = sum(i.num_new for i in sched.items if i.request.num_computed_tokens < len(i.request.prompt_ids))
+        chunks = [i.num_new for i in sched.items if i.request.num_computed_tokens < len(i.request.prompt_ids)]
+        prompt = sum(chunks)
         if prompt == sum(i.num_new for i in sched.items):
             return  # no request decodes in this step
         c = self.counters
@@ -338,6 +350,8 @@ class EngineCore:
         if prompt:
             c.mixed_steps_total += 1
             c.mixed_prompt_tokens_total += prompt
+            if max(chunks) > LONG_CHUNK_PAGES * self.config.block_size:
+                c.long_chunk_steps_total += 1
 
     def _count_drafts(self, req: Request, drafted: int, kept: int, used: int | None) -> None:
         """Count one verification of ``drafted`` drafts of which ``kept`` were right, in the
@@ -573,6 +587,7 @@ class EngineCore:
             "decode_steps_total": c.decode_steps_total,
             "mixed_steps_total": c.mixed_steps_total,
             "mixed_prompt_tokens_total": c.mixed_prompt_tokens_total,
+            "long_chunk_steps_total": c.long_chunk_steps_total,
             "spec_drafted_total": c.spec_drafted_total,
             "spec_accepted_total": c.spec_accepted_total,
             "spec_steps_total": c.spec_steps_total,

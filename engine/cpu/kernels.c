@@ -109,15 +109,6 @@ static inline __m256 exp256(__m256 x) {
 }
 #endif
 
-/* exp of n floats in place. */
-static void exp_inplace(float *x, int64_t n) {
-    int64_t i = 0;
-#if CS_AVX2
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_loadu_ps(x + i)));
-#endif
-    for (; i < n; i++) x[i] = expf(x[i]);
-}
-
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     float s = 0.f;
@@ -838,82 +829,225 @@ static inline const char *kv_row(const void *cache, int64_t slot, int64_t g, con
     return (const char *)cache + ((slot * a->Hkv + g) * a->D) * esz;
 }
 
+/* Each 32-key block is loaded once per work unit: keys transposed to float32 kT [D][CS_KEYS]
+ * (key j in lane j, so a row's scores come out eight keys to a register, with no horizontal
+ * sums), values as float32 rows vf [CS_KEYS][D]. Rows then go through three small products,
+ * each a register tile that shares its loads across rows (FlashAttention-2, Dao 2023:
+ * blocks of queries against blocks of keys, an online softmax in between, the output kept
+ * unnormalised until the end). Every row's arithmetic is the same whichever rows share its
+ * tile (lane j of a score is one chain of FMAs over d in order; lane d of an output one chain
+ * over keys in order), so a row's result does not depend on how a step was split. */
+
 #if CS_AVX2
-/* NR rows' scores against keys j < n (D a multiple of 16), sharing each key's loads. Every
- * row accumulates in the same order whatever NR is (two accumulators over alternating 8s,
- * summed, then scaled), so a row's scores do not depend on how rows are grouped. */
-static inline __attribute__((always_inline)) void rows_scores(const float *const *qp, const int NR, const float *kf,
-                                                              int64_t n, int64_t D, float scale, float *s) {
-    for (int64_t j = 0; j < n; j++) {
-        const float *kj = kf + j * D;
-        __m256 a[4], b[4];
-        for (int r = 0; r < NR; r++) a[r] = b[r] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m256 k0 = _mm256_loadu_ps(kj + d), k1 = _mm256_loadu_ps(kj + d + 8);
-            for (int r = 0; r < NR; r++) {
-                a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp[r] + d), k0, a[r]);
-                b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp[r] + d + 8), k1, b[r]);
-            }
-        }
-        for (int r = 0; r < NR; r++) s[r * CS_KEYS + j] = hsum256(_mm256_add_ps(a[r], b[r])) * scale;
+/* 8x8 transpose: r[i] lane j <- r[j] lane i. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+    }
+}
+
+static inline float hmax256(__m256 v) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
 }
 #endif
 
-/* s[r * CS_KEYS + j] = scale * (qp[r] . kf[j]) for rows r < R and keys j < n; up to four
- * rows share each key's loads. (dot_f32 sums in the same order as rows_scores.) */
-static void block_scores(const float *const *qp, int64_t R, const float *kf, int64_t n, int64_t D, float scale,
-                         float *s) {
-    int64_t r = 0;
+/* The vector path needs D a multiple of 8; other head sizes take the scalar one (the same
+ * path for every row of a step, so the invariance above holds on both). */
+static inline int attn_vec(int64_t D) {
+    return CS_AVX2 && D % 8 == 0;
+}
+
+/* Load keys and values at slots[0..n) of KV head g: kT [D][CS_KEYS] (lanes >= n zero) and
+ * vf [n][D], both float32. */
+static void load_kv_block(const cs_attn_args *a, int64_t g, const int64_t *slots, int64_t n, float *kT, float *vf) {
+    const int64_t D = a->D;
+    for (int64_t j = 0; j < n; j++) kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slots[j], g, a), a->kv_bf16, D);
 #if CS_AVX2
-    if (D % 16 == 0) {
-        for (; r + 4 <= R; r += 4) rows_scores(qp + r, 4, kf, n, D, scale, s + r * CS_KEYS);
-        if (R - r == 3) rows_scores(qp + r, 3, kf, n, D, scale, s + r * CS_KEYS);
-        else if (R - r == 2) rows_scores(qp + r, 2, kf, n, D, scale, s + r * CS_KEYS);
-        else if (R - r == 1) rows_scores(qp + r, 1, kf, n, D, scale, s + r * CS_KEYS);
+    if (attn_vec(D)) {
+        for (int64_t j8 = 0; j8 < CS_KEYS; j8 += 8) {
+            if (j8 >= n) { /* all-zero lanes: no stale scratch (NaN, denormals) in the products */
+                for (int64_t d = 0; d < D; d++) _mm256_storeu_ps(kT + d * CS_KEYS + j8, _mm256_setzero_ps());
+                continue;
+            }
+            const char *src[8];
+            for (int i = 0; i < 8; i++) src[i] = j8 + i < n ? kv_row(a->k_cache, slots[j8 + i], g, a) : NULL;
+            if (a->kv_bf16 && D % 16 == 0) {
+                /* transpose pairs of bfloat16 as 32-bit units, then split each pair: half the
+                 * shuffles of converting first */
+                const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+                for (int64_t d = 0; d < D; d += 16) {
+                    __m256 r[8];
+                    for (int i = 0; i < 8; i++)
+                        r[i] = !src[i] ? _mm256_setzero_ps() : _mm256_loadu_ps((const float *)((const uint16_t *)src[i] + d));
+                    transpose8(r);
+                    for (int p = 0; p < 8; p++) {
+                        const __m256i u = _mm256_castps_si256(r[p]);
+                        _mm256_storeu_ps(kT + (d + 2 * p) * CS_KEYS + j8, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+                        _mm256_storeu_ps(kT + (d + 2 * p + 1) * CS_KEYS + j8, _mm256_castsi256_ps(_mm256_and_si256(u, hi)));
+                    }
+                }
+                continue;
+            }
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = !src[i]       ? _mm256_setzero_ps()
+                           : a->kv_bf16 ? load_bf16x8((const uint16_t *)src[i] + d)
+                                        : _mm256_loadu_ps((const float *)src[i] + d);
+                transpose8(r);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(kT + (d + i) * CS_KEYS + j8, r[i]);
+            }
+        }
         return;
     }
 #endif
-    for (; r < R; r++)
-        for (int64_t j = 0; j < n; j++) s[r * CS_KEYS + j] = dot_f32(qp[r], kf + j * D, D) * scale;
+    for (int64_t j = 0; j < CS_KEYS; j++) {
+        const char *src = j < n ? kv_row(a->k_cache, slots[j], g, a) : NULL;
+        for (int64_t d = 0; d < D; d++)
+            kT[d * CS_KEYS + j] = !src ? 0.f
+                                  : a->kv_bf16 ? bf16_to_f32(((const uint16_t *)src)[d])
+                                               : ((const float *)src)[d];
+    }
 }
 
-/* acc[0..D) = acc * corr + sum_{j < n} p[j] * vf[j]: the output row's running sum, kept in
- * registers 64 values at a time. */
-static void accumulate_values(float *acc, float corr, const float *p, const float *vf, int64_t n, int64_t D) {
-    int64_t d0 = 0;
 #if CS_AVX2
-    const __m256 c = _mm256_set1_ps(corr);
-    for (; d0 + 64 <= D; d0 += 64) {
-        __m256 a[8];
-        for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), c);
-        for (int64_t j = 0; j < n; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            const float *v = vf + j * D + d0;
-            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), a[i]);
+/* s[r * CS_KEYS + j0 + j] = qp[r] . key j0 + j (unscaled) for NR rows and 16 keys: each
+ * loaded key vector serves NR rows, each broadcast query value 16 keys. */
+static inline __attribute__((always_inline)) void qk_tile(const float *const *qp, const int NR, const float *kT,
+                                                          int64_t j0, int64_t D, float *s) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < NR; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_loadu_ps(kT + d * CS_KEYS + j0), k1 = _mm256_loadu_ps(kT + d * CS_KEYS + j0 + 8);
+        for (int r = 0; r < NR; r++) {
+            const __m256 q = _mm256_broadcast_ss(qp[r] + d);
+            a0[r] = _mm256_fmadd_ps(q, k0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(q, k1, a1[r]);
         }
-        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
     }
-#endif
-    if (d0 < D) {
-        scale_f32(acc + d0, corr, D - d0);
-        for (int64_t j = 0; j < n; j++) axpy_f32(acc + d0, p[j], vf + j * D + d0, D - d0);
+    for (int r = 0; r < NR; r++) {
+        _mm256_storeu_ps(s + r * CS_KEYS + j0, a0[r]);
+        _mm256_storeu_ps(s + r * CS_KEYS + j0 + 8, a1[r]);
     }
 }
+
+/* acc[r][d0..d0+32) = acc * corr[r] + sum_{j < n} p[r][j] v[j] for NR rows: each loaded value
+ * vector serves NR rows. */
+static inline __attribute__((always_inline)) void pv_tile(float *const *acc, const float *corr, const float *const *p,
+                                                          const int NR, const float *vf, int64_t n, int64_t D,
+                                                          int64_t d0) {
+    __m256 o[2][4];
+    for (int r = 0; r < NR; r++) {
+        const __m256 c = _mm256_set1_ps(corr[r]);
+        for (int i = 0; i < 4; i++) o[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d0 + 8 * i), c);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = vf + j * D + d0;
+        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                     v3 = _mm256_loadu_ps(v + 24);
+        for (int r = 0; r < NR; r++) {
+            const __m256 pj = _mm256_set1_ps(p[r][j]);
+            o[r][0] = _mm256_fmadd_ps(pj, v0, o[r][0]);
+            o[r][1] = _mm256_fmadd_ps(pj, v1, o[r][1]);
+            o[r][2] = _mm256_fmadd_ps(pj, v2, o[r][2]);
+            o[r][3] = _mm256_fmadd_ps(pj, v3, o[r][3]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc[r] + d0 + 8 * i, o[r][i]);
+}
+
+/* pv_tile for one row and 8 dims (head sizes not a multiple of 32). */
+static inline void pv_one8(float *acc, float corr, const float *p, const float *vf, int64_t n, int64_t D,
+                           int64_t d0) {
+    __m256 o = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), _mm256_set1_ps(corr));
+    for (int64_t j = 0; j < n; j++) o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vf + j * D + d0), o);
+    _mm256_storeu_ps(acc + d0, o);
+}
+#endif
+
+#if CS_AVX2 && defined(__AVX512F__)
+/* The AVX-512 build's tiles: the same per-lane arithmetic as qk_tile and pv_tile (so the
+ * same bits), on 16-lane registers, with more rows a tile (32 registers). */
+#define CS_ATTN512 1
+/* qk_tile over all CS_KEYS keys for NR (up to 6) rows. */
+static inline __attribute__((always_inline)) void qk_tile512(const float *const *qp, const int NR, const float *kT,
+                                                             int64_t D, float *s) {
+    __m512 a0[6], a1[6];
+    for (int r = 0; r < NR; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k0 = _mm512_loadu_ps(kT + d * CS_KEYS), k1 = _mm512_loadu_ps(kT + d * CS_KEYS + 16);
+        for (int r = 0; r < NR; r++) {
+            const __m512 q = _mm512_set1_ps(qp[r][d]);
+            a0[r] = _mm512_fmadd_ps(q, k0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(q, k1, a1[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm512_storeu_ps(s + r * CS_KEYS, a0[r]);
+        _mm512_storeu_ps(s + r * CS_KEYS + 16, a1[r]);
+    }
+}
+
+/* pv_tile for NR (up to 4) rows and dims [d0, d0 + 64). */
+static inline __attribute__((always_inline)) void pv_tile512(float *const *acc, const float *corr,
+                                                             const float *const *p, const int NR, const float *vf,
+                                                             int64_t n, int64_t D, int64_t d0) {
+    __m512 o[4][4];
+    for (int r = 0; r < NR; r++) {
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int i = 0; i < 4; i++) o[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d0 + 16 * i), c);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = vf + j * D + d0;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int r = 0; r < NR; r++) {
+            const __m512 pj = _mm512_set1_ps(p[r][j]);
+            o[r][0] = _mm512_fmadd_ps(pj, v0, o[r][0]);
+            o[r][1] = _mm512_fmadd_ps(pj, v1, o[r][1]);
+            o[r][2] = _mm512_fmadd_ps(pj, v2, o[r][2]);
+            o[r][3] = _mm512_fmadd_ps(pj, v3, o[r][3]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc[r] + d0 + 16 * i, o[r][i]);
+}
+#else
+#define CS_ATTN512 0
+#endif
+
 
 /* The softmax-weighted sum over keys [k0, k1) of one chunk for the rows of query tokens
  * q0..q0+nq-1 of request b at KV head g (row r: token q0 + r / G, head g * G + r % G),
  * with an online softmax over CS_KEYS keys at a time (Milakov & Gimelshein 2018; the
- * FlashAttention recurrence, Dao et al. 2022). Each row sees key positions up to its own
- * (causal). Writes, per row r, the unnormalised sum to acc + r * D and (max score, sum of
- * exponentials) to ml + 2 r: m = -inf and l = 0 when the row sees no key here.
- * Scratch: kf and vf [CS_KEYS, D], s [R, CS_KEYS], qp [R]. */
+ * FlashAttention recurrence, Dao et al. 2022, tiled as in FlashAttention-2, Dao 2023). Each
+ * row sees key positions up to its own (causal). Writes, per row r, the unnormalised sum to
+ * acc + r * D and (max score, sum of exponentials) to ml + 2 r: m = -inf and l = 0 when the
+ * row sees no key here. Scratch: kT and vf [CS_KEYS * D], s [R * CS_KEYS], qp [R], corr [R]. */
 static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0, int64_t nq, int64_t k0,
-                         int64_t k1, float *acc, float *ml, float *kf, float *vf, float *s, const float **qp) {
+                         int64_t k1, float *acc, float *ml, float *kT, float *vf, float *s, const float **qp,
+                         float *corr) {
     const int64_t G = a->H / a->Hkv, D = a->D, R = nq * G, bs = a->block_size;
     const int64_t qs = a->query_start[b], qlen = a->query_start[b + 1] - qs;
     const int64_t prefix = a->seq_lens[b] - qlen;
     const int32_t *table = a->block_tables + b * a->max_blocks;
+    const int vec = attn_vec(D);
     for (int64_t r = 0; r < R; r++) {
         ml[2 * r] = -INFINITY;
         ml[2 * r + 1] = 0.f;
@@ -922,34 +1056,141 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
     memset(acc, 0, (size_t)(R * D) * 4);
     int64_t kend = prefix + q0 + nq; /* past the last key any row here may see */
     if (kend > k1) kend = k1;
+    int64_t slots[CS_KEYS];
     for (int64_t j0 = k0; j0 < kend; j0 += CS_KEYS) {
         const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
         for (int64_t j = 0; j < n;) { /* one table lookup (and division) per block, not per key */
             const int64_t pos = j0 + j, off = pos % bs, run = (bs - off) < (n - j) ? (bs - off) : (n - j);
             const int64_t slot = (int64_t)table[pos / bs] * bs + off;
-            for (int64_t i = 0; i < run; i++, j++) {
-                kv_row_to_f32(kf + j * D, kv_row(a->k_cache, slot + i, g, a), a->kv_bf16, D);
-                kv_row_to_f32(vf + j * D, kv_row(a->v_cache, slot + i, g, a), a->kv_bf16, D);
-            }
+            for (int64_t i = 0; i < run; i++, j++) slots[j] = slot + i;
         }
+        load_kv_block(a, g, slots, n, kT, vf);
         /* rows of tokens that see none of these keys come first (rows go by token) */
         int64_t r0 = 0;
         while (r0 < R && prefix + q0 + r0 / G + 1 - j0 <= 0) r0++;
-        block_scores(qp + r0, R - r0, kf, n, D, a->scale, s + r0 * CS_KEYS);
-        for (int64_t r = r0; r < R; r++) {
+        /* scores */
+        int64_t r = r0;
+#if CS_AVX2
+        if (vec) {
+#if CS_ATTN512
+            if (n > 16) {
+                for (r = r0; r + 6 <= R; r += 6) qk_tile512(qp + r, 6, kT, D, s + r * CS_KEYS);
+                switch (R - r) {
+                case 5: qk_tile512(qp + r, 5, kT, D, s + r * CS_KEYS); break;
+                case 4: qk_tile512(qp + r, 4, kT, D, s + r * CS_KEYS); break;
+                case 3: qk_tile512(qp + r, 3, kT, D, s + r * CS_KEYS); break;
+                case 2: qk_tile512(qp + r, 2, kT, D, s + r * CS_KEYS); break;
+                case 1: qk_tile512(qp + r, 1, kT, D, s + r * CS_KEYS); break;
+                }
+            } else
+#endif
+            for (int64_t j16 = 0; j16 < n; j16 += 16) {
+                for (r = r0; r + 4 <= R; r += 4) qk_tile(qp + r, 4, kT, j16, D, s + r * CS_KEYS);
+                if (R - r == 3) qk_tile(qp + r, 3, kT, j16, D, s + r * CS_KEYS);
+                else if (R - r == 2) qk_tile(qp + r, 2, kT, j16, D, s + r * CS_KEYS);
+                else if (R - r == 1) qk_tile(qp + r, 1, kT, j16, D, s + r * CS_KEYS);
+            }
+        }
+#endif
+        if (!vec)
+            for (r = r0; r < R; r++)
+                for (int64_t j = 0; j < n; j++) {
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < D; d++) dot += qp[r][d] * kT[d * CS_KEYS + j];
+                    s[r * CS_KEYS + j] = dot;
+                }
+        /* online softmax: s becomes exp(score - new max) (0 for keys a row does not see) */
+        for (r = r0; r < R; r++) {
             int64_t visible = prefix + q0 + r / G + 1 - j0; /* keys j < visible are causal for this row */
             if (visible > n) visible = n;
-            float *sr = s + r * CS_KEYS, mx = -INFINITY, m = ml[2 * r];
-            for (int64_t j = 0; j < visible; j++) mx = sr[j] > mx ? sr[j] : mx;
+            float *sr = s + r * CS_KEYS, mx = -INFINITY, sum = 0.f;
+            const float m = ml[2 * r];
+#if CS_AVX2
+            if (vec) {
+                const __m256 ninf = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(a->scale);
+                const __m256i lim = _mm256_set1_epi32((int)visible);
+                __m256 v[4], vm = ninf;
+                for (int i = 0; i < 4; i++) {
+                    const __m256i idx = _mm256_setr_epi32(8 * i, 8 * i + 1, 8 * i + 2, 8 * i + 3, 8 * i + 4,
+                                                          8 * i + 5, 8 * i + 6, 8 * i + 7);
+                    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, idx));
+                    v[i] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr + 8 * i), sc), keep);
+                    vm = _mm256_max_ps(vm, v[i]);
+                }
+                mx = hmax256(vm);
+                const __m256 mn = _mm256_set1_ps(mx > m ? mx : m);
+                __m256 vs = _mm256_setzero_ps();
+                for (int i = 0; i < 4; i++) {
+                    const __m256 e = exp256(_mm256_sub_ps(v[i], mn));
+                    _mm256_storeu_ps(sr + 8 * i, e);
+                    vs = _mm256_add_ps(vs, e);
+                }
+                sum = hsum256(vs);
+            }
+#endif
+            if (!vec) {
+                for (int64_t j = 0; j < visible; j++) {
+                    sr[j] *= a->scale;
+                    mx = sr[j] > mx ? sr[j] : mx;
+                }
+                const float mn = mx > m ? mx : m;
+                for (int64_t j = 0; j < visible; j++) sum += (sr[j] = expf(sr[j] - mn));
+                for (int64_t j = visible; j < n; j++) sr[j] = 0.f;
+            }
             const float mnew = mx > m ? mx : m;
-            const float corr = expf(m - mnew); /* 0 on the first keys (m = -inf) */
-            for (int64_t j = 0; j < visible; j++) sr[j] -= mnew;
-            exp_inplace(sr, visible);
-            float sum = 0.f;
-            for (int64_t j = 0; j < visible; j++) sum += sr[j];
-            accumulate_values(acc + r * D, corr, sr, vf, visible, D);
-            ml[2 * r + 1] = ml[2 * r + 1] * corr + sum;
+            corr[r] = expf(m - mnew); /* 0 on the first keys (m = -inf) */
+            ml[2 * r + 1] = ml[2 * r + 1] * corr[r] + sum;
             ml[2 * r] = mnew;
+        }
+        /* acc = acc * corr + p V, over the keys each row sees (p is 0 past them, but a row's
+         * sum stops at its own last key so its arithmetic does not depend on its neighbours) */
+        for (r = r0; r < R;) {
+            int64_t vis = prefix + q0 + r / G + 1 - j0;
+            if (vis > n) vis = n;
+#if CS_AVX2
+            /* rows that see the same keys (all of them but on the causal diagonal) share a tile */
+            int nr = 1;
+            for (; nr < 4 && r + nr < R; nr++) {
+                const int64_t v2 = prefix + q0 + (r + nr) / G + 1 - j0;
+                if ((v2 < n ? v2 : n) != vis) break;
+            }
+            float *accp[4] = {acc + r * D, acc + (r + 1) * D, acc + (r + 2) * D, acc + (r + 3) * D};
+            const float *pp[4] = {s + r * CS_KEYS, s + (r + 1) * CS_KEYS, s + (r + 2) * CS_KEYS, s + (r + 3) * CS_KEYS};
+#if CS_ATTN512
+            if (vec && D % 64 == 0) {
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                    if (nr == 4) pv_tile512(accp, corr + r, pp, 4, vf, vis, D, d0);
+                    else if (nr == 3) pv_tile512(accp, corr + r, pp, 3, vf, vis, D, d0);
+                    else if (nr == 2) pv_tile512(accp, corr + r, pp, 2, vf, vis, D, d0);
+                    else pv_tile512(accp, corr + r, pp, 1, vf, vis, D, d0);
+                }
+                r += nr;
+                continue;
+            }
+#endif
+            if (vec && D % 32 == 0) {
+                nr = nr < 2 ? nr : 2;
+                for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                    if (nr == 2) pv_tile(accp, corr + r, pp, 2, vf, vis, D, d0);
+                    else pv_tile(accp, corr + r, pp, 1, vf, vis, D, d0);
+                }
+                r += nr;
+                continue;
+            }
+            if (vec) {
+                for (int64_t d0 = 0; d0 < D; d0 += 8) pv_one8(acc + r * D, corr[r], s + r * CS_KEYS, vf, vis, D, d0);
+                r++;
+                continue;
+            }
+#endif
+            float *ar = acc + r * D;
+            const float *pr = s + r * CS_KEYS;
+            for (int64_t d = 0; d < D; d++) {
+                float o = ar[d] * corr[r];
+                for (int64_t j = 0; j < vis; j++) o += pr[j] * vf[j * D + d];
+                ar[d] = o;
+            }
+            r++;
         }
     }
 }
@@ -1038,8 +1279,8 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: kf, vf, s, qp, and a prefill tile's chunk partials */
-        const size_t floats = (size_t)(2 * CS_KEYS * D + maxR * CS_KEYS + max_chunks * maxR * (D + 2));
+        /* per thread: kT, vf, s, corr, qp, and a prefill tile's chunk partials */
+        const size_t floats = (size_t)(2 * CS_KEYS * D + maxR * (CS_KEYS + 1) + max_chunks * maxR * (D + 2));
         float *scratch = (float *)malloc(sizeof(float) * floats);
         const float **qp = (const float **)malloc(sizeof(float *) * (size_t)maxR);
         const int ok = scratch != NULL && qp != NULL;
@@ -1051,12 +1292,13 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < nunits; i++) {
             if (!ok) continue;
-            float *kf = scratch, *vf = kf + CS_KEYS * D, *s = vf + CS_KEYS * D, *pacc = s + maxR * CS_KEYS;
+            float *kT = scratch, *vf = kT + CS_KEYS * D, *s = vf + CS_KEYS * D, *corr = s + maxR * CS_KEYS;
+            float *pacc = corr + maxR;
             const cs_unit *un = &units[i];
             const int64_t R = un->nq * G, qs = query_start[un->b];
             if (un->chunk >= 0) { /* decode: one chunk, merged after the loop */
                 attn_partial(&a, un->b, un->g, 0, 1, un->chunk * CS_CHUNK, (un->chunk + 1) * CS_CHUNK,
-                             part_acc + un->part * G * D, part_ml + un->part * G * 2, kf, vf, s, qp);
+                             part_acc + un->part * G * D, part_ml + un->part * G * 2, kT, vf, s, qp, corr);
                 continue;
             }
             const int64_t qlen = query_start[un->b + 1] - qs, prefix = seq_lens[un->b] - qlen;
@@ -1064,7 +1306,7 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
             float *pml = pacc + S * R * D;
             for (int64_t c = 0; c < S; c++)
                 attn_partial(&a, un->b, un->g, un->q0, un->nq, c * CS_CHUNK, (c + 1) * CS_CHUNK, pacc + c * R * D,
-                             pml + c * R * 2, kf, vf, s, qp);
+                             pml + c * R * 2, kT, vf, s, qp, corr);
             for (int64_t r = 0; r < R; r++)
                 merge_partials(S, pacc + r * D, R * D, pml + 2 * r, R * 2, D,
                                out + ((qs + un->q0 + r / G) * H + un->g * G + r % G) * D);

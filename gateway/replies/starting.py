@@ -1,15 +1,14 @@
 """Starting a turn: chat, regenerate, edit and continue share one preamble (the user's
 message rate, the chat, the merged sampling parameters, an engine for the chat's model),
 then reserve the turn in the store (``begin_turn``: chat lock, user message), write the
-reply stream's start entry and hand the turn to its task. A turn refused before it began
-leaves nothing behind (a chat created for it is deleted; a begun turn whose stream could
-not be opened is undone, in the background while Redis is down)."""
+reply stream's start entry in the same step, reading the chat for the prompt) and hand
+the turn to its task. A turn on an existing chat reaches its engine after two Redis round
+trips: the count with the chat's read, and the begin. A turn refused before it began
+leaves nothing behind (a chat created for it is deleted)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -18,14 +17,11 @@ from gateway.config import GatewayConfig
 from gateway.engines.client import EngineRouter
 from gateway.errors import GatewayError
 from gateway.replies.reasoning_clock import ReasoningClock
-from gateway.replies.store_retry import store_retrying
 from gateway.replies.task import NO_IDS_TO_CONTINUE, ReplyTasks
 from gateway.replies.turn import Continued, StartedTurn, Turn, TurnRequest
 from gateway.replies.writer import ReplyWriter
 from gateway.store.reply_streams import ReplyStreams
-from gateway.store.sessions import SessionInfo, SessionStore, TurnBegun
-
-log = logging.getLogger("gateway.replies.starting")
+from gateway.store.sessions import History, SessionInfo, SessionStore, TurnBegun
 
 # the finish reasons of a reply Continue extends: cut at its max tokens, or stopped (a
 # Stop, a shutdown: the engine's abort flushes the text of every sampled token, so the
@@ -61,7 +57,6 @@ class TurnStarter:
         self.tasks = tasks
         # users' defaults for new chats (gateway.store.user_defaults), set by the app; None: the config's
         self.user_defaults: Any = None
-        self._background: set[asyncio.Task[Any]] = set()
 
     def served_models(self) -> list[str]:
         """The models the gateway's engines serve (those that said hello), in
@@ -88,8 +83,8 @@ class TurnStarter:
 
     async def preamble(self, owner: str, session_id: str, params: dict[str, Any],
                        model: str | None = None) -> tuple[SessionInfo, dict[str, Any]]:
-        """The common start of a turn on an existing chat: count the user's message,
-        read the chat, merge its parameters with ``params``, check an engine serves its
+        """The common start of a turn on an existing chat: count the user's message and
+        read the chat (one round trip), merge its parameters with ``params``, check an engine serves its
         model (``model``, when given, becomes the chat's model). Returns the chat and the
         merged parameters.
 
@@ -97,8 +92,7 @@ class TurnStarter:
             GatewayError: ``rate_limited``, ``not_found``, ``invalid_request``,
                 ``model_not_found``, ``engine_unavailable``, ``store_unavailable``.
         """
-        await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
-        info = await self.store.get_session(owner, session_id)
+        info = await self.store.counted_session(owner, session_id, self.config.limits.max_messages_per_minute)
         merged = merge_params(self.config.defaults.sampling(), info.params, params)
         self._require_engine(model or info.model)
         if model and model != info.model:
@@ -133,49 +127,27 @@ class TurnStarter:
             return "only a reply cut at its max tokens or stopped can be continued"
         return Continued(popped, list(seg["ids"]))
 
-    async def launch(self, req: TurnRequest) -> StartedTurn:
-        """Open the begun turn's reply stream and start its task.
+    async def begin(self, owner: str, info: SessionInfo, mode: str, **kw: Any) -> TurnBegun:
+        """``begin_turn`` that also opens the reply stream and reads the chat for the
+        prompt, in the same round trip (see ``SessionStore.begin_turn``)."""
+        return await self.store.begin_turn(owner, info.id, mode=mode, stream_ttl_s=self.streams.ttl, **kw)
 
-        Raises:
-            GatewayError: ``store_unavailable`` when the stream could not be opened (the
-                turn is undone).
-        """
+    async def launch(self, req: TurnRequest) -> StartedTurn:
+        """Start the task of a turn begun by ``begin`` (its stream open, its chat read)."""
         begun = req.begun
         started = StartedTurn(begun.request_id, req.session_id, begun.message_id, begun.user_message_id,
                               begun.duplicate)
         if begun.duplicate:
             return started
+        if begun.chat is None:
+            raise ValueError("launch needs a turn begun with its reply stream (TurnStarter.begin)")
+        history = History.of(*begun.chat, req.system_prompt, req.model or "")
         # a continued reply's stream starts with the text it had, so any tab rebuilds it
         # whole (a length-cut reply stored before engines dropped an unfinished character
         # ends in U+FFFD: the continuation writes that character whole)
         prior = str(req.continued.message.get("content", "")).rstrip("\ufffd") if req.continued else None
         turn = Turn(req, ReplyWriter(req.rid, self.streams, self.config.store_retry_s, prior),
                     ReasoningClock(self.config.think_markers, req.continued.message if req.continued else None))
-        try:
-            await self.streams.open(begun.request_id, req.owner, req.session_id, begun.message_id,
-                                    begun.user_message_id)
-        except GatewayError:
-            try:
-                await self.store.fail_turn(req.owner, req.session_id, begun, req.client_msg_id)
-            except GatewayError:
-                # Redis is down: undo the turn once it is back, so that the answer
-                # store_unavailable stays true (no user message without its reply)
-                undo = asyncio.create_task(store_retrying(
-                    begun.request_id, "undoing the refused turn",
-                    lambda: self.store.fail_turn(req.owner, req.session_id, begun, req.client_msg_id),
-                    self.config.store_retry_s))
-                self._background.add(undo)
-                undo.add_done_callback(self._background_done)
-            raise
-        self.tasks.spawn(turn)
+        self.tasks.spawn(turn, history)
         return started
 
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("a background store write gave up: %s", task.exception())
-
-    def close(self) -> None:
-        """Cancel the background undos still waiting for Redis."""
-        for t in list(self._background):
-            t.cancel()

@@ -1,6 +1,6 @@
 """The reply task: one ``asyncio`` task per reply, outliving the socket that asked.
 
-It reads the chat's history, sends ``generate`` to the engine (``EngineRun``, which fails
+Given the chat's history (read when the turn began), it sends ``generate`` to the engine (``EngineRun``, which fails
 over while nothing was produced), hands the text of each batch of engine items
 (everything that arrived since the last write: one entry per engine step, or fewer) to
 the reply's writer, keeps the chat's lock leased meanwhile, and ends the reply
@@ -23,7 +23,6 @@ from gateway.errors import GatewayError
 from gateway.reasoning import without_reasoning
 from gateway.replies.ending import ReplyEnding
 from gateway.replies.hooks import GenerationEvents
-from gateway.replies.store_retry import store_retrying
 from gateway.replies.turn import Turn
 from gateway.store.sessions import History, SessionStore
 
@@ -52,21 +51,19 @@ class ReplyTasks:
         self.running = running
         self.ending = ReplyEnding(config, store, router, events)
 
-    def spawn(self, turn: Turn) -> None:
-        """Start ``turn``'s task and list it as running."""
+    def spawn(self, turn: Turn, history: History) -> None:
+        """Start ``turn``'s task on the chat ``history`` (read when the turn began) and
+        list it as running."""
         rid = turn.request.rid
         self.running[rid] = turn
-        turn.task = asyncio.create_task(self._run(turn), name=f"reply {rid}")
+        turn.task = asyncio.create_task(self._run(turn, history), name=f"reply {rid}")
 
-    async def _run(self, turn: Turn) -> None:
+    async def _run(self, turn: Turn, history: History) -> None:
         req = turn.request
         rid = req.rid
         self.events.on_start(rid, req.session_id, time.perf_counter())
         lease = asyncio.create_task(self._keep_lease(turn))
         try:
-            history = await store_retrying(
-                rid, "reading the chat", lambda: self.store.history(req.owner, req.session_id, req.system_prompt,
-                                                                    req.model or ""), self.config.store_retry_s)
             # earlier replies' reasoning stays out of the prompt (their token ids are not
             # reused either: gateway.store.sessions.plan_prefix)
             history.messages = without_reasoning(history.messages, self.config.think_markers)
@@ -109,7 +106,8 @@ class ReplyTasks:
                                    continued_tokens=len(req.continued.ids) if req.continued else 0,
                                    cache_salt=self.isolation.salt(req.owner),
                                    shared_messages=self.isolation.shared_messages(history.messages),
-                                   think_open=self.config.think_markers.open, model=req.model)
+                                   think_open=self.config.think_markers.open, model=req.model,
+                                   extra=req.tools or None)
         run.cancelled = turn.cancel.requested
         await run.start()  # raises engine_unavailable when no engine is left
         if turn.cancel.requested:

@@ -140,8 +140,13 @@ return {'ok', active}
 #       5 user_msg_json, 6 user_msg_id, 7 client_msg_id, 8 assistant_msg_id, 9 title, 10 now,
 #       11 now_ms, 12 lease_ms, 13 max_generations, 14 ttl, 15 for regenerate/continue the
 #       expected last reply id ('' = any), for edit the id of the user message edited,
-#       16 for an edit of the first message, the title its old text gave ('' = none)
-# Returns {'ok', user_msg_id, popped_json, popped_tokens, title_set, edit_undo} or
+#       16 for an edit of the first message, the title its old text gave ('' = none),
+#       17 the reply stream's TTL (s; '' = leave the stream alone)
+# With ARGV[17], KEYS[9] is the reply's stream: its start entry is written in the same
+# step, and the chat as the reply's prompt reads it (its messages and token segments)
+# comes back as two more items, so a turn reaches its engine without another read.
+# Returns {'ok', user_msg_id, popped_json, popped_tokens, title_set, edit_undo
+# [, messages, tokens as HGETALL's flat list]} or
 # {code[, previous]}; 'conflict' when a regenerate/continue names a reply that is not the
 # chat's last one, or an edit names no user message of the chat. An edit keeps the cut
 # tail as a version (see the module doc), and so does a regenerate (the old reply, a
@@ -204,6 +209,13 @@ if ARGV[7] ~= '' then redis.call('HSET', KEYS[4], ARGV[7], active) end
 redis.call('ZADD', KEYS[5], ARGV[10], ARGV[2])
 touch(tonumber(ARGV[14]))
 notify('started', ARGV[2], ARGV[3])
+if ARGV[17] and ARGV[17] ~= '' then
+  redis.call('XADD', KEYS[9], '0-1', 't', 'start', 'owner', ARGV[1], 'session_id', ARGV[2],
+             'message_id', ARGV[8], 'user_message_id', user_id)
+  redis.call('EXPIRE', KEYS[9], tonumber(ARGV[17]))
+  return {'ok', user_id, popped, popped_tokens, title, edit_undo,
+          redis.call('LRANGE', KEYS[2], 0, -1), redis.call('HGETALL', KEYS[3])}
+end
 return {'ok', user_id, popped, popped_tokens, title, edit_undo}
 """
 

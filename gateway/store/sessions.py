@@ -89,6 +89,9 @@ class TurnBegun:
     duplicate: bool = False
     edit_undo: str = ""
     title_before: str = ""  # the title ``title`` replaced (an edit of the first message)
+    # the chat as the reply's prompt reads it, when the turn opened its reply stream
+    # (``begin_turn``'s ``stream_ttl_s``): its stored messages and token segments
+    chat: tuple[list[dict[str, Any]], dict[str, dict[str, Any]]] | None = None
 
 
 @dataclass
@@ -109,12 +112,39 @@ class History:
     stored: list[dict[str, Any]] = field(default_factory=list)
     full_ids: list[int] | None = None
 
+    @classmethod
+    def of(cls, stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]], system_prompt: str,
+           model: str = "") -> History:
+        """The chat as engine input from its stored messages and token segments. With
+        ``model``, the token ids another model wrote (segments marked with another
+        ``model``) count as none: that model's tokenizer is not this one's."""
+        if model:
+            segments = {k: v for k, v in segments.items() if v.get("model", model) == model}
+        msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        msgs += [e for m in stored for e in engine_messages(m)]
+        prefix, split = plan_prefix(stored, segments)
+        return cls(msgs, prefix, split, stored, full_prefix(stored, segments))
+
     def user_segment(self, prompt_token_ids: list[int], prefix_reused: bool) -> dict[str, Any]:
         """The token segment to store for the turn's user message, from the engine's
         ``done`` (``prompt_token_ids``, ``prefix_reused``)."""
         if prefix_reused and self.split is not None:
             return {"ids": prompt_token_ids[self.split:], "base": False}
         return {"ids": list(prompt_token_ids), "base": True}
+
+
+def engine_messages(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stored message as the engine's messages: a user message that answers tool calls
+    (``tool_results``) is one ``tool`` message per result (then its text, if any); a reply
+    that called tools keeps its ``tool_calls``; attachments are rendered in."""
+    out: list[dict[str, Any]] = [{"role": "tool", "content": r["content"], "tool_call_id": r["tool_call_id"]}
+                                 for r in m.get("tool_results") or ()]
+    if out and not (m["content"].strip() or m.get("attachments")):
+        return out
+    msg: dict[str, Any] = {"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))}
+    if m.get("tool_calls"):
+        msg["tool_calls"] = m["tool_calls"]
+    return [*out, msg]
 
 
 def plan_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]]) -> tuple[list[int], int | None]:
@@ -351,26 +381,26 @@ class SessionStore:
         the token ids another model wrote (segments marked with another ``model``) count
         as none: that model's tokenizer is not this one's."""
         stored, segments = await self._read_messages(sid, owner, True)
-        if model:
-            segments = {k: v for k, v in segments.items() if v.get("model", model) == model}
-        msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        msgs += [{"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))} for m in stored]
-        prefix, split = plan_prefix(stored, segments)
-        return History(msgs, prefix, split, stored, full_prefix(stored, segments))
+        return History.of(stored, segments, system_prompt, model)
 
     # ---- turns (one reply at a time per chat) ---------------------------------------
 
     async def begin_turn(self, owner: str, sid: str, *, mode: str, content: str = "",
                          client_msg_id: str | None = None, title_chars: int = 60,
-                         replaces: str | None = None, attachments: list[dict[str, Any]] | None = None
-                         ) -> TurnBegun:
+                         replaces: str | None = None, attachments: list[dict[str, Any]] | None = None,
+                         stream_ttl_s: int = 0, tool_results: list[dict[str, str]] | None = None) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
         message (``mode="chat"``), replace the user message ``replaces`` and everything
         after it with ``content``, keeping the old branch as a version (``mode="edit"``),
         or take the last reply off the list (``mode="regenerate"``, and ``"continue"``,
         which keeps the reply's id; with ``replaces``, only when the last reply is the
         message of that id; the reply comes back in ``popped_json``). ``attachments``
-        (``gateway.attachments`` dicts) are stored in the user message.
+        (``gateway.attachments`` dicts) are stored in the user message, as are
+        ``tool_results`` (``[{"tool_call_id", "content"}]``: the message answers the
+        last reply's tool calls; ``engine_messages``). With
+        ``stream_ttl_s`` (> 0), the reply's stream gets its start entry (that TTL, in
+        seconds) in the same step and ``chat`` carries the chat as the reply's prompt
+        reads it (one round trip from the begin to the engine).
 
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
@@ -387,15 +417,19 @@ class SessionStore:
                                     "created_at": now, "client_msg_id": client_msg_id}
             if attachments:
                 user["attachments"] = attachments
+            if tool_results:
+                user["tool_results"] = tool_results
             user_json = dumps(user)
         named = content if content.strip() or not attachments else attachments[0]["name"]
         title = title_from(named, title_chars) if mode in ("chat", "edit") else ""
         async with redis_errors():
             old_title = await self._first_title(sid, owner, title_chars) if mode == "edit" else ""
+            keys = self.keys.script_keys(sid, owner)
             res = await self._begin(
-                keys=self.keys.script_keys(sid, owner),
+                keys=keys + [self.keys.gen(rid)] if stream_ttl_s > 0 else keys,
                 args=[owner, sid, rid, mode, user_json, uid_msg, client_msg_id or "", aid, title, now,
-                      int(now * 1000), self.lease_ms, self.max_generations, self.ttl, replaces or "", old_title])
+                      int(now * 1000), self.lease_ms, self.max_generations, self.ttl, replaces or "", old_title,
+                      str(stream_ttl_s) if stream_ttl_s > 0 else ""])
         code = res[0]
         if code == "duplicate":
             prev = json.loads(res[1])
@@ -412,8 +446,13 @@ class SessionStore:
                                "as it is now; try again")
         if code == "empty":
             raise GatewayError("invalid_request", "nothing to regenerate: the chat has no user message")
+        chat = None
+        if len(res) > 6:
+            flat = res[7]
+            chat = ([json.loads(m) for m in res[6]],
+                    {flat[i]: json.loads(flat[i + 1]) for i in range(0, len(flat), 2)})
         return TurnBegun(rid, aid, res[1], user_json, res[2], res[3], res[4], edit_undo=res[5],
-                         title_before=old_title if res[4] else "")
+                         title_before=old_title if res[4] else "", chat=chat)
 
     async def _first_title(self, sid: str, owner: str, title_chars: int) -> str:
         """The title the chat's first message gives (``title_from``), or "" without one."""
@@ -492,6 +531,28 @@ class SessionStore:
             res = await self._lease(keys=self.keys.script_keys(sid, owner),
                                     args=[request_id, self.lease_ms, int(time.time() * 1000)])
         return bool(res)
+
+    async def counted_session(self, owner: str, sid: str, limit_per_minute: int) -> SessionInfo:
+        """``count_message`` and ``get_session`` in one round trip (the start of a turn on
+        an existing chat).
+
+        Raises:
+            GatewayError: ``rate_limited`` (first), then ``not_found``.
+        """
+        key = self.keys.user_rate(owner, int(time.time() // 60))
+        k = self.keys.script_keys(sid, owner)
+        async with redis_errors():
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.incr(key)
+            pipe.expire(key, 120)
+            pipe.hgetall(k[0])
+            pipe.get(k[5])
+            n, _, data, lock = await pipe.execute()
+        if n > limit_per_minute:
+            raise GatewayError("rate_limited", f"at most {limit_per_minute} messages per minute; wait a little")
+        if not data or data.get("owner") != owner:
+            raise not_found()
+        return self._info(data, lock)
 
     async def count_message(self, owner: str, limit_per_minute: int) -> None:
         """Count one chat/regenerate frame of ``owner`` in the current clock minute.

@@ -168,16 +168,27 @@ def test_the_docs_block_is_inserted_once_then_replaced_in_its_section():
 
 
 def test_targets_say_met_or_missed_with_the_ratio():
-    mk = lambda tok, ttft8, tpot: {"chat": {"16": {"output_tok_s": tok, "ttft_by_turn": {"8": [ttft8]}}},  # noqa: E731
-                                   "single": {"1": {"tpot_p50": tpot}}}
-    lines = serving.targets({"ours": mk(200, 50, 9), "llama.cpp": mk(100, 100, 10)})
+    mk = lambda tok, ttft8, tpot, mixed=100: {  # noqa: E731
+        "chat": {"16": {"output_tok_s": tok, "ttft_by_turn": {"8": [ttft8]}}},
+        "mixed": {"4": {"output_tok_s": mixed}}, "single": {"1": {"tpot_p50": tpot}}}
+    lines = serving.targets({"ours": mk(200, 50, 6, 150), "llama.cpp": mk(100, 100, 10)})
     assert "met" in lines[0] and "2.00x" in lines[0]
     assert "met" in lines[1] and "0.50x" in lines[1]
-    assert "met" in lines[2] and "0.90x" in lines[2]
-    lines = serving.targets({"ours": mk(190, 60, 30), "llama.cpp": mk(100, 100, 10)})
+    assert "met" in lines[2] and "1.50x" in lines[2]
+    assert "met" in lines[3] and "0.60x" in lines[3]
+    lines = serving.targets({"ours": mk(190, 60, 30, 140), "llama.cpp": mk(100, 100, 10)})
     assert "MISSED" in lines[0] and "1.90x" in lines[0] and "MISSED" in lines[1] and "0.60x" in lines[1]
-    assert "MISSED" in lines[2] and "3.00x" in lines[2]
+    assert "MISSED" in lines[2] and "1.40x" in lines[2]
+    assert "MISSED" in lines[3] and "3.00x" in lines[3]
     assert "met" in serving.targets({"ours": mk(160, 40, 9), "llama.cpp": mk(100, 100, 10)}, quick=False)[0]
+
+
+def test_targets_compare_against_llamacpps_q4_0_when_it_ran():
+    mk = lambda tok: {"chat": {"16": {"output_tok_s": tok, "ttft_by_turn": {"8": [10.0]}}}}  # noqa: E731
+    results = {"ours": mk(200), "llama.cpp Q4_1": mk(50), "llama.cpp Q4_0": mk(100)}
+    assert serving.peer_label(results) == "llama.cpp Q4_0"
+    assert "llama.cpp Q4_0" in serving.targets(results)[0] and "2.00x" in serving.targets(results)[0]
+    assert serving.peer_label({"ours": {}, "llama.cpp Q4_1": {}}) == "llama.cpp Q4_1"
 
 
 # ---- the static-batching peer's streamer ---------------------------------------------------

@@ -159,6 +159,41 @@ async def test_a_later_long_turn_reuses_the_reply_held_on_the_decode_side(tiny_m
         await _assert_idle_whole(p, d)
 
 
+@contextlib.asynccontextmanager
+async def _a_reply_decoding(eng: AsyncEngine, rid: str) -> AsyncIterator[None]:
+    """A long reply decoding on ``eng`` (its first token out) for the block's duration."""
+    first = asyncio.Event()
+
+    async def run() -> None:
+        async for _out in eng.generate(_req(rid, _prompt(99, 10), n=1500)):
+            first.set()
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(first.wait(), 30)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_moved_prompt_puts_no_prefill_chunk_in_the_decode_engines_steps(tiny_model_dir):
+    async with _pair(tiny_model_dir) as (p, url, d, ref):
+        ids = _prompt(16, 100)
+        async with _a_reply_decoding(ref, "stream"):  # one engine: the prompt rides in its decode steps
+            await collect(ref, _req("ref", ids))
+        s = await ref.stats()
+        assert s["mixed_steps_total"] >= 1 and s["long_chunk_steps_total"] >= 1
+        async with _a_reply_decoding(d, "stream"):  # the pair: the decode engine computes 4 tokens
+            got = await _disaggregated(p, url, d, "moved", ids)
+        assert got.final.usage.cached_tokens == 96
+        s = await d.stats()
+        assert s["mixed_steps_total"] >= 1 and s["mixed_prompt_tokens_total"] <= 4 * s["mixed_steps_total"]
+        assert s["long_chunk_steps_total"] == 0
+        await _assert_idle_whole(p, d)
+
+
 def _flip_a_byte_of_page(monkeypatch, index: int) -> None:
     """The source serializes its ``index``-th page of every fetch with one payload byte flipped."""
     real = kv_page.encode_page

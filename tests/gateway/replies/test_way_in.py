@@ -1,0 +1,50 @@
+"""The way in: a turn on an existing chat reaches its engine after two Redis round trips
+(the user's message count with the chat's read, then the begin that also opens the reply
+stream and reads the chat for the prompt). Counted on the real Redis connection: every
+packed command the gateway sends that names the chat, until the engine hears of the turn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio.connection import AbstractConnection
+
+from tests.gateway_helpers import chat
+
+
+def _bytes(command: Any) -> bytes:
+    if isinstance(command, (bytes, bytearray, memoryview)):
+        return bytes(command)
+    if isinstance(command, str):
+        return command.encode()
+    return b"".join(bytes(c) if not isinstance(c, str) else c.encode() for c in command)
+
+
+async def test_a_turn_on_an_existing_chat_reaches_the_engine_after_two_redis_round_trips(
+        gateway_factory, engine_gate, monkeypatch):
+    gw = gateway_factory(engine_urls=[engine_gate.url])
+    cookie = gw.new_cookie()
+    async with gw.connect(cookie) as ws:
+        first = await chat(ws, "Hello.", max_tokens=4)
+        assert first.error is None, first.error
+        sid = first.start["session_id"].encode()
+
+        def generates() -> int:
+            return sum(1 for f in list(engine_gate.to_engine) if f.get("type") == "generate")
+
+        before = generates()
+        trips: list[bytes] = []
+        send = AbstractConnection.send_packed_command
+
+        async def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+            data = _bytes(command)
+            if sid in data and generates() == before:  # this chat's round trips until the engine hears
+                trips.append(data)
+            await send(self, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+        second = await chat(ws, "More please.", session_id=first.start["session_id"], max_tokens=4)
+        monkeypatch.undo()
+    assert second.error is None, second.error
+    assert generates() == before + 1
+    assert 1 <= len(trips) <= 2, [t[:120] for t in trips]
