@@ -245,6 +245,11 @@ class GatewayConfig:
         api_key: when set, ``/v1`` requests must send ``Authorization: Bearer <key>``.
         cors_origins: origins whose browser pages may call ``/v1`` (CORS, preflight
             included; ``*`` allows any); empty (the default) sends no CORS headers.
+        model_aliases: more names a ``/v1`` request may give for the model while only one
+            model is served (for clients with a fixed model name, e.g. ``gpt-4o``); ``*``
+            takes any name, as llama-server does. Empty (the default): a name no engine
+            serves is 404 ``model_not_found``, as OpenAI answers (``default`` and an
+            omitted name always mean any engine).
         engine_secret: when set, sent to every engine on connect (``X-Engine-Secret``);
             an engine started with the same ``ENGINE_SECRET`` refuses connections without it.
             Never sent to an OpenAI-compatible upstream.
@@ -289,6 +294,7 @@ class GatewayConfig:
     secret_key: str | None = None
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
+    model_aliases: tuple[str, ...] = ()
     engine_secret: str | None = None
     upstream_api_key: str | None = None
     upstream_max_model_len: int = 0
@@ -408,6 +414,7 @@ ENV_VARS: dict[str, str] = {
     "secret_key": "SECRET_KEY",
     "api_key": "API_KEY",
     "cors_origins": "CORS_ORIGINS",
+    "model_aliases": "MODEL_ALIASES",
     "data_dir": "DATA_DIR",
     "key_prefix": "KEY_PREFIX",
     "session_ttl_s": "SESSION_TTL_S",
@@ -460,7 +467,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
                 changes[name] = int(raw)
             elif name == "session_ttl_s":
                 changes[name] = int(raw) if int(raw) > 0 else None
-            elif name in ("engine_urls", "allowed_origins", "allowed_hosts", "cors_origins"):
+            elif name in ("engine_urls", "allowed_origins", "allowed_hosts", "cors_origins", "model_aliases"):
                 changes[name] = _split(raw)
             elif name == "engine_args":
                 changes[name] = tuple(shlex.split(raw))  # ValueError (bad quotes) -> ConfigError below

@@ -174,7 +174,8 @@ def _check_model(state: Any, model: str | None) -> None:
 
 
 PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "attachments", "status", "finish_reason", "cut_reason", "usage",
-                         "timings", "error", "created_at", "versions", "reasoning_ms", "model")
+                         "timings", "error", "created_at", "versions", "reasoning_ms", "model", "tool_calls",
+                         "tool_results")
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:

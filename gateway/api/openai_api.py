@@ -110,9 +110,11 @@ def key_user_id(secret: str, api_key: str) -> str:
     return hmac.new(secret.encode(), b"openai-api-key\0" + api_key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def resolve_model(router: EngineRouter, requested: str | None) -> str | None:
+def resolve_model(router: EngineRouter, requested: str | None, aliases: tuple[str, ...] = ()) -> str | None:
     """The model name a request may use: None (any engine) for an omitted name or an
-    alias, else the requested name when some engine serves it.
+    alias, else the requested name when some engine serves it. ``aliases``
+    (``GatewayConfig.model_aliases``; ``*``: any name) are more names for the one model
+    served, while only one is.
 
     Raises:
         OpenAIError: 404 ``model_not_found`` for a name no engine serves.
@@ -123,6 +125,8 @@ def resolve_model(router: EngineRouter, requested: str | None) -> str | None:
     if requested is None or requested in MODEL_ALIASES:
         return None
     served = {c.info.model for c in router.clients if c.info is not None}
+    if requested not in served and ("*" in aliases or requested in aliases) and len(served) == 1:
+        return None
     if requested not in served:
         raise OpenAIError(404, f"The model `{requested}` does not exist; this server serves "
                           f"{', '.join(sorted(served)) or 'no model yet'}", "invalid_request_error", "model",
@@ -280,7 +284,7 @@ class OpenAIApi:
         """``POST /v1/completions``: raw prompts (``gateway/api/completions.py``)."""
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             creq = parse_completion_request(await self._read_json(request))
-            model = resolve_model(request.app.state.router, creq.model)
+            model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
             sources: list[ReplySource] = []
             try:
                 for p in creq.prompts:
@@ -326,7 +330,8 @@ class OpenAIApi:
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             rreq = parse_responses_request(await self._read_json(request))
             choices = await self.start_engine_choices(request, rreq.messages, rreq.params, 1,
-                                                      resolve_model(request.app.state.router, rreq.model),
+                                                      resolve_model(request.app.state.router, rreq.model,
+                                                                    request.app.state.config.model_aliases),
                                                       extra=rreq.extra)
             return choices, ResponsesWriter(rreq, new_response_id(), choices.model_name), rreq.stream, {}
         return await self.serve(request, start)
@@ -403,7 +408,7 @@ class OpenAIApi:
             raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
 
     async def _start(self, request: Request, creq: ChatRequest) -> ChoiceSet:
-        model = resolve_model(request.app.state.router, creq.model)
+        model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
         sid = session_link(request, creq)
         if sid is not None:
             last = creq.messages[-1]

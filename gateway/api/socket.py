@@ -210,11 +210,12 @@ class Connection:
                 # shielded: a socket that goes away must not cut a turn half-begun
                 started = await asyncio.shield(self.gens.chat(self.uid, frame.session_id, frame.content,
                                                               frame.params, frame.client_msg_id,
-                                                              attachments=frame.attachments, model=frame.model))
+                                                              attachments=frame.attachments, model=frame.model,
+                                                              tools=frame.tools, tool_results=frame.tool_results))
                 await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, RegenerateFrame):
                 started = await asyncio.shield(self.gens.regenerate(self.uid, frame.session_id, frame.params,
-                                                                    frame.message_id))
+                                                                    frame.message_id, frame.tools))
                 await self.subscribe(started.request_id, 0, self._head_of(started))
             elif isinstance(frame, CancelFrame):
                 await asyncio.shield(self.gens.cancel(self.uid, frame.request_id))

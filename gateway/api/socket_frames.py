@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.text_checks import text_error
+from gateway.api import api_to_engine as a2e
 from gateway.api.validation import BadJson, loads_json
 from gateway.attachments import ATTACHMENT_LIMITS, parse_attachments
 from gateway.errors import GatewayError
@@ -20,6 +21,8 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _CLIENT_MSG_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 MAX_MODEL_CHARS = 256  # a model name (a served name, or a path an upstream names its model by)
+MAX_TOOL_RESULTS = 64  # results in one chat frame (one per call of the reply they answer)
+MAX_TOOL_CALL_ID_CHARS = 128
 
 
 class ProtocolError(GatewayError):
@@ -40,7 +43,10 @@ class ProtocolError(GatewayError):
 @dataclass(frozen=True)
 class ChatFrame:
     """``chat``: a user message; no ``session_id`` starts a new chat. ``model`` (when
-    given) is the model the chat's replies come from from now on."""
+    given) is the model the chat's replies come from from now on. ``tools``: the
+    engine's ``generate`` tool fields for this turn (``tools``, ``tool_choice``,
+    ``parallel_tool_calls``; empty for none). ``tool_results``: the message answers the
+    last reply's tool calls (``[{"tool_call_id", "content"}]``) instead of saying something."""
 
     content: str
     session_id: str | None = None
@@ -48,6 +54,8 @@ class ChatFrame:
     client_msg_id: str | None = None
     model: str | None = None
     attachments: list[dict[str, Any]] = field(default_factory=list)
+    tools: dict[str, Any] = field(default_factory=dict)
+    tool_results: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class RegenerateFrame:
     session_id: str
     params: dict[str, Any] = field(default_factory=dict)
     message_id: str | None = None
+    tools: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,50 @@ def _params(obj: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _tools(obj: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+    """A frame's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (OpenAI's
+    chat-completions shapes) as the engine's ``generate`` fields, checked by the engine's
+    own rules; ``{}`` without tools.
+
+    Raises:
+        ProtocolError: ``invalid_request`` naming the field and the engine's reason.
+    """
+    tools, choice = obj.get("tools"), obj.get("tool_choice")
+    try:
+        if not tools and choice not in (None, "none", "auto"):
+            raise a2e.FieldError("tool_choice", "tool_choice needs tools")
+        return a2e.tool_fields(tools, choice, obj.get("parallel_tool_calls")) if tools else {}
+    except a2e.FieldError as e:
+        raise ProtocolError(e.message, code="invalid_request", **ctx) from None
+
+
+def _tool_results(obj: dict[str, Any], ctx: dict[str, Any]) -> list[dict[str, str]]:
+    """A ``chat`` frame's ``tool_results``: 1-``MAX_TOOL_RESULTS`` of ``{"tool_call_id",
+    "content"}``, ids of 1-``MAX_TOOL_CALL_ID_CHARS`` characters; ``[]`` when absent.
+
+    Raises:
+        ProtocolError: ``bad_frame`` for a bad shape, ``invalid_request`` for text that
+            is not valid Unicode.
+    """
+    raw = obj.get("tool_results")
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_TOOL_RESULTS:
+        raise ProtocolError(f"'tool_results' must be a list of 1-{MAX_TOOL_RESULTS} results", **ctx)
+    out = []
+    for i, r in enumerate(raw):
+        call_id, content = (r.get("tool_call_id"), r.get("content")) if isinstance(r, dict) else (None, None)
+        if not (isinstance(call_id, str) and 0 < len(call_id) <= MAX_TOOL_CALL_ID_CHARS and isinstance(content, str)):
+            raise ProtocolError(f"tool_results[{i}] must be {{\"tool_call_id\": an id of 1-{MAX_TOOL_CALL_ID_CHARS} "
+                                "characters, \"content\": a string}", **ctx)
+        for text, where in ((call_id, "tool_call_id"), (content, "content")):
+            bad_text = text_error(text, f"tool_results[{i}].{where}")
+            if bad_text is not None:
+                raise ProtocolError(bad_text, code="invalid_request", **ctx)
+        out.append({"tool_call_id": call_id, "content": content})
+    return out
+
+
 def _context(obj: dict[str, Any]) -> dict[str, Any]:
     """The ids worth echoing in an error about this frame (only well-formed ones)."""
     ctx: dict[str, Any] = {}
@@ -186,8 +239,10 @@ def parse_client_frame(obj: Any) -> ClientFrame:
             files = [a.to_json() for a in parse_attachments(obj.get("attachments"), ATTACHMENT_LIMITS)]
         except GatewayError as e:
             raise ProtocolError(e.message, code="invalid_request", **ctx) from None
-        if not isinstance(content, str) or not (content.strip() or files):
-            raise ProtocolError("'content' must be a non-empty string (it may be empty with attachments)", **ctx)
+        results = _tool_results(obj, ctx) if kind == "chat" else []
+        if not isinstance(content, str) or not (content.strip() or files or results):
+            raise ProtocolError("'content' must be a non-empty string (it may be empty with attachments or "
+                                "tool_results)", **ctx)
         bad_text = text_error(content, "content")
         if bad_text is not None:
             raise ProtocolError(bad_text, code="invalid_request", **ctx)
@@ -208,13 +263,16 @@ def parse_client_frame(obj: Any) -> ClientFrame:
             client_msg_id=cmid,
             model=model,
             attachments=files,
+            tools=_tools(obj, ctx),
+            tool_results=results,
         )
     if kind == "cancel":
         return CancelFrame(request_id=_id(obj, "request_id", required=True, ctx=ctx))  # type: ignore[arg-type]
     if kind == "regenerate":
         sid = _id(obj, "session_id", required=True, ctx=ctx)
         mid = _id(obj, "message_id", required=False, ctx=ctx)
-        return RegenerateFrame(session_id=sid, params=_params(obj, ctx), message_id=mid)  # type: ignore[arg-type]
+        return RegenerateFrame(session_id=sid, params=_params(obj, ctx), message_id=mid,  # type: ignore[arg-type]
+                               tools=_tools(obj, ctx))
     if kind == "continue":
         return ContinueFrame(session_id=_id(obj, "session_id", required=True, ctx=ctx),  # type: ignore[arg-type]
                              message_id=_id(obj, "message_id", required=True, ctx=ctx),  # type: ignore[arg-type]

@@ -91,12 +91,16 @@ class GenerationManager:
 
     async def chat(self, owner: str, session_id: str | None, content: str, params: dict[str, Any],
                    client_msg_id: str | None, clamp_max_tokens: bool = True,
-                   attachments: list[dict[str, Any]] | None = None, model: str | None = None) -> StartedTurn:
+                   attachments: list[dict[str, Any]] | None = None, model: str | None = None,
+                   tools: dict[str, Any] | None = None,
+                   tool_results: list[dict[str, str]] | None = None) -> StartedTurn:
         """Append a user message (creating the chat when ``session_id`` is None) and
         start its reply. ``clamp_max_tokens`` lets the engine lower ``max_tokens`` to the
         context left (the browser chat); the OpenAI API passes False (strict check).
         ``attachments`` (checked ``gateway.attachments`` dicts) are stored with the message.
         ``model``: the model the chat's replies come from from now on (kept with the chat).
+        ``tools``: the turn's tool fields (``TurnRequest.tools``); ``tool_results``: the
+        message answers the last reply's calls (``SessionStore.begin_turn``).
 
         Raises:
             GatewayError: ``not_found``, ``busy``, ``rate_limited``, ``too_many_*``,
@@ -109,10 +113,10 @@ class GenerationManager:
             info, merged = await self.starter.preamble(owner, session_id, params, model)
         try:
             begun = await self.starter.begin(owner, info, "chat", content=content, client_msg_id=client_msg_id,
-                                             attachments=attachments)
+                                             attachments=attachments, tool_results=tool_results)
             return await self.starter.launch(self._request(owner, info, begun, merged, client_msg_id,
                                                            clamp_max_tokens=clamp_max_tokens,
-                                                           created_chat=session_id is None))
+                                                           created_chat=session_id is None, tools=tools or {}))
         except Exception:
             if session_id is None:  # refused before it began: leave no empty chat behind
                 try:
@@ -122,13 +126,14 @@ class GenerationManager:
             raise
 
     async def regenerate(self, owner: str, session_id: str, params: dict[str, Any],
-                         replaces: str | None = None) -> StartedTurn:
+                         replaces: str | None = None, tools: dict[str, Any] | None = None) -> StartedTurn:
         """Generate a new reply to the chat's last user message; the last reply is kept
         as a version (``SessionStore.switch_version`` shows it again). Same errors as
-        ``chat``, and ``conflict`` when ``replaces`` is given and is not the last reply's id."""
+        ``chat``, and ``conflict`` when ``replaces`` is given and is not the last reply's id.
+        ``tools``: as for ``chat``."""
         info, merged = await self.starter.preamble(owner, session_id, params)
         begun = await self.starter.begin(owner, info, "regenerate", replaces=replaces)
-        return await self.starter.launch(self._request(owner, info, begun, merged, None))
+        return await self.starter.launch(self._request(owner, info, begun, merged, None, tools=tools or {}))
 
     async def edit(self, owner: str, session_id: str, message_id: str, content: str, params: dict[str, Any],
                    client_msg_id: str | None, attachments: list[dict[str, Any]] | None = None) -> StartedTurn:

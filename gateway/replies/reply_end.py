@@ -22,7 +22,7 @@ class ReplyEnd:
     """A finished reply's end.
 
     Attributes:
-        finish_reason: "stop", "length", "abort" or "error".
+        finish_reason: "stop", "length", "abort", "tool_calls" or "error".
         prompt_tokens, cached_tokens, completion_tokens: tokens; ``cached_disk_tokens``: of
             the cached ones, those restored from the engine's disk KV tier (0: none).
         timings: the engine's latencies (ms), None when the engine never said (an error).
@@ -31,6 +31,8 @@ class ReplyEnd:
         error: ``{"code", "message", "status"?}`` of a reply that failed part-way, else None.
         reasoning_ms: how long the reply reasoned (ms; ``gateway/replies/reasoning_clock.py``),
             None when it has no reasoning.
+        tool_calls: the calls a turn with tools made, in OpenAI's chat shape (``[{"id",
+            "type": "function", "function": {"name", "arguments"}}]``), else None.
     """
 
     finish_reason: str
@@ -42,6 +44,7 @@ class ReplyEnd:
     cut_reason: str | None = None
     error: dict[str, Any] | None = None
     reasoning_ms: float | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @classmethod
     def of_done(cls, done: DoneFrame, cut_reason: str | None, completion_tokens: int | None = None,
@@ -49,9 +52,12 @@ class ReplyEnd:
         """The end the engine reported; ``completion_tokens`` overrides its count (a reply
         the gateway ended without the engine's word counts what it received)."""
         u = done.usage
+        calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in done.output_tool_calls or ()]
         return cls(done.finish_reason, u.prompt_tokens, u.cached_tokens,
                    u.completion_tokens if completion_tokens is None else completion_tokens,
-                   u.cached_disk_tokens, done.timings, cut_reason, reasoning_ms=reasoning_ms)
+                   u.cached_disk_tokens, done.timings, cut_reason, reasoning_ms=reasoning_ms,
+                   tool_calls=calls or None)
 
     @classmethod
     def of_error(cls, error: dict[str, Any], cut_reason: str, completion_tokens: int,
@@ -88,6 +94,8 @@ class ReplyEnd:
         msg.update(usage=self.usage(), timings=self.timings_dict(), created_at=created_at, request_id=request_id)
         if self.reasoning_ms is not None:
             msg["reasoning_ms"] = self.reasoning_ms
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
         return msg
 
     def done_entry(self, request_id: str, session_id: str, message_id: str,
@@ -102,4 +110,6 @@ class ReplyEnd:
             done["title"] = title
         if self.reasoning_ms is not None:
             done["reasoning_ms"] = self.reasoning_ms
+        if self.tool_calls:
+            done["tool_calls"] = self.tool_calls
         return done

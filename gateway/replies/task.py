@@ -106,7 +106,8 @@ class ReplyTasks:
                                    continued_tokens=len(req.continued.ids) if req.continued else 0,
                                    cache_salt=self.isolation.salt(req.owner),
                                    shared_messages=self.isolation.shared_messages(history.messages),
-                                   think_open=self.config.think_markers.open, model=req.model)
+                                   think_open=self.config.think_markers.open, model=req.model,
+                                   extra=req.tools or None)
         run.cancelled = turn.cancel.requested
         await run.start()  # raises engine_unavailable when no engine is left
         if turn.cancel.requested:

@@ -53,6 +53,8 @@ class TurnRequest:
         created_chat: the chat was created for this turn (undone with it).
         continued: the reply a "continue" turn extends, else None.
         model: the chat's model: only its engines write the reply (None: any engine).
+        tools: the engine's ``generate`` tool fields for this turn (``tools``,
+            ``tool_choice``, ``parallel_tool_calls``; docs/protocol.md, tool calls), or empty.
     """
 
     owner: str
@@ -65,6 +67,7 @@ class TurnRequest:
     created_chat: bool = False
     continued: Continued | None = None
     model: str | None = None
+    tools: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rid(self) -> str:

@@ -121,7 +121,7 @@ class History:
         if model:
             segments = {k: v for k, v in segments.items() if v.get("model", model) == model}
         msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        msgs += [{"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))} for m in stored]
+        msgs += [e for m in stored for e in engine_messages(m)]
         prefix, split = plan_prefix(stored, segments)
         return cls(msgs, prefix, split, stored, full_prefix(stored, segments))
 
@@ -131,6 +131,20 @@ class History:
         if prefix_reused and self.split is not None:
             return {"ids": prompt_token_ids[self.split:], "base": False}
         return {"ids": list(prompt_token_ids), "base": True}
+
+
+def engine_messages(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stored message as the engine's messages: a user message that answers tool calls
+    (``tool_results``) is one ``tool`` message per result (then its text, if any); a reply
+    that called tools keeps its ``tool_calls``; attachments are rendered in."""
+    out: list[dict[str, Any]] = [{"role": "tool", "content": r["content"], "tool_call_id": r["tool_call_id"]}
+                                 for r in m.get("tool_results") or ()]
+    if out and not (m["content"].strip() or m.get("attachments")):
+        return out
+    msg: dict[str, Any] = {"role": m["role"], "content": prompt_content(m["content"], m.get("attachments"))}
+    if m.get("tool_calls"):
+        msg["tool_calls"] = m["tool_calls"]
+    return [*out, msg]
 
 
 def plan_prefix(stored: list[dict[str, Any]], segments: dict[str, dict[str, Any]]) -> tuple[list[int], int | None]:
@@ -374,14 +388,16 @@ class SessionStore:
     async def begin_turn(self, owner: str, sid: str, *, mode: str, content: str = "",
                          client_msg_id: str | None = None, title_chars: int = 60,
                          replaces: str | None = None, attachments: list[dict[str, Any]] | None = None,
-                         stream_ttl_s: int = 0) -> TurnBegun:
+                         stream_ttl_s: int = 0, tool_results: list[dict[str, str]] | None = None) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
         message (``mode="chat"``), replace the user message ``replaces`` and everything
         after it with ``content``, keeping the old branch as a version (``mode="edit"``),
         or take the last reply off the list (``mode="regenerate"``, and ``"continue"``,
         which keeps the reply's id; with ``replaces``, only when the last reply is the
         message of that id; the reply comes back in ``popped_json``). ``attachments``
-        (``gateway.attachments`` dicts) are stored in the user message. With
+        (``gateway.attachments`` dicts) are stored in the user message, as are
+        ``tool_results`` (``[{"tool_call_id", "content"}]``: the message answers the
+        last reply's tool calls; ``engine_messages``). With
         ``stream_ttl_s`` (> 0), the reply's stream gets its start entry (that TTL, in
         seconds) in the same step and ``chat`` carries the chat as the reply's prompt
         reads it (one round trip from the begin to the engine).
@@ -401,6 +417,8 @@ class SessionStore:
                                     "created_at": now, "client_msg_id": client_msg_id}
             if attachments:
                 user["attachments"] = attachments
+            if tool_results:
+                user["tool_results"] = tool_results
             user_json = dumps(user)
         named = content if content.strip() or not attachments else attachments[0]["name"]
         title = title_from(named, title_chars) if mode in ("chat", "edit") else ""

@@ -269,6 +269,19 @@ def test_an_unknown_model_is_404(api_gateway):
     assert e.value.code == "model_not_found" and e.value.param == "model"
 
 
+def test_model_aliases_name_the_one_model_served_and_other_names_stay_404(api_gateway):
+    gw = api_gateway(model_aliases=("gpt-4o",))
+    served = client(gw).models.list().data[0].id
+    r = client(gw).chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2, temperature=0)
+    assert r.model == served and r.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError):
+        client(gw).chat.completions.create(model="gpt-17", messages=QUESTION, max_tokens=2)
+    anything = api_gateway(model_aliases=("*",))
+    for name in ("gpt-17", "gpt-3.5-turbo-instruct"):
+        r = client(anything).completions.create(model=name, prompt="Hello", max_tokens=2, temperature=0)
+        assert r.model == served and r.choices[0].finish_reason in ("length", "stop")
+
+
 def test_no_engine_gives_503_engine_unavailable(api_gateway):
     gw = api_gateway(engine_urls=["ws://127.0.0.1:9"], wait_for_engine=False)
     r = post(gw, {"model": "default", "messages": QUESTION})

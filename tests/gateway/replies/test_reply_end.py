@@ -43,3 +43,15 @@ def test_a_failed_reply_keeps_its_error_and_zero_timings_in_both():
     assert end.done_entry("r1", "s1", "m1") == {
         "request_id": "r1", "session_id": "s1", "message_id": "m1", "finish_reason": "error",
         "usage": msg["usage"], "timings": msg["timings"], "error": error}
+
+
+def test_a_reply_that_called_tools_stores_and_announces_its_calls_in_openais_shape():
+    calls = [{"index": 0, "id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    end = ReplyEnd.of_done(DoneFrame("r1", finish_reason="tool_calls", usage=Usage(3, 0, 9), timings=TIMINGS,
+                                     output_tool_calls=calls), None)
+    want = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert end.stored_message("", 1.0, "r1")["tool_calls"] == want
+    assert end.done_entry("r1", "s1", "m1")["tool_calls"] == want
+    plain = ReplyEnd.of_done(DoneFrame("r2", finish_reason="stop", usage=Usage(3, 0, 9), output_tool_calls=[]), None)
+    assert "tool_calls" not in plain.stored_message("x", 1.0, "r2")
+    assert "tool_calls" not in plain.done_entry("r2", "s", "m")
