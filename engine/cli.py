@@ -77,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(KV_DISK_DIR; default: $CHATSERVE_CACHE/kv, else ~/.cache/chatserve/kv)")
     p.add_argument("--kv-disk-gib", type=float, default=None,
                    help="most GiB the disk KV tier keeps (default: 8, at most half the free disk)")
+    p.add_argument("--kv-disk-write", default=os.environ.get("KV_DISK_WRITE", "through"), choices=["through", "back"],
+                   help="write a page to the disk tier as it enters the cache (through) or when the pool "
+                        "evicts it (back) (default: $KV_DISK_WRITE or through)")
     p.add_argument("--no-kv-disk", action="store_true",
                    help="turn the disk KV tier off (so does KV_DISK=off, unless --kv-disk-dir is given)")
     p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"],
@@ -122,6 +125,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         role=a.role, kv_pull_failure=a.kv_pull_failure,
         kv_disk_dir=_kv_disk_dir(a),
         kv_disk_bytes=int(a.kv_disk_gib * 2**30) if a.kv_disk_gib is not None else None,
+        kv_disk_write=a.kv_disk_write,
     )
 
 

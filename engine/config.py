@@ -144,6 +144,9 @@ class EngineConfig:
             prefix cache are written there and restored from it, across evictions and
             restarts; None turns the tier off (``python -m engine serve`` defaults it on,
             to ``engine.tiers.disk.default_disk_dir()``).
+        kv_disk_write: when the disk tier writes a page: "through" (as it enters the
+            radix tree, the default) or "back" (when the pool evicts it; pages never
+            evicted are not on disk after a restart). docs/kv_tiers.md has the measurement.
         kv_disk_bytes: the most bytes the disk tier keeps; None follows
             ``engine.tiers.disk.default_disk_bytes`` (8 GiB, at most half the free disk).
 
@@ -182,6 +185,7 @@ class EngineConfig:
     kv_pull_timeout_s: float = 30.0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
+    kv_disk_write: str = "through"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -219,6 +223,8 @@ class EngineConfig:
             raise ConfigError(f"kv_pull_failure must be 'local' or 'fail', got {self.kv_pull_failure!r}")
         if not self.kv_pull_timeout_s > 0:
             raise ConfigError("kv_pull_timeout_s must be > 0")
+        if self.kv_disk_write not in ("through", "back"):
+            raise ConfigError(f"kv_disk_write must be 'through' or 'back', got {self.kv_disk_write!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError("kv_cache_bytes must be >= 1")
         if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:

@@ -143,6 +143,8 @@ class EngineCore:
         self.cache = RadixCache(self.pool, config.block_size, enabled=config.enable_prefix_cache, events=True)
         # the KV tiers beneath the pool (None: off); their pages are named like the tree's
         self.tiers = tiers_for(config, model_config, namespace, kv.k_caches, kv.v_caches)
+        if self.tiers is not None and self.tiers.config.write_back:
+            self.cache.on_evict = self.tiers.store_evicted
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                             config.schedule_policy),

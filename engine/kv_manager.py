@@ -192,7 +192,8 @@ class KVManager:
                 self.pool.decref([req.block_table[i]])
                 req.block_table[i] = b
         req.num_tree_blocks = len(inserted.blocks)
-        if self.tiers is not None and self.tiers.active and inserted.num_new_tokens:
+        if (self.tiers is not None and self.tiers.active and not self.tiers.config.write_back
+                and inserted.num_new_tokens):
             first = inserted.num_existing_tokens // bs
             refs = page_refs(tokens, as_scope(req.namespace), bs, first, n_full)
             self.tiers.store_pages(refs, inserted.blocks[first:])

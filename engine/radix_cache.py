@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.block_hash import chain_hashes, namespace_seed, salt_seed
@@ -219,6 +219,11 @@ class RadixCache:
         # page stored and evicted in between keeps only its last state
         self._pending: dict[int, bool] = {}
         self._seeds: dict[str, int] = {}
+        # called with each evicted page-holding node before its blocks are freed (the KV
+        # tiers' write-back): the node, the chained hash of the page before its first page
+        # (the namespace's seed for a prompt's first page, as ``engine.tiers.page_refs``), and the
+        # namespace and salt (None: unsalted) it lives under; needs ``events`` (the hashes)
+        self.on_evict: Callable[[RadixNode, int, str, str | None], None] | None = None
 
     # --- counters ----------------------------------------------------------------------
 
@@ -624,6 +629,19 @@ class RadixCache:
         node.removed = True
         if not node.blocks:
             return 0
+        if self.on_evict is not None and self.events and parent is not None:
+            namespace, salt = "", None
+            up: RadixNode | None = parent
+            while up is not None:  # the nearest salt node and the namespace node above
+                if up.salt is not None and salt is None:
+                    salt = up.salt
+                if up.namespace is not None:
+                    namespace = up.namespace
+                    break
+                up = up.parent
+            above = parent.parent if parent.salt is not None else parent  # a page's parent page skips the salt
+            assert above is not None
+            self.on_evict(node, self._tail_hash(above), namespace, salt)
         for h in node.hashes:
             self._pending[h] = False
         self._tree_blocks.difference_update(node.blocks)

@@ -42,6 +42,7 @@ import torch
 
 from engine.block_hash import namespace_seed, prompt_block_hashes
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import populate_blocks
 from engine.kv_page import (
     PageError,
     PageHeader,
@@ -58,6 +59,7 @@ from engine.tiers.disk import DiskPageStore
 log = logging.getLogger(__name__)
 
 WRITER_NICE = 10  # the writer thread's nice value (Linux): it yields the CPU to the forward's threads
+RESTORE_YIELD_S = 2.0  # the longest the writer waits for a restore in flight before each page
 
 __all__ = ["LoadJob", "PageRef", "TierConfig", "TierCounters", "KVTiers", "page_key", "page_refs", "tiers_for"]
 
@@ -71,6 +73,9 @@ class TierConfig:
         disk_bytes: the most bytes of page files kept there.
         max_queue_bytes: the most bytes of pages waiting to be written (copied out of
             the pool); pages beyond it are dropped, not waited for.
+        write_back: write a page when the pool evicts it (write-back) instead of when it
+            enters the tree (write-through, the default; docs/kv_tiers.md has the
+            measurement that chose it).
         readers: threads that read one restore's pages (page ``i`` by reader ``i %
             readers``): reading a file and its CRC-32 release the GIL, so a restore runs
             on as many cores as there are readers while the step loop waits for it.
@@ -79,6 +84,7 @@ class TierConfig:
     disk_dir: Path | None
     disk_bytes: int
     max_queue_bytes: int = 256 << 20
+    write_back: bool = False
     readers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
 
 
@@ -203,6 +209,9 @@ class KVTiers:
         self._writes: queue.Queue[tuple[PageRef, torch.Tensor] | None] = queue.Queue()
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
         self._jobs: list[LoadJob] = []  # the step loop's: queued, not yet polled
+        self._no_restore = threading.Event()  # clear while the readers work: the writer waits
+        self._no_restore.set()
+        self._spare: torch.Tensor | None = None  # a restore buffer kept for the next one (``_take_buffer``)
         self._helpers = (ThreadPoolExecutor(config.readers - 1, thread_name_prefix="kv-tier-reader")
                          if config.readers > 1 and self.store is not None else None)
         self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
@@ -263,6 +272,24 @@ class KVTiers:
         for i, (p, _) in enumerate(todo):
             self._writes.put((p, kv[i]))
 
+    def store_evicted(self, node: Any, parent_hash: int, namespace: str, salt: str | None) -> None:
+        """Write-back: queue the pages of a radix node the pool is evicting
+        (``RadixCache.on_evict``), copied out of its blocks before they are freed.
+
+        Args:
+            node: the ``engine.radix_cache.RadixNode`` (its tokens, blocks and hashes).
+            parent_hash: the chained hash before its first page.
+            namespace, salt: where it lives in the tree (salt None: the shared part).
+        """
+        if not self.active or not node.hashes:
+            return
+        bs = self.key.block_size
+        scope = scope_digest(namespace) if salt is None else scope_digest(namespace, salt)
+        hashes = node.hashes
+        refs = [PageRef(i, h, hashes[i - 1] if i else parent_hash, tuple(node.tokens[i * bs:(i + 1) * bs]), scope)
+                for i, h in enumerate(hashes)]
+        self.store_pages(refs, node.blocks)
+
     def load(self, request: Any, pages: list[PageRef], blocks: list[int]) -> LoadJob:
         """Queue a restore of ``pages`` into ``blocks`` (reserved by the caller); ``poll``
         hands it back when the reader is done."""
@@ -272,11 +299,34 @@ class KVTiers:
         return job
 
     def scatter(self, job: LoadJob) -> None:
-        """Copy a finished job's pages into its blocks (step loop, between steps)."""
+        """Copy a finished job's pages into its blocks (step loop, between steps); its
+        buffer goes back for the next restore."""
         k = len(job.pages_kv)
         if k:
             assert job.buffer is not None
             scatter_blocks(self._k, self._v, job.blocks[:k], job.buffer[:k])
+        self._give_back(job)
+
+    def _take_buffer(self, pages: int) -> torch.Tensor:
+        """[pages, *page shape] of the KV dtype, CPU: the kept buffer when it is large
+        enough (its memory already faulted in: a fresh 55 MB buffer cost a 2,400-token
+        restore about 30 ms of page faults), else a new one."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.shape[0] >= pages:
+            return spare[:pages]
+        return torch.empty((pages, *self.key.shape), dtype=self.key.torch_dtype)
+
+    def _give_back(self, job: LoadJob) -> None:
+        """Keep a finished job's buffer for the next restore (the larger of it and the
+        one kept, up to ``TierConfig.max_queue_bytes``)."""
+        buf, job.buffer, job.pages_kv = job.buffer, None, []
+        if buf is None or buf.numel() * buf.element_size() > self.config.max_queue_bytes:
+            return
+        base = buf if buf._base is None else buf._base
+        with self._lock:
+            if self._spare is None or self._spare.shape[0] < base.shape[0]:
+                self._spare = base
 
     def poll(self) -> list[LoadJob]:
         """The restores the reader finished since the last call (cancelled ones dropped),
@@ -291,6 +341,7 @@ class KVTiers:
         now = time.monotonic()
         for j in done:
             if j.cancelled:
+                self._give_back(j)
                 continue
             self.counters.restores += 1
             self.counters.restore_ms += (now - j.started_s) * 1000
@@ -361,6 +412,9 @@ class KVTiers:
             item = self._writes.get()
             if item is None:
                 return
+            # a restore in flight goes first: a chat is waiting for it, while writes can wait
+            # (encoding a page holds the GIL the readers need; at most RESTORE_YIELD_S a page)
+            self._no_restore.wait(RESTORE_YIELD_S)
             page, kv = item
             try:
                 if not self.disabled:
@@ -392,8 +446,10 @@ class KVTiers:
                 if helpers is not None:
                     helpers.shutdown(wait=True)
                 return
+            self._no_restore.clear()
             try:
-                job.buffer = torch.empty((len(job.pages), *self.key.shape), dtype=self.key.torch_dtype)
+                job.buffer = self._take_buffer(len(job.pages))
+                populate_blocks(self._k, self._v, job.blocks)  # the pool's page faults, here rather than in scatter
                 n, ways = len(job.pages), self.config.readers
                 if helpers is None or n < 2 * ways:
                     good = self._read_stride(job, 0, 1, scratch)
@@ -408,6 +464,8 @@ class KVTiers:
                 log.exception("KV tier read failed")
             finally:
                 job.done = True
+                if self._loads.empty():
+                    self._no_restore.set()
                 if self.wake is not None:
                     self.wake()
 
@@ -472,7 +530,8 @@ def tiers_for(config: EngineConfig, model_config: ModelConfig, weights_id: str, 
     folder = Path(config.kv_disk_dir).expanduser()
     size = config.kv_disk_bytes if config.kv_disk_bytes is not None else default_disk_bytes(folder)
     try:
-        tiers = KVTiers(page_key(config, model_config, weights_id), TierConfig(folder, size), k_caches, v_caches)
+        tiers = KVTiers(page_key(config, model_config, weights_id),
+                        TierConfig(folder, size, write_back=config.kv_disk_write == "back"), k_caches, v_caches)
     except OSError as e:
         log.warning("KV disk tier off: cannot use %s (%s)", folder, e)
         return None

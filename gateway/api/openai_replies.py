@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from starlette.types import Receive
@@ -36,6 +36,7 @@ from gateway.engines.run import EngineRun, error_status, user_code
 from gateway.errors import GatewayError
 from gateway.replies.hooks import GenerationEvents
 from gateway.replies.manager import GenerationManager, StartedTurn
+from gateway.replies.reply_end import ReplyEnd
 from gateway.replies.tail import ReplyTail
 from gateway.store.reply_streams import ReplyStreams, done_payload
 
@@ -261,7 +262,8 @@ class EngineReply:
         timings = {k: float(getattr(end.timings, k)) for k in TIMING_KEYS}
         done = Finished(end.finish_reason or "stop", usage, timings, end.output_tool_calls, end.stop_reason,
                         list(end.prompt_token_ids), list(end.output_token_ids))
-        self.events.on_finish(self.request_id, done.finish_reason, done.usage, done.timings, now)
+        self.events.on_finish(self.request_id, replace(ReplyEnd.of_done(end, None), finish_reason=done.finish_reason),
+                              now)
         return done
 
     async def abort(self) -> None:

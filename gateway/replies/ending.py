@@ -116,7 +116,7 @@ class ReplyEnding:
             log.error("reply %s could not be stored within %.0f s (%s); it is lost",
                       rid, self.config.store_retry_s, e.message)
             turn.writer.gave_up()
-        self.events.on_finish(rid, reason, reply_end.usage(), reply_end.timings_dict(), time.perf_counter())
+        self.events.on_finish(rid, reply_end, time.perf_counter())
 
     async def _title_kept(self, turn: Turn) -> bool:
         """True when the chat still has the title this turn gave it."""

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.replies.reply_end import ReplyEnd
+
 log = logging.getLogger("gateway.replies.hooks")
 
 
@@ -23,9 +25,9 @@ class GenerationEvents:
     def on_delta(self, request_id: str, n_tokens: int, n_chars: int, t: float) -> None:
         """A coalesced delta was written to the reply stream (``n_tokens`` engine tokens)."""
 
-    def on_finish(self, request_id: str, finish_reason: str, usage: dict[str, Any],
-                  timings: dict[str, Any], t: float) -> None:
-        """The reply ended and was stored; ``usage``/``timings`` as in the ``done`` frame."""
+    def on_finish(self, request_id: str, end: ReplyEnd, t: float) -> None:
+        """The reply ended (and, for a chat's reply, was stored): its finish reason,
+        usage and timings in ``end``, from which its ``done`` frame is derived."""
 
     def on_error(self, request_id: str, code: str, t: float) -> None:
         """The reply failed with ``code`` (nothing or a partial reply was stored)."""

@@ -32,8 +32,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from engine.protocol import Timings
 from gateway.errors import GatewayError
 from gateway.replies.hooks import GenerationEvents
+from gateway.replies.reply_end import ReplyEnd
 
 # seconds; TTFT spans a cached short prompt (ms) to a long CPU prefill (tens of s)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -220,20 +222,19 @@ class MetricsEvents(GenerationEvents):
     def on_start(self, request_id: str, session_id: str, t: float) -> None:
         self.m.state.in_progress.add(request_id)
 
-    def on_finish(self, request_id: str, finish_reason: str, usage: dict[str, Any],
-                  timings: dict[str, Any], t: float) -> None:
+    def on_finish(self, request_id: str, end: ReplyEnd, t: float) -> None:
         self.m.state.in_progress.discard(request_id)
-        self.m.replies.labels(finish_reason).inc()
-        prompt, cached, completion = (int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens",
-                                                                      "completion_tokens"))
-        self.m.prompt_tokens.inc(prompt)
-        self.m.cached_tokens.inc(cached)
+        self.m.replies.labels(end.finish_reason).inc()
+        completion = end.completion_tokens
+        self.m.prompt_tokens.inc(end.prompt_tokens)
+        self.m.cached_tokens.inc(end.cached_tokens)
         self.m.completion_tokens.inc(completion)
-        if completion > 0 and timings.get("ttft_ms", 0) > 0:  # an abort before any token has no TTFT
-            self.m.ttft.observe(timings["ttft_ms"] / 1000)
-            self.m.e2e.observe(timings.get("e2e_ms", 0) / 1000)
+        t_ = end.timings if end.timings is not None else Timings()  # none from the engine: zeros
+        if completion > 0 and t_.ttft_ms > 0:  # an abort before any token has no TTFT
+            self.m.ttft.observe(t_.ttft_ms / 1000)
+            self.m.e2e.observe(t_.e2e_ms / 1000)
         if completion > 1:  # TPOT needs a second token
-            self.m.tpot.observe(timings.get("tpot_ms", 0) / 1000)
+            self.m.tpot.observe(t_.tpot_ms / 1000)
 
     def on_error(self, request_id: str, code: str, t: float) -> None:
         self.m.state.in_progress.discard(request_id)

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.host_memory import available_bytes, cgroup_headroom_bytes, meminfo_available_bytes
-from engine.kv_cache import KVCache, bytes_per_block, default_cpu_kv_bytes, plan_kv_blocks
+from engine.kv_cache import KVCache, bytes_per_block, default_cpu_kv_bytes, plan_kv_blocks, populate_blocks
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -138,3 +138,17 @@ def test_a_large_cpu_pool_is_zeros_and_commits_memory_only_where_written() -> No
         assert int(torch.count_nonzero(t)) == 16 * 2 * 16 and float(t[blocks - 1 - i].max()) == i + 1
         assert float(t[0].abs().max()) == 0.0
     assert {t.dtype for t in kv.k_caches + kv.v_caches} == {torch.bfloat16}
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_populating_blocks_faults_them_in_without_changing_a_byte() -> None:
+    mc = _model()
+    blocks = (512 * MIB) // bytes_per_block(mc, 16, torch.bfloat16)
+    kv = KVCache.allocate(mc, blocks, 16, torch.bfloat16, "cpu")
+    kv.k_caches[1][7].fill_(3.0)  # a block someone wrote meanwhile keeps its bytes
+    before = _rss_bytes()
+    want = list(range(0, blocks, 2))  # every other block: about half the pool
+    assert populate_blocks(kv.k_caches, kv.v_caches, want)
+    assert _rss_bytes() - before > 128 * MIB  # the memory is there now
+    assert float(kv.k_caches[1][7].min()) == 3.0 and int(torch.count_nonzero(kv.k_caches[1])) == 16 * 2 * 16
+    assert int(torch.count_nonzero(kv.v_caches[0])) == 0

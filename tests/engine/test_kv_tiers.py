@@ -272,3 +272,23 @@ def test_a_failed_write_disables_the_tier_with_one_warning(tmp_path: Path, caplo
     assert len([r for r in caplog.records if "disabled" in r.getMessage()]) == 1
     assert tiers.probe(refs) == 0  # off: nothing is restored, the engine serves from its pool
     tiers.close()
+
+
+async def test_write_back_writes_a_page_only_when_the_pool_evicts_it_and_restores_it(tiny_model_dir,
+                                                                                   tmp_path: Path) -> None:
+    eng = make_engine(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_write="back")
+    eng.start()
+    try:
+        prompt = _chat(5)
+        first = await collect(eng, GenerateRequest("w1", prompt, params=greedy(12), cache_salt="user-7"))
+        await _flush(eng)
+        assert await eng.call(lambda core: core.tiers.store.num_pages) == 0  # nothing written on insert
+        await _evict(eng)
+        await _flush(eng)
+        assert await eng.call(lambda core: core.tiers.store.num_pages) >= 9  # written as they left
+        back = await collect(eng, GenerateRequest("w2", prompt + first.token_ids + [11, 12], params=greedy(12),
+                                                  cache_salt="user-7"))
+        u = back.final.usage
+        assert u.cached_disk_tokens == u.cached_tokens >= 144  # the salted pages came back, named right
+    finally:
+        eng.shutdown()
