@@ -13,7 +13,7 @@ fresh random words (a new text each time, so no prefix cache helps) with
 HTTP round trip); prefill tokens/s = the server's ``usage.prompt_tokens`` / that time,
 median over ``--repeats``. Beside the servers, llama.cpp's own ``llama-bench -p N -n 0`` on each
 of its files (raw prompt processing: no server, no HTTP, no tokenizing, no sampling) where it is
-built. Prints a table, with each system's ratio to ours.
+built and ``llamacpp`` is among the systems. Prints a table, with each system's ratio to ours.
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         finally:
             system.stop()
-    if not a.no_llama_bench and LLAMA_BENCH.is_file():
+    # llama.cpp's raw figures go beside its servers (not beside ours alone)
+    if not a.no_llama_bench and LLAMA_BENCH.is_file() and "llamacpp" in a.systems.split(","):
         for q, gguf in (("Q4_0", S.PEER_Q4_0), ("Q4_1", S.PEER_Q4_1)):
             if gguf.is_file():
                 label = f"llama-bench {q} (raw)"

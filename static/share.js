@@ -5,6 +5,7 @@
 
 import { createMarkdownRenderer } from "./js/markdown.js";
 import { chipElement } from "./js/attachments.js";
+import { thoughtFor } from "./js/reasoning.js";
 
 /**
  * Draw the snapshot into the page.
@@ -39,6 +40,19 @@ function main(win) {
       chips.setAttribute("aria-label", "Attached files");
       for (const a of m.attachments) chips.append(chipElement(doc, { name: String(a.name || "file"), kind: String(a.kind || "text"), pages: a.pages }));
       li.append(chips);
+    }
+    if (m.role !== "user" && typeof m.reasoning === "string" && m.reasoning) {
+      // the reply's reasoning, folded as the chat page shows a finished one
+      const thinking = doc.createElement("details");
+      thinking.className = "thinking";
+      const line = doc.createElement("summary");
+      line.className = "thinking-line";
+      line.textContent = typeof m.reasoning_ms === "number" ? thoughtFor(m.reasoning_ms) : "Thoughts";
+      const text = doc.createElement("div");
+      text.className = "thinking-body markdown";
+      text.append(md.toFragment(m.reasoning));
+      thinking.append(line, text);
+      li.append(thinking);
     }
     const body = doc.createElement("div");
     body.className = "msg-body";

@@ -29,9 +29,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -48,6 +48,7 @@ from tests.engine_gate import EngineGate
 ENGINE_ARGS = ["--num-blocks", "512", "--block-size", "16"]
 CHUNK_TOKENS = 64  # chunked_engine's step budget (tokens)
 CHUNKED_MAX_MODEL_LEN = 2048  # chunked_engine's context (tokens)
+C = TypeVar("C")
 
 
 @contextlib.contextmanager
@@ -157,6 +158,15 @@ class RunningGateway:
     server: ThreadedServer
     base_url: str
     ws_url: str
+    clients: list[Any] = field(default_factory=list)  # closed by stop(): see close_on_stop
+
+    def close_on_stop(self, client: C) -> C:
+        """``client`` (anything with ``close()``: an SDK client made for this gateway),
+        closed when the gateway stops. An SDK client left to the garbage collector may
+        have its pooled socket collected before the client closes it: an unclosed-socket
+        ResourceWarning in whichever later test the collector runs."""
+        self.clients.append(client)
+        return client
 
     @property
     def app(self) -> Any:
@@ -197,7 +207,10 @@ class RunningGateway:
         return self.server.run_coro(coro, timeout)
 
     def stop(self) -> None:
-        """Shut the gateway down (its replies are stopped and stored)."""
+        """Close the clients made for it, then shut the gateway down (its replies are
+        stopped and stored)."""
+        while self.clients:
+            self.clients.pop().close()
         self.server.stop()
 
 

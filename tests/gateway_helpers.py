@@ -105,10 +105,11 @@ async def wait_for(predicate: Callable[[], Awaitable[bool] | bool], timeout: flo
 
 def openai_client(gw: Any, api_key: str = "unused", **kwargs: Any) -> Any:
     """The official ``openai`` client on a ``RunningGateway`` (no retries: each test sees
-    every answer)."""
+    every answer), closed when the gateway stops."""
     import openai
 
-    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)
+    return gw.close_on_stop(openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key=api_key, max_retries=0,
+                                          timeout=120, **kwargs))
 
 
 BLOCK = 16  # the engine fixture's --block-size

@@ -886,6 +886,23 @@ static void load_kv_block(const cs_attn_args *a, int64_t g, const int64_t *slots
             }
             const char *src[8];
             for (int i = 0; i < 8; i++) src[i] = j8 + i < n ? kv_row(a->k_cache, slots[j8 + i], g, a) : NULL;
+            if (a->kv_bf16 && D % 16 == 0) {
+                /* transpose pairs of bfloat16 as 32-bit units, then split each pair: half the
+                 * shuffles of converting first */
+                const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+                for (int64_t d = 0; d < D; d += 16) {
+                    __m256 r[8];
+                    for (int i = 0; i < 8; i++)
+                        r[i] = !src[i] ? _mm256_setzero_ps() : _mm256_loadu_ps((const float *)((const uint16_t *)src[i] + d));
+                    transpose8(r);
+                    for (int p = 0; p < 8; p++) {
+                        const __m256i u = _mm256_castps_si256(r[p]);
+                        _mm256_storeu_ps(kT + (d + 2 * p) * CS_KEYS + j8, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+                        _mm256_storeu_ps(kT + (d + 2 * p + 1) * CS_KEYS + j8, _mm256_castsi256_ps(_mm256_and_si256(u, hi)));
+                    }
+                }
+                continue;
+            }
             for (int64_t d = 0; d < D; d += 8) {
                 __m256 r[8];
                 for (int i = 0; i < 8; i++)
@@ -964,6 +981,58 @@ static inline void pv_one8(float *acc, float corr, const float *p, const float *
 }
 #endif
 
+#if CS_AVX2 && defined(__AVX512F__)
+/* The AVX-512 build's tiles: the same per-lane arithmetic as qk_tile and pv_tile (so the
+ * same bits), on 16-lane registers, with more rows a tile (32 registers). */
+#define CS_ATTN512 1
+/* qk_tile over all CS_KEYS keys for NR (up to 6) rows. */
+static inline __attribute__((always_inline)) void qk_tile512(const float *const *qp, const int NR, const float *kT,
+                                                             int64_t D, float *s) {
+    __m512 a0[6], a1[6];
+    for (int r = 0; r < NR; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k0 = _mm512_loadu_ps(kT + d * CS_KEYS), k1 = _mm512_loadu_ps(kT + d * CS_KEYS + 16);
+        for (int r = 0; r < NR; r++) {
+            const __m512 q = _mm512_set1_ps(qp[r][d]);
+            a0[r] = _mm512_fmadd_ps(q, k0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(q, k1, a1[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm512_storeu_ps(s + r * CS_KEYS, a0[r]);
+        _mm512_storeu_ps(s + r * CS_KEYS + 16, a1[r]);
+    }
+}
+
+/* pv_tile for NR (up to 4) rows and dims [d0, d0 + 64). */
+static inline __attribute__((always_inline)) void pv_tile512(float *const *acc, const float *corr,
+                                                             const float *const *p, const int NR, const float *vf,
+                                                             int64_t n, int64_t D, int64_t d0) {
+    __m512 o[4][4];
+    for (int r = 0; r < NR; r++) {
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int i = 0; i < 4; i++) o[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d0 + 16 * i), c);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = vf + j * D + d0;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int r = 0; r < NR; r++) {
+            const __m512 pj = _mm512_set1_ps(p[r][j]);
+            o[r][0] = _mm512_fmadd_ps(pj, v0, o[r][0]);
+            o[r][1] = _mm512_fmadd_ps(pj, v1, o[r][1]);
+            o[r][2] = _mm512_fmadd_ps(pj, v2, o[r][2]);
+            o[r][3] = _mm512_fmadd_ps(pj, v3, o[r][3]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc[r] + d0 + 16 * i, o[r][i]);
+}
+#else
+#define CS_ATTN512 0
+#endif
+
+
 /* The softmax-weighted sum over keys [k0, k1) of one chunk for the rows of query tokens
  * q0..q0+nq-1 of request b at KV head g (row r: token q0 + r / G, head g * G + r % G),
  * with an online softmax over CS_KEYS keys at a time (Milakov & Gimelshein 2018; the
@@ -1003,6 +1072,18 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
         int64_t r = r0;
 #if CS_AVX2
         if (vec) {
+#if CS_ATTN512
+            if (n > 16) {
+                for (r = r0; r + 6 <= R; r += 6) qk_tile512(qp + r, 6, kT, D, s + r * CS_KEYS);
+                switch (R - r) {
+                case 5: qk_tile512(qp + r, 5, kT, D, s + r * CS_KEYS); break;
+                case 4: qk_tile512(qp + r, 4, kT, D, s + r * CS_KEYS); break;
+                case 3: qk_tile512(qp + r, 3, kT, D, s + r * CS_KEYS); break;
+                case 2: qk_tile512(qp + r, 2, kT, D, s + r * CS_KEYS); break;
+                case 1: qk_tile512(qp + r, 1, kT, D, s + r * CS_KEYS); break;
+                }
+            } else
+#endif
             for (int64_t j16 = 0; j16 < n; j16 += 16) {
                 for (r = r0; r + 4 <= R; r += 4) qk_tile(qp + r, 4, kT, j16, D, s + r * CS_KEYS);
                 if (R - r == 3) qk_tile(qp + r, 3, kT, j16, D, s + r * CS_KEYS);
@@ -1067,16 +1148,33 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
             int64_t vis = prefix + q0 + r / G + 1 - j0;
             if (vis > n) vis = n;
 #if CS_AVX2
+            /* rows that see the same keys (all of them but on the causal diagonal) share a tile */
+            int nr = 1;
+            for (; nr < 4 && r + nr < R; nr++) {
+                const int64_t v2 = prefix + q0 + (r + nr) / G + 1 - j0;
+                if ((v2 < n ? v2 : n) != vis) break;
+            }
+            float *accp[4] = {acc + r * D, acc + (r + 1) * D, acc + (r + 2) * D, acc + (r + 3) * D};
+            const float *pp[4] = {s + r * CS_KEYS, s + (r + 1) * CS_KEYS, s + (r + 2) * CS_KEYS, s + (r + 3) * CS_KEYS};
+#if CS_ATTN512
+            if (vec && D % 64 == 0) {
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                    if (nr == 4) pv_tile512(accp, corr + r, pp, 4, vf, vis, D, d0);
+                    else if (nr == 3) pv_tile512(accp, corr + r, pp, 3, vf, vis, D, d0);
+                    else if (nr == 2) pv_tile512(accp, corr + r, pp, 2, vf, vis, D, d0);
+                    else pv_tile512(accp, corr + r, pp, 1, vf, vis, D, d0);
+                }
+                r += nr;
+                continue;
+            }
+#endif
             if (vec && D % 32 == 0) {
-                /* rows of one token see the same keys: tile them two at a time */
-                const int pair = r + 1 < R && (r + 1) / G == r / G;
-                float *accp[2] = {acc + r * D, acc + (r + 1) * D};
-                const float *pp[2] = {s + r * CS_KEYS, s + (r + 1) * CS_KEYS};
+                nr = nr < 2 ? nr : 2;
                 for (int64_t d0 = 0; d0 < D; d0 += 32) {
-                    if (pair) pv_tile(accp, corr + r, pp, 2, vf, vis, D, d0);
+                    if (nr == 2) pv_tile(accp, corr + r, pp, 2, vf, vis, D, d0);
                     else pv_tile(accp, corr + r, pp, 1, vf, vis, D, d0);
                 }
-                r += pair ? 2 : 1;
+                r += nr;
                 continue;
             }
             if (vec) {

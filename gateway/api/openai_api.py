@@ -50,7 +50,8 @@ from gateway.api.anthropic_api import (
     parse_messages_request,
 )
 from gateway.api.auth import UserIds, cookie_value, request_user
-from gateway.api.completions import CompletionWriter, parse_completion_request
+from gateway.api.completions import CompletionRequest, CompletionWriter, parse_completion_request
+from gateway.api.llama_completion import LlamaCompletionWriter, parse_llama_completion
 from gateway.api.openai_chat import ChatWriter
 from gateway.api.openai_choices import ChoiceSet
 from gateway.api.openai_replies import (
@@ -77,6 +78,7 @@ from gateway.api.responses_api import ResponsesWriter, new_response_id, parse_re
 from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
 from gateway.api.sse import SSE_HEADERS, SSEResponse, json_bytes
+from gateway.api.tokenize_api import detokenize_body, parse_tokenize, tokenize_body
 from gateway.api.validation import BadJson, loads_json
 from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
@@ -284,24 +286,55 @@ class OpenAIApi:
         """``POST /v1/completions``: raw prompts (``gateway/api/completions.py``)."""
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             creq = parse_completion_request(await self._read_json(request))
-            model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
-            sources: list[ReplySource] = []
-            try:
-                for p in creq.prompts:
-                    key = hashlib.blake2b(json_bytes(p)[:4096], digest_size=16).hexdigest()
-                    text = p.get("prompt")
-                    started = await self.start_engine_choices(
-                        request, [], creq.params, creq.n, model, extra={"prompt": text} if text is not None else None,
-                        prompt_token_ids=p.get("prompt_token_ids"), routing=key)
-                    sources += started.sources
-            except BaseException:
-                started_all = ChoiceSet(sources)
-                await started_all.abort()
-                started_all.close()
-                raise
-            choices = ChoiceSet(sources)
+            choices = await self._start_prompts(request, creq)
             return choices, CompletionWriter(creq, f"cmpl-{choices.request_id}", choices.model_name), creq.stream, {}
         return await self.serve(request, start)
+
+    async def llama_completion(self, request: Request) -> Response | SSEResponse:
+        """``POST /completion``: llama-server's native API (``gateway/api/llama_completion.py``)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            creq, return_tokens = parse_llama_completion(await self._read_json(request))
+            choices = await self._start_prompts(request, creq)
+            return choices, LlamaCompletionWriter(creq, return_tokens, choices.model_name), creq.stream, {}
+        return await self.serve(request, start)
+
+    async def _start_prompts(self, request: Request, creq: CompletionRequest) -> ChoiceSet:
+        """Start ``creq.n`` choices of each raw prompt (all aborted if one cannot start)."""
+        model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
+        sources: list[ReplySource] = []
+        try:
+            for p in creq.prompts:
+                key = hashlib.blake2b(json_bytes(p)[:4096], digest_size=16).hexdigest()
+                text = p.get("prompt")
+                started = await self.start_engine_choices(
+                    request, [], creq.params, creq.n, model, extra={"prompt": text} if text is not None else None,
+                    prompt_token_ids=p.get("prompt_token_ids"), routing=key)
+                sources += started.sources
+        except BaseException:
+            started_all = ChoiceSet(sources)
+            await started_all.abort()
+            started_all.close()
+            raise
+        return ChoiceSet(sources)
+
+    # ---- POST /tokenize, /detokenize -------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize``: a text's token ids (``gateway/api/tokenize_api.py``)."""
+        try:
+            self.authorize(request)
+            treq = parse_tokenize(await self._read_json(request))
+            return json_response(await tokenize_body(request.app.state, treq))
+        except OpenAIError as e:
+            return error_response(e)
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize``: the text of token ids (``gateway/api/tokenize_api.py``)."""
+        try:
+            self.authorize(request)
+            return json_response(await detokenize_body(request.app.state, await self._read_json(request)))
+        except OpenAIError as e:
+            return error_response(e)
 
     # ---- Anthropic Messages, Responses ----------------------------------------------------
 
@@ -626,7 +659,8 @@ def _refused(events: list[tuple[int, ReplyEvent]]) -> Failed | None:
 
 def openai_routes(api_key: str | None = None) -> list[Route]:
     """The ``/v1`` routes (``chat/completions``, ``completions``, Anthropic's
-    ``messages`` and ``messages/count_tokens``, ``responses``, ``models``, and an OpenAI
+    ``messages`` and ``messages/count_tokens``, ``responses``, ``models``, root
+    ``tokenize`` and ``detokenize``, and an OpenAI
     error for any other ``/v1`` path); with ``api_key`` every request must send
     ``Authorization: Bearer <api_key>``."""
     api = OpenAIApi(api_key)
@@ -641,6 +675,10 @@ def openai_routes(api_key: str | None = None) -> list[Route]:
     routes += [Route(r.path.removeprefix("/v1"), r.endpoint, methods=sorted(r.methods or ()))
                for r in routes if r.path in ("/v1/chat/completions", "/v1/completions", "/v1/models",
                                              "/v1/responses")]
+    # llama-server's and vLLM's token counting, at the root as both serve it
+    routes += [Route("/completion", api.llama_completion, methods=["POST"]),
+               Route("/tokenize", api.tokenize, methods=["POST"]),
+               Route("/detokenize", api.detokenize, methods=["POST"])]
     known = {r.path for r in routes}
 
     async def unknown(request: Request) -> Response:

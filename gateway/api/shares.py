@@ -33,6 +33,7 @@ from starlette.templating import Jinja2Templates
 
 from gateway.api.http import _json_body, _sid, _uid, api, script_safe_json
 from gateway.errors import GatewayError, not_found
+from gateway.reasoning import DEFAULT_MARKERS, ThinkMarkers, split_reasoning
 from gateway.store.sessions import redis_errors
 
 MIN_EXPIRY_S = 60
@@ -41,14 +42,23 @@ MAX_SHARES_PER_USER = 200
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{22}$")
 
 
-def snapshot(title: str, messages: list[dict[str, Any]], now: float) -> dict[str, Any]:
+def snapshot(title: str, messages: list[dict[str, Any]], now: float,
+             markers: ThinkMarkers = DEFAULT_MARKERS) -> dict[str, Any]:
     """What a share link shows: ``{"title", "shared_at", "messages": [{"role", "content",
-    "attachments"?: [{"name", "kind", "pages"?}], "cut"?: true}]}``."""
+    "reasoning"?, "reasoning_ms"?, "attachments"?: [{"name", "kind", "pages"?}], "cut"?: true}]}``.
+    A reply's reasoning is apart from its answer (``content``), without its ``markers``,
+    as the chat page shows it."""
     out = []
     for m in messages:
         if m.get("role") not in ("user", "assistant"):
             continue
         item: dict[str, Any] = {"role": m["role"], "content": str(m.get("content", ""))}
+        if m["role"] == "assistant":
+            reasoning, item["content"] = split_reasoning(item["content"], markers)
+            if reasoning is not None:
+                item["reasoning"] = reasoning
+                if isinstance(m.get("reasoning_ms"), (int, float)):
+                    item["reasoning_ms"] = m["reasoning_ms"]
         files = [{k: a[k] for k in ("name", "kind", "pages") if a.get(k)} for a in m.get("attachments") or []]
         if files:
             item["attachments"] = files
@@ -87,14 +97,14 @@ async def create_share(request: Request) -> Response:
     share_id = secrets.token_urlsafe(16)
     expires_at = now + ttl if ttl else None
     link = _link(share_id, sid, info.title, now, expires_at)
+    snap = json.dumps(snapshot(info.title, messages, now, state.config.think_markers), ensure_ascii=False)
     snap_prefix, index = _keys(state, uid)
     async with redis_errors():
         await _drop_expired(state, uid)
         if await state.redis.hlen(index) >= MAX_SHARES_PER_USER:
             raise GatewayError("invalid_request", f"at most {MAX_SHARES_PER_USER} share links; revoke some")
         pipe = state.redis.pipeline(transaction=True)
-        pipe.set(snap_prefix + share_id, json.dumps(snapshot(info.title, messages, now), ensure_ascii=False),
-                 ex=ttl or None)
+        pipe.set(snap_prefix + share_id, snap, ex=ttl or None)
         pipe.hset(index, share_id, json.dumps(link))
         await pipe.execute()
     return JSONResponse(link, status_code=201)

@@ -131,3 +131,20 @@ def test_search_and_the_markdown_export_show_reasoning_apart_as_the_page_does(
     assert "<think>" not in md and "</think>" not in md
     assert ("## Assistant\n\n> *Thought for 4.2 s*\n>\n> Sunlight, droplets, refraction.\n> Keep it short.\n\n"
             "**Light bends** in raindrops.\n") in md
+
+
+def test_a_shared_chat_shows_a_replys_reasoning_folded_above_its_answer(new_page: Callable[..., Page], gateway) -> None:
+    page = new_page()
+    sid = stored_reply_with_reasoning(page, gateway)
+    r = page.request.post(f"/api/sessions/{sid}/shares", data={})
+    assert r.status == 201, r.text()
+    page.goto(r.json()["url"])
+    reply = page.locator(".msg.assistant")
+    reply.wait_for(timeout=WAIT_MS)
+    assert reply.locator(".thinking-line").text_content() == "Thought for 4.2 s"
+    assert reply.locator(".thinking").get_attribute("open") is None
+    assert (reply.locator(".msg-body").text_content() or "").strip() == "Light bends in raindrops."
+    assert "think>" not in (page.text_content("#messages") or "")
+    reply.locator(".thinking-line").click()
+    assert "Sunlight, droplets, refraction." in (reply.locator(".thinking-body").text_content() or "")
+    shot(page, "reasoning-desktop-light-shared")

@@ -21,8 +21,9 @@ ASK = "What is the weather in Paris?"
 
 
 def claude(gw: Any, **kw: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=gw.base_url, api_key=kw.pop("api_key", "unused"), max_retries=0,
-                               timeout=120, **kw)
+    """The official ``anthropic`` client on a ``RunningGateway``, closed when it stops."""
+    return gw.close_on_stop(anthropic.Anthropic(base_url=gw.base_url, api_key=kw.pop("api_key", "unused"),
+                                                max_retries=0, timeout=120, **kw))
 
 
 def message(ac: anthropic.Anthropic, **kw: Any) -> Any:

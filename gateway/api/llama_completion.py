@@ -1,0 +1,161 @@
+"""llama-server's native completion API, ``POST /completion`` (docs/protocol.md section 4,
+"llama-server's /completion").
+
+The body is translated onto ``/v1/completions`` (``completions.parse_completion_request``,
+the same engine path): ``prompt`` (a string, token ids, ``{"prompt_string": text}``, or a
+list of those, each its own answer), ``n_predict`` (``max_tokens``; absent or negative: the
+server's default), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``,
+``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``, ``ignore_eos``,
+``return_tokens``, ``stream``. llama-server's slot and cache knobs (``cache_prompt``,
+``id_slot``, ``n_keep``...) are accepted and ignored (this server has no slots; its prefix
+cache is always on); ``n_probs``, multimodal data and anything else unknown is a 400.
+
+The answer has the keys llama.cpp clients read: ``content``, ``stop`` (true),
+``tokens`` (the reply's ids with ``return_tokens``, else empty), ``tokens_predicted``,
+``tokens_evaluated``, ``stop_type`` (``eos``, ``word`` or ``limit``), ``stopping_word``,
+``truncated`` (always false: a prompt too long is refused, never cut), ``has_new_line``,
+``generation_settings`` (the sampling settings sent) and ``timings`` (``prompt_n``,
+``predicted_n``, ``predicted_ms``); a list of those for several prompts. Streamed, each
+SSE event is ``{"index", "content", "tokens": [], "stop": false}``, and each prompt's last
+event is its whole answer without the text, ``stop`` true; no ``[DONE]``, as llama-server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.api.completions import CompletionRequest, parse_completion_request
+from gateway.api.openai_chat import openai_error_event
+from gateway.api.openai_replies import Delta, Finished, ReplyEvent
+from gateway.api.openai_request import bad
+from gateway.api.reply_collect import ChoiceReply, CollectingWriter
+from gateway.api.sse import json_bytes, sse
+
+# llama-server's name -> ours (the same meaning)
+_RENAMED = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
+_SAME = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
+         "frequency_penalty", "ignore_eos", "stream", "model")
+# llama-server's slot, cache and reporting knobs: nothing to do here (no slots; the prefix cache is always on)
+_IGNORED = frozenset({"cache_prompt", "id_slot", "slot_id", "n_keep", "n_indent", "t_max_predict_ms",
+                      "t_max_prompt_ms", "response_fields", "timings_per_token", "return_progress", "n_cmpl"})
+_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "ignore_eos")
+
+
+def _prompt(p: Any) -> Any:
+    """llama-server's ``{"prompt_string": text}`` object as its text (other parts refused)."""
+    if isinstance(p, dict):
+        extra = sorted(k for k in p if k != "prompt_string")
+        if extra:
+            raise bad(f"prompt part '{extra[0]}' is not supported (text and token prompts only)", "prompt")
+        return p.get("prompt_string")
+    return p
+
+
+def parse_llama_completion(body: Any) -> tuple[CompletionRequest, bool]:
+    """Validate a decoded ``/completion`` body: the equivalent completions request and
+    whether to return the reply's token ids.
+
+    Raises:
+        OpenAIError: 400 naming the first bad or unsupported field.
+    """
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    out: dict[str, Any] = {}
+    for k, v in body.items():
+        if k in _IGNORED or k == "return_tokens":
+            continue
+        if k in _RENAMED:
+            out[_RENAMED[k]] = v
+        elif k in _SAME:
+            out[k] = v
+        else:
+            raise bad(f"'{k}' is not supported by this server's /completion", k)
+    if "prompt" in out:
+        p = out["prompt"]
+        out["prompt"] = [_prompt(x) for x in p] if isinstance(p, list) and any(
+            isinstance(x, (dict, str, list)) for x in p) else _prompt(p)
+    n_predict = out.get("max_tokens")
+    if "max_tokens" in out and (not isinstance(n_predict, int) or isinstance(n_predict, bool)):
+        raise bad("'n_predict' must be an integer", "n_predict")
+    if isinstance(n_predict, int) and n_predict < 0:
+        del out["max_tokens"]  # llama-server's "no limit": the server's default
+    return_tokens = body.get("return_tokens", False)
+    if not isinstance(return_tokens, bool):
+        raise bad("'return_tokens' must be a boolean", "return_tokens")
+    creq = parse_completion_request(out)
+    if "max_tokens" not in out:
+        params = {k: v for k, v in creq.params.items() if k != "max_tokens"}
+        creq = CompletionRequest(creq.prompts, creq.model, params, creq.n, creq.logprobs, creq.echo,
+                                 creq.stream, creq.include_usage)
+    return creq, return_tokens
+
+
+def _stop_type(done: Finished) -> str:
+    if done.finish_reason == "length":
+        return "limit"
+    if isinstance(done.stop_reason, str):
+        return "word"
+    return "eos" if done.finish_reason == "stop" else "none"
+
+
+class LlamaCompletionWriter(CollectingWriter):
+    """Builds llama-server's ``/completion`` answer from the engine's events
+    (``openai_api.Writer``).
+
+    Args:
+        creq: the translated request.
+        return_tokens: put the reply's token ids in ``tokens``.
+        model: the served model's name.
+    """
+
+    def __init__(self, creq: CompletionRequest, return_tokens: bool, model: str) -> None:
+        self.creq = creq
+        self.return_tokens = return_tokens
+        self.model = model
+        self.choices: list[ChoiceReply] = [ChoiceReply() for _ in creq.prompts]
+
+    def _final(self, index: int, content: str) -> dict[str, Any]:
+        done = self.choices[index].done
+        prompt = self.creq.prompts[index]
+        u = done.usage
+        predicted = int(u.get("completion_tokens", len(done.output_token_ids)))
+        evaluated = int(u.get("prompt_tokens", len(done.prompt_token_ids)))
+        settings = {"n_predict": self.creq.params.get("max_tokens", -1),
+                    **{k: self.creq.params[k] for k in _SETTINGS if k in self.creq.params}}
+        return {"index": index, "content": content, "id_slot": -1, "stop": True, "model": self.model,
+                "tokens": list(done.output_token_ids) if self.return_tokens else [],
+                "tokens_predicted": predicted, "tokens_evaluated": evaluated,
+                "tokens_cached": int(u.get("cached_tokens", 0)),
+                "generation_settings": settings, "prompt": prompt.get("prompt", ""),
+                "has_new_line": "\n" in self.choices[index].whole_text, "truncated": False,
+                "stop_type": _stop_type(done),
+                "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
+                "timings": {"prompt_n": evaluated, "predicted_n": predicted,
+                            "predicted_ms": float(done.timings.get("e2e_ms", 0.0))}}
+
+    def start_events(self) -> list[bytes]:
+        """Nothing before the first text."""
+        return []
+
+    def stream_events(self, index: int, ev: ReplyEvent) -> list[bytes]:
+        """A chunk per text; the prompt's whole answer (no text, ``stop`` true) at its end."""
+        if isinstance(ev, Delta) and ev.text:
+            self.choices[index].take(ev)
+            return [sse(json_bytes({"index": index, "content": ev.text, "tokens": [], "stop": False,
+                                    "id_slot": -1, "tokens_predicted": 0, "tokens_evaluated": 0}))]
+        if isinstance(ev, Finished):
+            self.choices[index].take(ev)
+            return [sse(json_bytes(self._final(index, "")))]
+        return []
+
+    def end_events(self) -> list[bytes]:
+        """Nothing (llama-server sends no ``[DONE]`` here)."""
+        return []
+
+    error_event = staticmethod(openai_error_event)
+
+    def body(self) -> Any:
+        """One prompt's answer, or the list of them."""
+        answers = [self._final(i, c.whole_text) for i, c in enumerate(self.choices)]
+        return answers[0] if len(answers) == 1 else answers
