@@ -43,9 +43,6 @@ from gateway.store.reply_streams import ReplyStreams, done_payload
 log = logging.getLogger("gateway.openai")
 
 T = TypeVar("T")
-# cached_disk_tokens: of cached_tokens, those our engine restored from its disk KV tier
-USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cached_disk_tokens")
-TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 @dataclass
@@ -67,19 +64,34 @@ class Delta:
 
 @dataclass
 class Finished:
-    """The reply ended: ``finish_reason`` "stop", "length", "abort", "tool_calls" or
-    "error"; ``usage`` in tokens (``prompt_tokens``, ``cached_tokens``,
-    ``completion_tokens``); ``timings`` in ms. From an engine: ``tool_calls``, every call
-    whole (a request with tools), ``stop_reason`` (the stop string or token matched, or
-    why the engine could not go on), the prompt's and reply's token ids."""
+    """The reply ended, as its typed ``end`` (``gateway/replies/reply_end.py``) says; its
+    ``finish_reason``, ``usage`` (tokens) and ``timings`` (ms) are read from that end, so
+    every OpenAI-style answer derives them from the one type. From an engine: ``tool_calls``
+    in the engine's wire shape, every call whole (a request with tools), ``stop_reason``
+    (the stop string or token matched, or why the engine could not go on), the prompt's
+    and reply's token ids."""
 
-    finish_reason: str
-    usage: dict[str, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
+    end: ReplyEnd
     tool_calls: list[dict[str, Any]] | None = None
     stop_reason: str | int | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        """"stop", "length", "abort", "tool_calls" or "error"."""
+        return self.end.finish_reason
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """``prompt_tokens``, ``cached_tokens``, ``completion_tokens`` (and
+        ``cached_disk_tokens`` when some); tokens."""
+        return self.end.usage()
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """The reply's latencies (ms) and decode figures, as stored with a message."""
+        return self.end.timings_dict()
 
 
 @dataclass
@@ -94,14 +106,6 @@ class Failed:
 
 
 ReplyEvent = Delta | Finished | Failed
-
-
-def _usage(frame: dict[str, Any]) -> dict[str, int]:
-    return {k: int((frame.get("usage") or {}).get(k, 0)) for k in USAGE_KEYS}
-
-
-def _timings(frame: dict[str, Any]) -> dict[str, float]:
-    return {k: float((frame.get("timings") or {}).get(k, 0.0)) for k in TIMING_KEYS}
 
 
 class ClientGone(Exception):
@@ -258,13 +262,10 @@ class EngineReply:
             code = user_code(end)
             self.events.on_error(self.request_id, code, now)
             return Failed(code, end.message or "the engine refused the request", error_status(end))
-        usage = {k: int(getattr(end.usage, k)) for k in USAGE_KEYS}
-        timings = {k: float(getattr(end.timings, k)) for k in TIMING_KEYS}
-        done = Finished(end.finish_reason or "stop", usage, timings, end.output_tool_calls, end.stop_reason,
-                        list(end.prompt_token_ids), list(end.output_token_ids))
-        self.events.on_finish(self.request_id, replace(ReplyEnd.of_done(end, None), finish_reason=done.finish_reason),
-                              now)
-        return done
+        reply_end = replace(ReplyEnd.of_done(end, None), finish_reason=end.finish_reason or "stop")
+        self.events.on_finish(self.request_id, reply_end, now)
+        return Finished(reply_end, end.output_tool_calls, end.stop_reason, list(end.prompt_token_ids),
+                        list(end.output_token_ids))
 
     async def abort(self) -> None:
         """Abort in the engine (the client left) and wait, up to ``abort_grace_s``, for
@@ -322,7 +323,7 @@ class SessionReply:
                         events.append(Failed(err.get("code", "internal_error"), err.get("message", ""),
                                              int(err.get("status") or 0)))
                     else:
-                        events.append(Finished(d.get("finish_reason", "stop"), _usage(d), _timings(d)))
+                        events.append(Finished(ReplyEnd.of_done_entry(d)))
                 elif e.kind == "error":
                     self._ended = True
                     events.append(Failed(e.fields.get("code", "internal_error"), e.fields.get("message", ""),

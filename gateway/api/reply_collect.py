@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.openai_replies import Delta, Finished, ReplyEvent
+from gateway.replies.reply_end import ReplyEnd
 
 
 @dataclass
@@ -50,7 +51,7 @@ class ChoiceReply:
     @property
     def done(self) -> Finished:
         """The ``Finished`` event, or a plain "stop" when none came."""
-        return self.finished or Finished("stop")
+        return self.finished or Finished(ReplyEnd("stop"))
 
 
 class CollectingWriter:

@@ -11,10 +11,12 @@ said how it went has zero TTFT, TPOT and end-to-end time only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.protocol import DoneFrame, Timings
+
+_TIMING_NAMES = frozenset(f.name for f in fields(Timings))
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,19 @@ class ReplyEnd:
         """A reply that failed after some of it was written (``completion_tokens`` of it)."""
         return cls("error", completion_tokens=completion_tokens, cut_reason=cut_reason, error=error,
                    reasoning_ms=reasoning_ms)
+
+    @classmethod
+    def of_done_entry(cls, done: dict[str, Any]) -> ReplyEnd:
+        """The end a reply stream's ``done`` entry carries (what ``done_entry`` wrote: its
+        finish reason, usage and timings; missing counts read as 0, a missing ``timings`` as
+        None), so that a reader of the stream derives its answer from the same type."""
+        u = done.get("usage") or {}
+        t = done.get("timings")
+        kept: dict[str, Any] = {k: v for k, v in (t or {}).items() if k in _TIMING_NAMES}  # JSON numbers
+        timings = None if t is None else Timings(**kept)
+        return cls(done.get("finish_reason", "stop"), int(u.get("prompt_tokens", 0)), int(u.get("cached_tokens", 0)),
+                   int(u.get("completion_tokens", 0)), int(u.get("cached_disk_tokens", 0)), timings,
+                   error=done.get("error"), reasoning_ms=done.get("reasoning_ms"), tool_calls=done.get("tool_calls"))
 
     def usage(self) -> dict[str, int]:
         """The ``usage`` object of the stored message and of ``done`` (tokens)."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from engine.protocol import DoneFrame, Timings, Usage
 from gateway.replies.reply_end import ReplyEnd
 
@@ -55,3 +57,12 @@ def test_a_reply_that_called_tools_stores_and_announces_its_calls_in_openais_sha
     plain = ReplyEnd.of_done(DoneFrame("r2", finish_reason="stop", usage=Usage(3, 0, 9), output_tool_calls=[]), None)
     assert "tool_calls" not in plain.stored_message("x", 1.0, "r2")
     assert "tool_calls" not in plain.done_entry("r2", "s", "m")
+
+
+def test_a_done_entry_read_back_gives_the_same_usage_and_timings():
+    end = ReplyEnd.of_done(DoneFrame("r1", finish_reason="stop", usage=Usage(10, 4, 7, 2), timings=TIMINGS), None)
+    entry = json.loads(json.dumps(end.done_entry("r1", "s1", "m1")))  # as a reader of the stream gets it
+    back = ReplyEnd.of_done_entry(entry)
+    assert back.finish_reason == "stop"
+    assert back.usage() == end.usage() and back.timings_dict() == end.timings_dict()
+    assert ReplyEnd.of_done_entry({}).usage() == {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
