@@ -9,7 +9,8 @@ server's default), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, `
 ``return_tokens``, ``stream``, ``logit_bias`` (``llama_logit_bias``), ``n_probs``
 (``logprobs``: alternatives per token, answered as ``completion_probabilities``).
 llama-server's slot and cache knobs (``cache_prompt``, ``id_slot``, ``n_keep``...) are
-accepted and ignored (this server has no slots; its prefix cache is always on); multimodal data and anything else unknown is a 400.
+accepted and ignored (this server has no slots; its prefix cache is always on); multimodal
+data and anything else unknown is a 400.
 
 The answer has the keys llama.cpp clients read: ``content``, ``stop`` (true),
 ``tokens`` (the reply's ids with ``return_tokens``, else empty), ``tokens_predicted``,
