@@ -6,9 +6,11 @@ the same engine path): ``prompt`` (a string, token ids, ``{"prompt_string": text
 list of those, each its own answer), ``n_predict`` (``max_tokens``; absent or negative: the
 server's default), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``,
 ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``, ``ignore_eos``,
-``return_tokens``, ``stream``. llama-server's slot and cache knobs (``cache_prompt``,
-``id_slot``, ``n_keep``...) are accepted and ignored (this server has no slots; its prefix
-cache is always on); ``n_probs``, multimodal data and anything else unknown is a 400.
+``return_tokens``, ``stream``, ``logit_bias`` (``llama_logit_bias``), ``n_probs``
+(``logprobs``: alternatives per token, answered as ``completion_probabilities``).
+llama-server's slot and cache knobs (``cache_prompt``, ``id_slot``, ``n_keep``...) are
+accepted and ignored (this server has no slots; its prefix cache is always on); multimodal
+data and anything else unknown is a 400.
 
 The answer has the keys llama.cpp clients read: ``content``, ``stop`` (true),
 ``tokens`` (the reply's ids with ``return_tokens``, else empty), ``tokens_predicted``,
@@ -22,6 +24,7 @@ event is its whole answer without the text, ``stop`` true; no ``[DONE]``, as lla
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gateway.api.completions import CompletionRequest, parse_completion_request
@@ -32,8 +35,8 @@ from gateway.api.reply_collect import ChoiceReply, CollectingWriter
 from gateway.api.sse import json_bytes, sse
 
 # llama-server's name -> ours (the same meaning)
-_RENAMED = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
-_SAME = ("prompt", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
+_RENAMED = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "n_probs": "logprobs"}
+_SAME = ("prompt", "logit_bias", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
          "frequency_penalty", "ignore_eos", "stream", "model")
 # llama-server's slot, cache and reporting knobs: nothing to do here (no slots; the prefix cache is always on)
 _IGNORED = frozenset({"cache_prompt", "id_slot", "slot_id", "n_keep", "n_indent", "t_max_predict_ms",
@@ -52,9 +55,46 @@ def _prompt(p: Any) -> Any:
     return p
 
 
-def parse_llama_completion(body: Any) -> tuple[CompletionRequest, bool]:
+def llama_logit_bias(value: Any, tokenize: Callable[[str], list[int]] | None) -> Any:
+    """llama-server's ``logit_bias`` (``[[token, bias], ...]`` or ``{token: bias}``, a token
+    being an id, a string of digits, or a text whose every token gets the bias; bias
+    ``false``: never) as OpenAI's ``{id: bias}``. Anything else is returned as it is, for
+    the usual check to refuse. ``tokenize`` (the served tokenizer) is needed only for texts.
+
+    Raises:
+        OpenAIError: 400 for a text without ``tokenize``.
+    """
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        return value
+    out: dict[str, Any] = {}
+    for key, bias in pairs:
+        bias = -100 if bias is False else bias
+        if isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        elif isinstance(key, str) and key.isdigit():
+            ids = [int(key)]
+        elif isinstance(key, str) and tokenize is not None:
+            ids = tokenize(key)
+        else:
+            raise bad("logit_bias keys must be token ids or texts", "logit_bias")
+        out.update({str(i): bias for i in ids})
+    return out
+
+
+def needs_tokenizer(body: Any) -> bool:
+    """The body's ``logit_bias`` names a token by its text."""
+    bias = body.get("logit_bias") if isinstance(body, dict) else None
+    keys = bias.keys() if isinstance(bias, dict) else [p[0] for p in bias if isinstance(p, list) and p] \
+        if isinstance(bias, list) else []
+    return any(isinstance(k, str) and not k.isdigit() for k in keys)
+
+
+def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | None = None
+                           ) -> tuple[CompletionRequest, bool]:
     """Validate a decoded ``/completion`` body: the equivalent completions request and
-    whether to return the reply's token ids.
+    whether to return the reply's token ids (``tokenize``: the served tokenizer, for a
+    ``logit_bias`` that names tokens by their text).
 
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
@@ -63,7 +103,7 @@ def parse_llama_completion(body: Any) -> tuple[CompletionRequest, bool]:
         raise bad("the request body must be a JSON object")
     out: dict[str, Any] = {}
     for k, v in body.items():
-        if k in _IGNORED or k == "return_tokens":
+        if k in _IGNORED or k == "return_tokens" or (k == "n_probs" and v == 0):
             continue
         if k in _RENAMED:
             out[_RENAMED[k]] = v
@@ -71,6 +111,8 @@ def parse_llama_completion(body: Any) -> tuple[CompletionRequest, bool]:
             out[k] = v
         else:
             raise bad(f"'{k}' is not supported by this server's /completion", k)
+    if "logit_bias" in out:
+        out["logit_bias"] = llama_logit_bias(out["logit_bias"], tokenize)
     if "prompt" in out:
         p = out["prompt"]
         out["prompt"] = [_prompt(x) for x in p] if isinstance(p, list) and any(
@@ -89,6 +131,14 @@ def parse_llama_completion(body: Any) -> tuple[CompletionRequest, bool]:
         creq = CompletionRequest(creq.prompts, creq.model, params, creq.n, creq.logprobs, creq.echo,
                                  creq.stream, creq.include_usage)
     return creq, return_tokens
+
+
+def _probabilities(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Engine logprob entries in llama-server's ``completion_probabilities`` layout."""
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"id": e["token_id"], "token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+
+    return [{**one(e), "top_logprobs": [one(t) for t in e.get("top", [])]} for e in entries]
 
 
 def _stop_type(done: Finished) -> str:
@@ -132,7 +182,11 @@ class LlamaCompletionWriter(CollectingWriter):
                 "stop_type": _stop_type(done),
                 "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
                 "timings": {"prompt_n": evaluated, "predicted_n": predicted,
-                            "predicted_ms": float(done.timings.get("e2e_ms", 0.0))}}
+                            "predicted_ms": float(done.timings.get("e2e_ms", 0.0))},
+                **self._probs(self.choices[index].logprobs if content else [])}
+
+    def _probs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"completion_probabilities": _probabilities(entries)} if self.creq.logprobs is not None else {}
 
     def start_events(self) -> list[bytes]:
         """Nothing before the first text."""
@@ -143,7 +197,8 @@ class LlamaCompletionWriter(CollectingWriter):
         if isinstance(ev, Delta) and ev.text:
             self.choices[index].take(ev)
             return [sse(json_bytes({"index": index, "content": ev.text, "tokens": [], "stop": False,
-                                    "id_slot": -1, "tokens_predicted": 0, "tokens_evaluated": 0}))]
+                                    "id_slot": -1, "tokens_predicted": 0, "tokens_evaluated": 0,
+                                    **self._probs(ev.logprobs)}))]
         if isinstance(ev, Finished):
             self.choices[index].take(ev)
             return [sse(json_bytes(self._final(index, "")))]

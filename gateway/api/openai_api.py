@@ -35,6 +35,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 from starlette.requests import ClientDisconnect, Request
@@ -51,7 +52,7 @@ from gateway.api.anthropic_api import (
 )
 from gateway.api.auth import UserIds, cookie_value, request_user
 from gateway.api.completions import CompletionRequest, CompletionWriter, parse_completion_request
-from gateway.api.llama_completion import LlamaCompletionWriter, parse_llama_completion
+from gateway.api.llama_completion import LlamaCompletionWriter, needs_tokenizer, parse_llama_completion
 from gateway.api.openai_chat import ChatWriter
 from gateway.api.openai_choices import ChoiceSet
 from gateway.api.openai_replies import (
@@ -78,7 +79,7 @@ from gateway.api.responses_api import ResponsesWriter, new_response_id, parse_re
 from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
 from gateway.api.sse import SSE_HEADERS, SSEResponse, json_bytes
-from gateway.api.tokenize_api import detokenize_body, parse_tokenize, tokenize_body
+from gateway.api.tokenize_api import detokenize_body, parse_tokenize, served_tokenizer, tokenize_body
 from gateway.api.validation import BadJson, loads_json
 from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
@@ -293,7 +294,12 @@ class OpenAIApi:
     async def llama_completion(self, request: Request) -> Response | SSEResponse:
         """``POST /completion``: llama-server's native API (``gateway/api/llama_completion.py``)."""
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
-            creq, return_tokens = parse_llama_completion(await self._read_json(request))
+            body = await self._read_json(request)
+            tokenize = None
+            if needs_tokenizer(body):
+                tok = await served_tokenizer(request.app.state)
+                tokenize = partial(tok.encode, add_special_tokens=False)
+            creq, return_tokens = parse_llama_completion(body, tokenize)
             choices = await self._start_prompts(request, creq)
             return choices, LlamaCompletionWriter(creq, return_tokens, choices.model_name), creq.stream, {}
         return await self.serve(request, start)

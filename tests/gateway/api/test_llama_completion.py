@@ -55,9 +55,31 @@ def test_token_and_object_prompts_and_several_prompts(api_gateway):
 
 def test_bad_completion_bodies_get_a_400_naming_the_field(api_gateway):
     gw = api_gateway()
-    for body, param in [({"prompt": PROMPT, "n_probs": 3}, "n_probs"), ({"prompt": 5}, "prompt"),
+    for body, param in [({"prompt": PROMPT, "mirostat": 2}, "mirostat"), ({"prompt": 5}, "prompt"),
                         ({"prompt": {"prompt_string": "a", "multimodal_data": "x"}}, "prompt"),
                         ({"prompt": PROMPT, "return_tokens": 1}, "return_tokens"),
                         ({"prompt": PROMPT, "n_predict": "many"}, "n_predict")]:
         r = _post(gw, "/completion", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_n_probs_gives_each_tokens_alternatives(api_gateway):
+    gw = api_gateway()
+    b = _post(gw, "/completion", {"prompt": PROMPT, "n_predict": 3, "temperature": 0, "ignore_eos": True,
+                                  "n_probs": 4, "return_tokens": True}).json()
+    probs = b["completion_probabilities"]
+    assert [p["id"] for p in probs] == b["tokens"]
+    assert all(len(p["top_logprobs"]) == 4 and p["logprob"] <= 0 and isinstance(p["bytes"], list) for p in probs)
+
+
+def test_llama_logit_bias_by_id_or_text_bans_those_tokens(api_gateway):
+    gw = api_gateway()
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    first = _post(gw, "/completion", body).json()["tokens"]
+    banned = sorted(set(first))
+    by_pairs = _post(gw, "/completion", {**body, "logit_bias": [[t, False] for t in banned]}).json()
+    by_dict = _post(gw, "/completion", {**body, "logit_bias": {str(t): -100 for t in banned}}).json()
+    assert by_pairs["tokens"] == by_dict["tokens"] and not set(by_pairs["tokens"]) & set(banned)
+    text = _post(gw, "/detokenize", {"tokens": first[:1]}).json()["content"]
+    by_text = _post(gw, "/completion", {**body, "logit_bias": [[text, -100]]}).json()
+    assert first[0] not in by_text["tokens"]
