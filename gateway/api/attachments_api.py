@@ -82,8 +82,6 @@ async def upload_attachment(request: Request) -> Response:
     att = await asyncio.to_thread(extract, name, data, ATTACHMENT_LIMITS)
     wrapped = prompt_content("", [att.to_json()])
     info = state.router.info()
-    if not hasattr(state, "token_counter"):
-        state.token_counter = TokenCounter()
     tok = await state.token_counter.get(info.tokenizer_dir if info else None)
     if tok is not None:
         tokens = len(await asyncio.to_thread(tok.encode, wrapped, add_special_tokens=False))

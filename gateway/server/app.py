@@ -27,7 +27,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.access_tokens import TokenAuthMiddleware, TokenStore
-from gateway.api.attachments_api import attachment_routes
+from gateway.api.attachments_api import TokenCounter, attachment_routes
 from gateway.api.auth import UserCookieMiddleware, UserIds
 from gateway.api.chat_export import export_routes
 from gateway.api.cors import ApiCorsMiddleware
@@ -153,6 +153,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         s.tokens = TokenStore(redis, config.key_prefix)
         s.user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
         s.live = LiveHub(redis, keys)
+        s.token_counter = TokenCounter()  # the engines' tokenizers, loaded on first use
         s.chat_transfer = ChatTransfer(redis, store, keys, config.session_ttl_s, lim.max_sessions_per_user)
         s.revocations = Revocations(redis, s.tokens, config.key_prefix)
         await router.start()
