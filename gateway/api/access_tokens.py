@@ -221,7 +221,7 @@ class TokenAuthMiddleware:
         if token is None:
             await self.app(scope, receive, send)
             return
-        store: TokenStore | None = getattr(scope["app"].state, "tokens", None)
+        store: TokenStore | None = scope["app"].state.tokens  # None until the lifespan ran
         try:
             if store is None:
                 raise GatewayError("store_unavailable", "starting up")

@@ -134,11 +134,7 @@ def chat_markdown(info: SessionInfo, messages: list[dict[str, Any]], versions: V
 
 
 def chat_transfer(state: Any) -> ChatTransfer:
-    """The app's ``ChatTransfer`` (made on first use from its store)."""
-    if getattr(state, "chat_transfer", None) is None:
-        lim = state.config.limits
-        state.chat_transfer = ChatTransfer(state.redis, state.store, state.store.keys, state.config.session_ttl_s,
-                                           lim.max_sessions_per_user)
+    """The app's ``ChatTransfer`` (``app.state.chat_transfer``, made by the app's lifespan)."""
     transfer: ChatTransfer = state.chat_transfer
     return transfer
 

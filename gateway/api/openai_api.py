@@ -84,7 +84,7 @@ from gateway.api.validation import BadJson, loads_json
 from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.engines.client import EngineRouter, engine_unavailable
 from gateway.errors import GatewayError, not_found
-from gateway.replies.hooks import EventFanout, GenerationEvents
+from gateway.replies.hooks import GenerationEvents
 from gateway.store.sessions import SessionInfo
 
 log = logging.getLogger("gateway.openai")
@@ -474,7 +474,7 @@ class OpenAIApi:
             GatewayError: ``engine_unavailable`` (the started choices are closed).
         """
         state = request.app.state
-        events: GenerationEvents = getattr(state.generations, "events", None) or EventFanout()
+        events: GenerationEvents = state.generations.events
         params = {"max_tokens": state.config.defaults.max_tokens, **params}
         # the cache namespace of the request's first user (docs/reliability.md, cache isolation)
         isolation = state.generations.isolation

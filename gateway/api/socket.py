@@ -395,7 +395,7 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     stats.by_user[uid] = stats.by_user.get(uid, 0) + 1
     stats.by_address[addr] = stats.by_address.get(addr, 0) + 1
     conn = Connection(websocket, uid, config, state.generations, state.streams, stats)
-    conn.live = getattr(state, "live", None)
+    conn.live = state.live
     token = websocket.scope.get("state", {}).get("token") if by_token else None
     release = state.revocations.hold(uid, conn.revoke, token.id if token else None, token.digest if token else None)
     try:

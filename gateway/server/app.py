@@ -45,6 +45,7 @@ from gateway.replies.hooks import GenerationEvents
 from gateway.replies.manager import GenerationManager
 from gateway.server.disconnects import ClientDisconnects, DisconnectMiddleware
 from gateway.store.connection import resilience_options
+from gateway.store.imports import ChatTransfer
 from gateway.store.keys import Keys
 from gateway.store.live_events import LiveHub
 from gateway.store.reply_streams import ReplyStreams
@@ -152,6 +153,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         s.tokens = TokenStore(redis, config.key_prefix)
         s.user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
         s.live = LiveHub(redis, keys)
+        s.chat_transfer = ChatTransfer(redis, store, keys, config.session_ttl_s, lim.max_sessions_per_user)
         s.revocations = Revocations(redis, s.tokens, config.key_prefix)
         await router.start()
         await gens.start()
@@ -234,7 +236,12 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
                   Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
                   Middleware(UserCookieMiddleware, ids=ids)]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    # set before the lifespan runs, so that every reader finds them: the counters of
+    # hung-up clients, the token store (None until the lifespan opens Redis: a token is
+    # refused as "starting up"), uvicorn's connection counters (set by uvicorn_config)
     app.state.disconnects = disconnects
+    app.state.tokens = None
+    app.state.connection_stats = None
     return app
 
 

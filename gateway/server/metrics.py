@@ -122,9 +122,9 @@ class StateCollector(Collector):
             return EngineSnapshot(c.url, c.healthy, model, c.last_stats, age)
 
         self.engines = list(await asyncio.gather(*(one(c) for c in clients)))
-        self.ws_stats = getattr(state, "ws_stats", None)
-        self.disconnects = getattr(state, "disconnects", None)
-        self.connections = getattr(state, "connection_stats", None)
+        self.ws_stats = state.ws_stats
+        self.disconnects = state.disconnects
+        self.connections = state.connection_stats  # None unless served through uvicorn_config
 
     def collect(self) -> Iterable[Metric]:
         up = GaugeMetricFamily("engine_up", "1 while the link to the engine is open and its hello arrived.",
