@@ -16,8 +16,9 @@ The answer has the keys llama.cpp clients read: ``content``, ``stop`` (true),
 ``tokens`` (the reply's ids with ``return_tokens``, else empty), ``tokens_predicted``,
 ``tokens_evaluated``, ``stop_type`` (``eos``, ``word`` or ``limit``), ``stopping_word``,
 ``truncated`` (always false: a prompt too long is refused, never cut), ``has_new_line``,
-``generation_settings`` (the sampling settings sent) and ``timings`` (``prompt_n``,
-``predicted_n``, ``predicted_ms``); a list of those for several prompts. Streamed, each
+``generation_settings`` (the sampling settings sent) and ``timings`` (``prompt_n``: prompt
+tokens computed, ``cache_n``: those reused from the prefix cache, ``predicted_n``,
+``predicted_ms``); a list of those for several prompts. Streamed, each
 SSE event is ``{"index", "content", "tokens": [], "stop": false}``, and each prompt's last
 event is its whole answer without the text, ``stop`` true; no ``[DONE]``, as llama-server.
 """
@@ -171,17 +172,19 @@ class LlamaCompletionWriter(CollectingWriter):
         u = done.usage
         predicted = int(u.get("completion_tokens", len(done.output_token_ids)))
         evaluated = int(u.get("prompt_tokens", len(done.prompt_token_ids)))
+        cached = int(u.get("cached_tokens", 0))
         settings = {"n_predict": self.creq.params.get("max_tokens", -1),
                     **{k: self.creq.params[k] for k in _SETTINGS if k in self.creq.params}}
         return {"index": index, "content": content, "id_slot": -1, "stop": True, "model": self.model,
                 "tokens": list(done.output_token_ids) if self.return_tokens else [],
                 "tokens_predicted": predicted, "tokens_evaluated": evaluated,
-                "tokens_cached": int(u.get("cached_tokens", 0)),
+                "tokens_cached": cached,
                 "generation_settings": settings, "prompt": prompt.get("prompt", ""),
                 "has_new_line": "\n" in self.choices[index].whole_text, "truncated": False,
                 "stop_type": _stop_type(done),
                 "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
-                "timings": {"prompt_n": evaluated, "predicted_n": predicted,
+                # llama-server's prompt_n counts the prompt tokens computed, cache_n those reused
+                "timings": {"prompt_n": evaluated - cached, "cache_n": cached, "predicted_n": predicted,
                             "predicted_ms": float(done.timings.get("e2e_ms", 0.0))},
                 **self._probs(self.choices[index].logprobs if content else [])}
 

@@ -25,7 +25,7 @@ def test_completion_answers_as_llama_server_with_the_v1_completions_text(api_gat
                                        "ignore_eos": True}).json()
     assert b["content"] == v1["choices"][0]["text"] and b["stop"] is True
     assert b["tokens_predicted"] == b["timings"]["predicted_n"] == 6 == len(b["tokens"])
-    assert b["tokens_evaluated"] == b["timings"]["prompt_n"] == v1["usage"]["prompt_tokens"]
+    assert b["tokens_evaluated"] == b["timings"]["prompt_n"] + b["timings"]["cache_n"] == v1["usage"]["prompt_tokens"]
     assert b["stop_type"] == "limit" and b["truncated"] is False and isinstance(b["has_new_line"], bool)
     assert b["generation_settings"]["n_predict"] == 6
 
