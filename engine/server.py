@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -417,6 +418,11 @@ def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
             started.set()
             engine.shutdown()  # ends run_step_loop
 
+    if threading.current_thread() is threading.main_thread():
+        # A shell's background job starts with SIGINT ignored, and Python then installs no
+        # KeyboardInterrupt handler: Ctrl-C or a supervisor's SIGINT must still end the live
+        # requests with their abort frames (uvicorn, serving the gateway, does the same).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=server_thread, name="engine-server", daemon=True)
     t.start()
     try:
