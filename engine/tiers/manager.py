@@ -27,6 +27,8 @@ engine keeps serving from the pool.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import queue
@@ -511,10 +513,26 @@ class KVTiers:
         return page.kv
 
 
+@functools.lru_cache(maxsize=1)
+def engine_code_id() -> str:
+    """16 hex digits of SHA-256 over the engine's own source files (``engine/**/*.py``
+    and ``*.c``): pages written by other code (an upgrade, a changed kernel) are
+    another key and are recomputed, never restored. Costs one read of the sources
+    (about 1 MB) per process."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def page_key(config: EngineConfig, model_config: ModelConfig, weights_id: str) -> PageKey:
-    """The page key of an engine serving ``weights_id`` with the resolved ``config``."""
+    """The page key of an engine serving ``weights_id`` with the resolved ``config``; the
+    model id also names the engine's code (``engine_code_id``)."""
     kv = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else config.dtype
-    return PageKey(model_id=weights_id, weight_format=config.quantization or config.dtype, kv_dtype=kv,
+    return PageKey(model_id=f"{weights_id}+{engine_code_id()}", weight_format=config.quantization or config.dtype,
+                   kv_dtype=kv,
                    block_size=config.block_size, num_layers=model_config.num_layers,
                    num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim)
 
