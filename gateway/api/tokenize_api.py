@@ -22,7 +22,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.attachments_api import TokenCounter
 from gateway.api.openai_request import OpenAIError, bad, check_body, check_text
 
 TOKENIZE_FIELDS = frozenset({"content", "prompt", "add_special", "add_special_tokens", "with_pieces", "model"})
@@ -88,8 +87,6 @@ async def served_tokenizer(state: Any) -> Any:
             from this host (an engine elsewhere, an upstream).
     """
     info = state.router.info()
-    if not hasattr(state, "token_counter"):
-        state.token_counter = TokenCounter()
     tok = await state.token_counter.get(info.tokenizer_dir if info else None)
     if tok is None:
         raise OpenAIError(503, "the model's tokenizer is not readable by this gateway (no engine connected, "
