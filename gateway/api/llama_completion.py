@@ -16,9 +16,10 @@ The answer has the keys llama.cpp clients read: ``content``, ``stop`` (true),
 ``tokens`` (the reply's ids with ``return_tokens``, else empty), ``tokens_predicted``,
 ``tokens_evaluated``, ``stop_type`` (``eos``, ``word`` or ``limit``), ``stopping_word``,
 ``truncated`` (always false: a prompt too long is refused, never cut), ``has_new_line``,
-``generation_settings`` (the sampling settings sent) and ``timings`` (``prompt_n``: prompt
-tokens computed, ``cache_n``: those reused from the prefix cache, ``predicted_n``,
-``predicted_ms``); a list of those for several prompts. Streamed, each
+``generation_settings`` (the sampling settings sent) and ``timings`` (llama-server's object,
+``reply_collect.llama_timings``: ``prompt_n`` prompt tokens computed, ``cache_n`` those
+reused from the prefix cache, ``predicted_n``, their ms and rates); a list of those for
+several prompts. Streamed, each
 SSE event is ``{"index", "content", "tokens": [], "stop": false}``, and each prompt's last
 event is its whole answer without the text, ``stop`` true; no ``[DONE]``, as llama-server.
 """
@@ -32,7 +33,7 @@ from gateway.api.completions import CompletionRequest, parse_completion_request
 from gateway.api.openai_chat import openai_error_event
 from gateway.api.openai_replies import Delta, Finished, ReplyEvent
 from gateway.api.openai_request import bad
-from gateway.api.reply_collect import ChoiceReply, CollectingWriter
+from gateway.api.reply_collect import ChoiceReply, CollectingWriter, finished_timings
 from gateway.api.sse import json_bytes, sse
 
 # llama-server's name -> ours (the same meaning)
@@ -184,8 +185,7 @@ class LlamaCompletionWriter(CollectingWriter):
                 "stop_type": _stop_type(done),
                 "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
                 # llama-server's prompt_n counts the prompt tokens computed, cache_n those reused
-                "timings": {"prompt_n": evaluated - cached, "cache_n": cached, "predicted_n": predicted,
-                            "predicted_ms": float(done.timings.get("e2e_ms", 0.0))},
+                "timings": finished_timings(done),
                 **self._probs(self.choices[index].logprobs if content else [])}
 
     def _probs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
