@@ -17,10 +17,11 @@ Both servers are started with the same settings: the bundled SmolLM2 (the engine
 float weights; llama-server reads the package's Q4_1 GGUF of the same model), replies
 of 64 tokens by default (llama-server ``--n-predict 64``, our gateway's
 ``defaults.max_tokens``), sampling temperature 0.8 and seed 42 as the suite's launcher
-passes them (ours: ``API_SEED``, the seed of every request that names none), a context of 8,192 tokens, chat templates from the model
-(llama-server ``--jinja``, which its tool-call tests need) and any model name taken
-for the one served (llama-server's habit; ours with ``MODEL_ALIASES=*``: the suite's
-OpenAI-SDK tests name ``gpt-3.5-turbo-instruct`` and the like). The suite runs in its own
+passes them (ours: ``API_SEED``, the seed of every request that names none), a context
+of 8,192 tokens, chat templates from the model (llama-server ``--jinja``, which its
+tool-call tests need) and any model name taken for the one served (llama-server's
+habit; ours with ``MODEL_ALIASES=*``: the suite's OpenAI-SDK tests name
+``gpt-3.5-turbo-instruct`` and the like). The suite runs in its own
 virtual environment (``--suite-python``; its ``requirements.txt`` plus
 ``pytest-timeout``), each test limited to ``--timeout`` seconds.
 """

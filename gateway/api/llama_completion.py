@@ -7,7 +7,9 @@ list of those, each its own answer), ``n_predict`` (``max_tokens``; absent or ne
 server's default), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``,
 ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``, ``ignore_eos``,
 ``return_tokens``, ``stream``, ``logit_bias`` (``llama_logit_bias``), ``n_probs``
-(``logprobs``: alternatives per token, answered as ``completion_probabilities``).
+(``logprobs``: alternatives per token, answered as ``completion_probabilities``; with
+``post_sampling_probs`` as the probabilities the sampler drew from, the engine's
+``processed_logprobs``).
 llama-server's slot and cache knobs (``cache_prompt``, ``id_slot``, ``n_keep``...) are
 accepted and ignored (this server has no slots; its prefix cache is always on); multimodal
 data and anything else unknown is a 400.
@@ -26,6 +28,7 @@ event is its whole answer without the text, ``stop`` true; no ``[DONE]``, as lla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,8 +44,10 @@ _RENAMED = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "
 _SAME = ("prompt", "logit_bias", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
          "frequency_penalty", "ignore_eos", "stream", "model")
 # llama-server's slot, cache and reporting knobs: nothing to do here (no slots; the prefix cache is always on)
+# (backend_sampling: where llama-server samples, not what it samples from)
 _IGNORED = frozenset({"cache_prompt", "id_slot", "slot_id", "n_keep", "n_indent", "t_max_predict_ms",
-                      "t_max_prompt_ms", "response_fields", "timings_per_token", "return_progress", "n_cmpl"})
+                      "t_max_prompt_ms", "response_fields", "timings_per_token", "return_progress", "n_cmpl",
+                      "backend_sampling"})
 _SETTINGS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos")
 
@@ -105,7 +110,7 @@ def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | Non
         raise bad("the request body must be a JSON object")
     out: dict[str, Any] = {}
     for k, v in body.items():
-        if k in _IGNORED or k == "return_tokens" or (k == "n_probs" and v == 0):
+        if k in _IGNORED or k in ("return_tokens", "post_sampling_probs") or (k == "n_probs" and v == 0):
             continue
         if k in _RENAMED:
             out[_RENAMED[k]] = v
@@ -127,16 +132,29 @@ def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | Non
     return_tokens = body.get("return_tokens", False)
     if not isinstance(return_tokens, bool):
         raise bad("'return_tokens' must be a boolean", "return_tokens")
+    post_sampling = body.get("post_sampling_probs", False)
+    if not isinstance(post_sampling, bool):
+        raise bad("'post_sampling_probs' must be a boolean", "post_sampling_probs")
     creq = parse_completion_request(out)
-    if "max_tokens" not in out:
-        params = {k: v for k, v in creq.params.items() if k != "max_tokens"}
-        creq = CompletionRequest(creq.prompts, creq.model, params, creq.n, creq.logprobs, creq.echo,
-                                 creq.stream, creq.include_usage)
+    params = {k: v for k, v in creq.params.items() if k != "max_tokens" or "max_tokens" in out}
+    if post_sampling and "logprobs" in params:
+        params["processed_logprobs"] = True  # the engine reports the distribution it drew from
+    creq = CompletionRequest(creq.prompts, creq.model, params, creq.n, creq.logprobs, creq.echo,
+                             creq.stream, creq.include_usage)
     return creq, return_tokens
 
 
-def _probabilities(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Engine logprob entries in llama-server's ``completion_probabilities`` layout."""
+def _probabilities(entries: list[dict[str, Any]], post_sampling: bool = False) -> list[dict[str, Any]]:
+    """Engine logprob entries in llama-server's ``completion_probabilities`` layout; with
+    ``post_sampling`` (the engine's ``processed_logprobs``) as probabilities, ``prob`` and
+    ``top_probs``, leaving out the alternatives the sampler could not draw (probability 0)."""
+    if post_sampling:
+        def prob(e: dict[str, Any]) -> dict[str, Any]:
+            return {"id": e["token_id"], "token": e["token"], "prob": math.exp(e["logprob"]), "bytes": e["bytes"]}
+
+        return [{**prob(e), "top_probs": [p for p in map(prob, e.get("top", [])) if p["prob"] > 0.0]}
+                for e in entries]
+
     def one(e: dict[str, Any]) -> dict[str, Any]:
         return {"id": e["token_id"], "token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
 
@@ -189,7 +207,9 @@ class LlamaCompletionWriter(CollectingWriter):
                 **self._probs(self.choices[index].logprobs if content else [])}
 
     def _probs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"completion_probabilities": _probabilities(entries)} if self.creq.logprobs is not None else {}
+        if self.creq.logprobs is None:
+            return {}
+        return {"completion_probabilities": _probabilities(entries, bool(self.creq.params.get("processed_logprobs")))}
 
     def start_events(self) -> list[bytes]:
         """Nothing before the first text."""
