@@ -403,7 +403,7 @@ class KVTiers:
         (pinned until written). False when the disk holds it, has it queued, or the queue
         is full (counted as dropped)."""
         assert self.store is not None
-        if p.chain_hash in self._queued or p.chain_hash in self.store:
+        if p.chain_hash in self._queued or self.store.indexed(p.chain_hash):
             return False
         with self._lock:
             if self._queued_bytes + self.key.payload_bytes > self.config.max_queue_bytes:
@@ -428,7 +428,7 @@ class KVTiers:
         size = self.key.payload_bytes
         todo: list[tuple[PageRef, int]] = []
         for p, b in zip(pages, blocks):
-            if p.chain_hash in self._queued or p.chain_hash in self.store:
+            if p.chain_hash in self._queued or self.store.indexed(p.chain_hash):
                 continue
             with self._lock:
                 if self._queued_bytes + size > self.config.max_queue_bytes:
