@@ -410,7 +410,7 @@ class OpenAIApi:
             choices = await self.start_engine_choices(request, rreq.messages, rreq.params, 1,
                                                       resolve_model(request.app.state.router, rreq.model,
                                                                     request.app.state.config.model_aliases),
-                                                      extra=rreq.extra)
+                                                      extra=rreq.extra, progress=rreq.progress)
             return choices, ResponsesWriter(rreq, new_response_id(), choices.model_name), rreq.stream, {}
         return await self.serve(request, start)
 
