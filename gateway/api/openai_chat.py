@@ -60,11 +60,13 @@ def usage_of(finished: list[Finished]) -> dict[str, Any]:
     prompt = int(u0.get("prompt_tokens", 0))
     completion = sum(int(f.usage.get("completion_tokens", 0)) for f in finished)
     cached, disk = int(u0.get("cached_tokens", 0)), int(u0.get("cached_disk_tokens", 0))
+    host = int(u0.get("cached_host_tokens", 0))
     # cached_tokens stays OpenAI's total; the split says where those tokens' KV came from
-    # (the engine's pool, or its disk KV tier: docs/kv_tiers.md)
+    # (the engine's pool, its host-memory KV tier or its disk KV tier: docs/kv_tiers.md)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached,
-                                      "cached_tokens_by_tier": {"pool": cached - disk, "disk": disk}}}
+                                      "cached_tokens_by_tier": {"pool": cached - host - disk, "host": host,
+                                                                "disk": disk}}}
 
 
 def openai_error_event(e: OpenAIError) -> list[bytes]:
