@@ -149,6 +149,14 @@ class EngineConfig:
             evicted are not on disk after a restart). docs/kv_tiers.md has the measurement.
         kv_disk_bytes: the most bytes the disk tier keeps; None follows
             ``engine.tiers.disk.default_disk_bytes`` (8 GiB, at most half the free disk).
+        kv_host: the host-memory KV tier beneath the pool and above the disk
+            (``engine.tiers.host``): "auto" (on when the pool is on a CUDA device, off on
+            the CPU, where the pool already lives in host memory), "on" or "off". It also
+            takes the "through"/"back" of ``kv_disk_write``: with "back", pages reach it
+            when the pool evicts them and reach the disk when it evicts them.
+        kv_host_bytes: the host tier's size in bytes; None follows
+            ``engine.tiers.host.default_host_bytes`` (twice the pool, at most half the
+            host memory available).
 
     Raises:
         ConfigError: a setting is out of range or unknown (from ``__post_init__``).
@@ -186,6 +194,8 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
     kv_disk_write: str = "through"
+    kv_host: str = "auto"
+    kv_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -225,6 +235,10 @@ class EngineConfig:
             raise ConfigError("kv_pull_timeout_s must be > 0")
         if self.kv_disk_write not in ("through", "back"):
             raise ConfigError(f"kv_disk_write must be 'through' or 'back', got {self.kv_disk_write!r}")
+        if self.kv_host not in ("auto", "on", "off"):
+            raise ConfigError(f"kv_host must be 'auto', 'on' or 'off', got {self.kv_host!r}")
+        if self.kv_host_bytes is not None and self.kv_host_bytes < 1:
+            raise ConfigError("kv_host_bytes must be >= 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError("kv_cache_bytes must be >= 1")
         if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:

@@ -76,6 +76,7 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     cached_disk_tokens_total: int = 0  # of those, restored from the disk tier
+    cached_host_tokens_total: int = 0  # of those, restored from the host-memory tier
     completion_tokens_total: int = 0
     steps_total: int = 0
     decode_steps_total: int = 0  # steps that decoded for at least one request
@@ -540,6 +541,7 @@ class EngineCore:
         c.prompt_tokens_total += len(req.prompt_ids)
         c.cached_tokens_total += cached
         c.cached_disk_tokens_total += min(req.num_disk_tokens, cached)
+        c.cached_host_tokens_total += min(req.num_host_tokens, cached)
         c.completion_tokens_total += n_out
         c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
         ttft = (req.first_token_s - req.arrival_s) * 1000 if req.first_token_s else 0.0
@@ -551,7 +553,8 @@ class EngineCore:
             stop_reason=stop_reason, tool_calls=req.pending_tool_calls or None, output_tool_calls=calls,
             prompt_logprobs=self._prompt_logprobs_once(req),
             usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out,
-                        cached_disk_tokens=min(req.num_disk_tokens, cached)),
+                        cached_disk_tokens=min(req.num_disk_tokens, cached),
+                        cached_host_tokens=min(req.num_host_tokens, cached)),
             timings=Timings(ttft_ms=round(ttft, 3), tpot_ms=round(tpot, 3),
                             e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),
                             **_step_timings(req, n_out)),
@@ -582,6 +585,7 @@ class EngineCore:
             "prompt_tokens_total": c.prompt_tokens_total,
             "cached_tokens_total": c.cached_tokens_total,
             "cached_disk_tokens_total": c.cached_disk_tokens_total,
+            "cached_host_tokens_total": c.cached_host_tokens_total,
             "completion_tokens_total": c.completion_tokens_total,
             "steps_total": c.steps_total,
             "decode_steps_total": c.decode_steps_total,
@@ -623,7 +627,7 @@ class EngineCore:
     def waiting_on_tiers(self) -> bool:
         """Nothing runs and a restore is in flight: the step loop may sleep until the
         tiers wake it (``KVTiers.wake``)."""
-        return bool(self.scheduler.restoring) and not self.scheduler.running
+        return bool(self.scheduler.restoring or self.scheduler.kv.in_flight) and not self.scheduler.running
 
     def close(self) -> None:
         """Stop the KV tiers' threads after writing what they have queued (a few seconds

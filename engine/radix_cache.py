@@ -483,6 +483,10 @@ class RadixCache:
 
     # --- checks and debugging ------------------------------------------------------------
 
+    def holds_block(self, block: int) -> bool:
+        """Whether ``block`` is one of the tree's pages."""
+        return block in self._tree_blocks
+
     def check_invariants(self) -> None:
         """Check the tree's structure and recount its counters (also checks the pool).
 

@@ -266,6 +266,24 @@ class OpenAIApi:
                                       "format": c.info.format or None}
         return json_response({"object": "list", "data": list(seen.values())})
 
+    # ---- GET /slots ------------------------------------------------------------------------
+
+    async def slots(self, request: Request) -> Response:
+        """``GET /slots``: llama-server's slot list, read-only, in this server's terms: one
+        entry per engine (an engine batches every request it holds; it has no fixed slots),
+        ``id`` its position, ``is_processing`` whether it serves some request of this
+        gateway now, ``n_processing`` how many, ``n_ctx`` its context (tokens), ``model``
+        and ``healthy``. No request's text or owner is shown."""
+        try:
+            self.authorize(request)
+        except OpenAIError as e:
+            return error_response(e)
+        out = [{"id": i, "model": c.info.model if c.info else None,
+                "n_ctx": c.info.max_model_len if c.info else 0, "healthy": c.healthy,
+                "is_processing": c.in_flight > 0, "n_processing": c.in_flight}
+               for i, c in enumerate(request.app.state.router.clients)]
+        return json_response(out)
+
     # ---- POST /v1/chat/completions --------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
@@ -279,6 +297,19 @@ class OpenAIApi:
             markers = request.app.state.config.think_markers  # reasoning_content
             return (choices, ChatWriter(creq, _completion_id(src), src.model_name, extra, markers), creq.stream,
                     headers)
+        return await self.serve(request, start)
+
+    async def chat_input_tokens(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/chat/completions/input_tokens`` (llama-server's): a chat request's
+        prompt tokens, ``{"input_tokens": N}``, from a one-token run as Anthropic's
+        ``count_tokens`` (the engine renders the chat, tools included, as for its reply)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            creq = parse_chat_request(await self._read_json(request))
+            model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
+            params = {k: v for k, v in creq.params.items() if k not in ("logprobs", "max_tokens")}
+            choices = await self.start_engine_choices(request, creq.messages, {**params, "max_tokens": 1}, 1, model,
+                                                      extra=creq.extra)
+            return choices, CountWriter("", choices.model_name), False, {}
         return await self.serve(request, start)
 
     # ---- POST /v1/completions ---------------------------------------------------------------
@@ -459,16 +490,18 @@ class OpenAIApi:
                           "logprobs, logit_bias, n or continue_final_message)", "session_id")
             return ChoiceSet([await self._start_linked(request, creq, sid, model)])
         return await self.start_engine_choices(request, creq.messages, creq.params, creq.n, model,
-                                               extra=creq.extra)
+                                               extra=creq.extra, progress=creq.progress)
 
     async def start_engine_choices(self, request: Request, messages: list[dict[str, Any]], params: dict[str, Any],
                                    n: int, model: str | None, extra: dict[str, Any] | None = None,
                                    prompt_token_ids: list[int] | None = None,
-                                   routing: str | None = None) -> ChoiceSet:
+                                   routing: str | None = None, progress: bool = False) -> ChoiceSet:
         """Start ``n`` stateless choices of one prompt on one engine (the same routing
         key), choice i with its own seed (``api_to_engine.choice_params``): the engine
         computes their shared prompt once. ``params`` lack ``max_tokens``: the gateway's
-        default. ``extra``: ``generate`` frame fields (``prompt``, ``tools``...).
+        default; without a ``seed`` they get ``GatewayConfig.api_seed`` when it is set (an
+        explicit -1, random, stays). ``extra``: ``generate`` frame fields (``prompt``, ``tools``...).
+        ``progress``: the choices hand back prompt-progress events (``EngineReply``).
 
         Raises:
             GatewayError: ``engine_unavailable`` (the started choices are closed).
@@ -476,6 +509,8 @@ class OpenAIApi:
         state = request.app.state
         events: GenerationEvents = state.generations.events
         params = {"max_tokens": state.config.defaults.max_tokens, **params}
+        if state.config.api_seed is not None and params.get("seed") is None:
+            params["seed"] = state.config.api_seed  # the operator's --seed (GatewayConfig.api_seed)
         # the cache namespace of the request's first user (docs/reliability.md, cache isolation)
         isolation = state.generations.isolation
         salt = isolation.salt(self.owners(request)[0])
@@ -488,7 +523,7 @@ class OpenAIApi:
                 source = EngineReply(state.router, events, base_id if i == 0 else f"{base_id}-{i}", messages,
                                      a2e.choice_params(params, i), key, model, state.config.cancel_grace_s,
                                      salt, shared, extra=extra, prompt_token_ids=prompt_token_ids,
-                                     think_open=state.config.think_markers.open)
+                                     think_open=state.config.think_markers.open, progress=progress)
                 await source.start()
                 sources.append(source)
         except BaseException:
@@ -664,13 +699,14 @@ def _refused(events: list[tuple[int, ReplyEvent]]) -> Failed | None:
 
 
 def openai_routes(api_key: str | None = None) -> list[Route]:
-    """The ``/v1`` routes (``chat/completions``, ``completions``, Anthropic's
+    """The ``/v1`` routes (``chat/completions`` and its ``input_tokens``, ``completions``, Anthropic's
     ``messages`` and ``messages/count_tokens``, ``responses``, ``models``, root
-    ``tokenize`` and ``detokenize``, and an OpenAI
+    ``tokenize`` and ``detokenize``, llama-server's ``completion`` and ``slots``, and an OpenAI
     error for any other ``/v1`` path); with ``api_key`` every request must send
     ``Authorization: Bearer <api_key>``."""
     api = OpenAIApi(api_key)
     routes = [Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/v1/chat/completions/input_tokens", api.chat_input_tokens, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/messages", api.messages, methods=["POST"]),
               Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
@@ -679,12 +715,13 @@ def openai_routes(api_key: str | None = None) -> list[Route]:
     # the same routes without /v1, as llama-server also serves them (clients configured
     # with the server's root as their base URL)
     routes += [Route(r.path.removeprefix("/v1"), r.endpoint, methods=sorted(r.methods or ()))
-               for r in routes if r.path in ("/v1/chat/completions", "/v1/completions", "/v1/models",
-                                             "/v1/responses")]
+               for r in routes if r.path in ("/v1/chat/completions", "/v1/chat/completions/input_tokens",
+                                             "/v1/completions", "/v1/models", "/v1/responses")]
     # llama-server's and vLLM's token counting, at the root as both serve it
     routes += [Route("/completion", api.llama_completion, methods=["POST"]),
                Route("/tokenize", api.tokenize, methods=["POST"]),
-               Route("/detokenize", api.detokenize, methods=["POST"])]
+               Route("/detokenize", api.detokenize, methods=["POST"]),
+               Route("/slots", api.slots, methods=["GET"])]
     known = {r.path for r in routes}
 
     async def unknown(request: Request) -> Response:

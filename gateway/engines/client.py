@@ -180,6 +180,11 @@ class EngineClient:
         self.kv_listener: KvListener | None = None
 
     @property
+    def in_flight(self) -> int:
+        """This gateway's requests the engine is serving now (sent, final item not yet read)."""
+        return len(self._requests)
+
+    @property
     def healthy(self) -> bool:
         """Connected and greeted by the engine."""
         return self._ready.is_set()
