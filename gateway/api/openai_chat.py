@@ -30,7 +30,13 @@ from typing import Any
 from gateway.api import engine_to_api as e2a
 from gateway.api.openai_replies import Delta, Failed, Finished, Progress, ReplyEvent
 from gateway.api.openai_request import ChatRequest, OpenAIError
-from gateway.api.reply_collect import ChoiceReply, CollectingWriter, finished_timings, llama_timings
+from gateway.api.reply_collect import (
+    ChoiceReply,
+    CollectingWriter,
+    finished_timings,
+    live_timings,
+    prompt_progress,
+)
 from gateway.api.sse import json_bytes, sse
 from gateway.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
 
@@ -104,17 +110,13 @@ class ChatWriter(CollectingWriter):
     def _live_timings(self, st: ChoiceState, now: float) -> dict[str, Any]:
         """``timings`` while a choice streams: the gateway's clock (prompt: request to first
         text; reply: first text to now) and the engine's token counts so far."""
-        u = st.prompt_usage or {}
-        cached = int(u.get("cached_tokens", 0))
-        first = st.first_at if st.first_at is not None else now
-        return {"timings": llama_timings(int(u.get("prompt_tokens", 0)) - cached, cached, st.n_tokens,
-                                         1000.0 * (first - self.started), 1000.0 * (now - first))}
+        return {"timings": live_timings(self.started, st.first_at, st.n_tokens, st.prompt_usage, now)}
 
     def _progress(self, done: int, total: int, cached: int) -> bytes:
         """A ``prompt_progress`` chunk (no choices), as llama-server's ``return_progress``."""
-        return sse(json_bytes({**self._base, "choices": [], "prompt_progress": {
-            "total": total, "cache": cached, "processed": done,
-            "time_ms": round(1000.0 * (time.perf_counter() - self.started), 3)}}))
+        return sse(json_bytes({**self._base, "choices": [],
+                               "prompt_progress": prompt_progress(done, total, cached, self.started,
+                                                                  time.perf_counter())}))
 
     def start_events(self) -> list[bytes]:
         """The first chunk of each choice: its role (``content`` null: no content delta is

@@ -97,3 +97,23 @@ def finished_timings(done: Finished) -> dict[str, float | int]:
     ttft, e2e = float(t.get("ttft_ms", 0.0)), float(t.get("e2e_ms", 0.0))
     return llama_timings(int(u.get("prompt_tokens", 0)) - cached, cached, int(u.get("completion_tokens", 0)),
                          ttft, max(0.0, e2e - ttft))
+
+
+def live_timings(started: float, first_at: float | None, n_tokens: int, prompt_usage: dict[str, int] | None,
+                 now: float) -> dict[str, float | int]:
+    """``llama_timings`` while a reply streams, on the gateway's clock (``time.perf_counter``
+    seconds): the prompt phase from the request's arrival ``started`` to its first text
+    ``first_at`` (None: not yet), the reply's from then to ``now``; ``n_tokens`` reply
+    tokens so far and the prompt's counts from the first delta (``Delta.prompt_usage``)."""
+    u = prompt_usage or {}
+    cached = int(u.get("cached_tokens", 0))
+    first = first_at if first_at is not None else now
+    return llama_timings(int(u.get("prompt_tokens", 0)) - cached, cached, n_tokens,
+                         1000.0 * (first - started), 1000.0 * (now - first))
+
+
+def prompt_progress(done: int, total: int, cached: int, started: float, now: float) -> dict[str, float | int]:
+    """llama-server's ``prompt_progress`` object: ``total`` prompt tokens, ``cache`` of them
+    from the prefix cache, ``processed`` (cached ones included) so far, ``time_ms`` since
+    the request came (``started``, ``now``: ``time.perf_counter`` seconds)."""
+    return {"total": total, "cache": cached, "processed": done, "time_ms": round(1000.0 * (now - started), 3)}

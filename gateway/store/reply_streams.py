@@ -236,6 +236,12 @@ class ReplyStreams:
             fields["status"] = str(status)
         await self._add(rid, f"{last_seq}-2", fields)
 
+    async def forget(self, rid: str) -> None:
+        """Delete reply ``rid``'s stream (a resumable API stream that was stopped)."""
+        self._refreshed.pop(self.keys.gen(rid), None)
+        async with redis_errors():
+            await self.redis.delete(self.keys.gen(rid))
+
     async def delta_text(self, rid: str, seq: int) -> str | None:
         """The text of delta ``seq``, or None when it was never written (used after a
         write whose answer was lost, to learn whether it was applied)."""

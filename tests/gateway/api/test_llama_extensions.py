@@ -123,3 +123,24 @@ def test_the_default_seed_makes_unseeded_requests_reproducible(api_gateway):
     explicit = httpx.post(f"{api_gateway(api_seed=42).base_url}/v1/completions", json={**body, "seed": 7},
                           timeout=120).json()["choices"][0]["text"]
     assert explicit != seeded[0]
+
+
+def test_responses_carry_timings_and_prompt_progress_when_asked(api_gateway):
+    gw = api_gateway()
+    body = {"input": "This is a test " * 10, "max_output_tokens": 5, "temperature": 0, "timings_per_token": True,
+            "return_progress": True}
+    with httpx.stream("POST", f"{gw.base_url}/responses", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    progress = [e for e in events if "prompt_progress" in e]
+    assert progress and all(e["type"] == "response.in_progress" for e in progress)
+    assert progress[-1]["prompt_progress"]["processed"] == progress[-1]["prompt_progress"]["total"] > 0
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all(set(e["timings"]) == TIMING_KEYS for e in deltas)
+    end = events[-1]
+    assert end["type"] in ("response.completed", "response.incomplete")
+    assert end["timings"]["predicted_n"] == end["response"]["usage"]["output_tokens"]
+    whole = httpx.post(f"{gw.base_url}/v1/responses", json=body, timeout=120).json()
+    assert whole["timings"]["predicted_n"] == whole["usage"]["output_tokens"]
+    plain = httpx.post(f"{gw.base_url}/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, timeout=120)
+    assert "timings" not in plain.json()
