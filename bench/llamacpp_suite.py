@@ -16,8 +16,10 @@ summary) for docs/benchmarks.md.
 Both servers are started with the same settings: the bundled SmolLM2 (the engine's
 float weights; llama-server reads the package's Q4_1 GGUF of the same model), replies
 of 64 tokens by default (llama-server ``--n-predict 64``, our gateway's
-``defaults.max_tokens``), sampling temperature 0.8 and seed 42 as the suite's launcher
-passes them (ours: ``API_SEED``, the seed of every request that names none), a context
+``defaults.max_tokens``), seed 42 as the suite's launcher passes it (ours: ``API_SEED``,
+the seed of every request that names none; llama-server also gets the launcher's
+``--temp 0.8``, ours samples a request that names no temperature at the API's default
+1.0, having no server-wide temperature setting), a context
 of 8,192 tokens, chat templates from the model (llama-server ``--jinja``, which its
 tool-call tests need) and any model name taken for the one served (llama-server's
 habit; ours with ``MODEL_ALIASES=*``: the suite's OpenAI-SDK tests name

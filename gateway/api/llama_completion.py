@@ -2,8 +2,9 @@
 "llama-server's /completion").
 
 The body is translated onto ``/v1/completions`` (``completions.parse_completion_request``,
-the same engine path): ``prompt`` (a string, token ids, ``{"prompt_string": text}``, or a
-list of those, each its own answer), ``n_predict`` (``max_tokens``; absent or negative: the
+the same engine path): ``prompt`` (a string, token ids, ``{"prompt_string": text}``, one
+sequence mixing token ids and texts (each text's tokens spliced in its place), or a list
+of those, each its own answer), ``n_predict`` (``max_tokens``; absent or negative: the
 server's default), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``,
 ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``, ``ignore_eos``,
 ``return_tokens``, ``stream``, ``logit_bias`` (``llama_logit_bias``), ``n_probs``
@@ -89,12 +90,32 @@ def llama_logit_bias(value: Any, tokenize: Callable[[str], list[int]] | None) ->
     return out
 
 
+def _is_mixed(p: Any) -> bool:
+    """A prompt that is one sequence of token ids and texts (llama-server's mixed prompt)."""
+    return (isinstance(p, list) and any(isinstance(x, str) for x in p)
+            and any(isinstance(x, int) and not isinstance(x, bool) for x in p)
+            and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in p))
+
+
+def _splice(p: list[Any], tokenize: Callable[[str], list[int]] | None) -> list[int]:
+    """A mixed prompt as token ids: each text's tokens in its place (no special tokens added).
+
+    Raises:
+        OpenAIError: 400 without ``tokenize``.
+    """
+    if tokenize is None:
+        raise bad("a prompt mixing token ids and texts needs the served tokenizer", "prompt")
+    return [t for x in p for t in (tokenize(x) if isinstance(x, str) else [x])]
+
+
 def needs_tokenizer(body: Any) -> bool:
-    """The body's ``logit_bias`` names a token by its text."""
+    """The body's ``logit_bias`` names a token by its text, or a prompt mixes token ids and texts."""
     bias = body.get("logit_bias") if isinstance(body, dict) else None
     keys = bias.keys() if isinstance(bias, dict) else [p[0] for p in bias if isinstance(p, list) and p] \
         if isinstance(bias, list) else []
-    return any(isinstance(k, str) and not k.isdigit() for k in keys)
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    mixed = _is_mixed(prompt) or (isinstance(prompt, list) and any(_is_mixed(x) for x in prompt))
+    return mixed or any(isinstance(k, str) and not k.isdigit() for k in keys)
 
 
 def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | None = None
@@ -122,8 +143,11 @@ def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | Non
         out["logit_bias"] = llama_logit_bias(out["logit_bias"], tokenize)
     if "prompt" in out:
         p = out["prompt"]
-        out["prompt"] = [_prompt(x) for x in p] if isinstance(p, list) and any(
-            isinstance(x, (dict, str, list)) for x in p) else _prompt(p)
+        if _is_mixed(p):
+            out["prompt"] = _splice(p, tokenize)
+        else:
+            out["prompt"] = [_splice(x, tokenize) if _is_mixed(x) else _prompt(x) for x in p] if isinstance(
+                p, list) and any(isinstance(x, (dict, str, list)) for x in p) else _prompt(p)
     n_predict = out.get("max_tokens")
     if "max_tokens" in out and (not isinstance(n_predict, int) or isinstance(n_predict, bool)):
         raise bad("'n_predict' must be an integer", "n_predict")

@@ -51,6 +51,11 @@ def test_token_and_object_prompts_and_several_prompts(api_gateway):
     one = _post(gw, "/completion", {**body, "prompt": ids}).json()
     many = _post(gw, "/completion", {**body, "prompt": [ids, PROMPT, {"prompt_string": PROMPT}]}).json()
     assert isinstance(many, list) and [m["content"] for m in many] == [one["content"]] * 3
+    half = len(ids) // 2
+    text_tail = _post(gw, "/detokenize", {"tokens": ids[half:]}).json()["content"]
+    mixed = _post(gw, "/completion", {**body, "prompt": [*ids[:half], text_tail], "return_tokens": True}).json()
+    assert mixed["tokens_evaluated"] == half + len(_post(gw, "/tokenize", {"content": text_tail}).json()["tokens"])
+    assert isinstance(mixed["content"], str)
 
 
 def test_bad_completion_bodies_get_a_400_naming_the_field(api_gateway):
