@@ -167,7 +167,7 @@ class KVManager:
     def settle(self) -> None:
         """Drop the references held on blocks whose copies to or from host memory have
         landed (step loop, each step)."""
-        if self.tiers is None or not self.in_flight:
+        if self.tiers is None or not self.tiers.copies_in_flight:  # copies of evicted pages hold no block
             return
         done = self.tiers.settle()
         if not done:
