@@ -81,7 +81,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["through", "back", "idle"],
                    help="write a page to the disk tier as it enters the cache (through), when the pool "
                         "evicts it (back), or when evicted plus the cache's pages while idle and at a "
-                        "graceful stop (idle) (default: $KV_DISK_WRITE or through)")
+                        "graceful stop (idle) (default: $KV_DISK_WRITE or through: an eviction "
+                        "writes nothing, every page is on disk already; docs/kv_tiers.md has the measurement)")
     p.add_argument("--no-kv-disk", action="store_true",
                    help="turn the disk KV tier off (so does KV_DISK=off, unless --kv-disk-dir is given)")
     p.add_argument("--kv-host", default=os.environ.get("KV_HOST", "auto"), choices=["auto", "on", "off"],

@@ -154,7 +154,7 @@ class EngineConfig:
         kv_host: the host-memory KV tier beneath the pool and above the disk
             (``engine.tiers.host``): "auto" (on when the pool is on a CUDA device, off on
             the CPU, where the pool already lives in host memory), "on" or "off". It also
-            takes the "through"/"back" of ``kv_disk_write``: with "back", pages reach it
+            takes the rule of ``kv_disk_write``: with "back" or "idle", pages reach it
             when the pool evicts them and reach the disk when it evicts them.
         kv_host_bytes: the host tier's size in bytes; None follows
             ``engine.tiers.host.default_host_bytes`` (twice the pool, at most half the
