@@ -77,9 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(KV_DISK_DIR; default: $CHATSERVE_CACHE/kv, else ~/.cache/chatserve/kv)")
     p.add_argument("--kv-disk-gib", type=float, default=None,
                    help="most GiB the disk KV tier keeps (default: 8, at most half the free disk)")
-    p.add_argument("--kv-disk-write", default=os.environ.get("KV_DISK_WRITE", "through"), choices=["through", "back"],
-                   help="write a page to the disk tier as it enters the cache (through) or when the pool "
-                        "evicts it (back) (default: $KV_DISK_WRITE or through)")
+    p.add_argument("--kv-disk-write", default=os.environ.get("KV_DISK_WRITE", "through"),
+                   choices=["through", "back", "idle"],
+                   help="write a page to the disk tier as it enters the cache (through), when the pool "
+                        "evicts it (back), or when evicted plus the cache's pages while idle and at a "
+                        "graceful stop (idle) (default: $KV_DISK_WRITE or through)")
     p.add_argument("--no-kv-disk", action="store_true",
                    help="turn the disk KV tier off (so does KV_DISK=off, unless --kv-disk-dir is given)")
     p.add_argument("--kv-host", default=os.environ.get("KV_HOST", "auto"), choices=["auto", "on", "off"],

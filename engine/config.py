@@ -145,8 +145,10 @@ class EngineConfig:
             restarts; None turns the tier off (``python -m engine serve`` defaults it on,
             to ``engine.tiers.disk.default_disk_dir()``).
         kv_disk_write: when the disk tier writes a page: "through" (as it enters the
-            radix tree, the default) or "back" (when the pool evicts it; pages never
-            evicted are not on disk after a restart). docs/kv_tiers.md has the measurement.
+            radix tree), "back" (when the pool evicts it; pages never evicted are not on
+            disk after a restart) or "idle" (as "back", plus the tree's pages while the
+            engine has nothing to run and at a graceful stop). docs/kv_tiers.md has the
+            measurement that chose the default.
         kv_disk_bytes: the most bytes the disk tier keeps; None follows
             ``engine.tiers.disk.default_disk_bytes`` (8 GiB, at most half the free disk).
         kv_host: the host-memory KV tier beneath the pool and above the disk
@@ -233,8 +235,8 @@ class EngineConfig:
             raise ConfigError(f"kv_pull_failure must be 'local' or 'fail', got {self.kv_pull_failure!r}")
         if not self.kv_pull_timeout_s > 0:
             raise ConfigError("kv_pull_timeout_s must be > 0")
-        if self.kv_disk_write not in ("through", "back"):
-            raise ConfigError(f"kv_disk_write must be 'through' or 'back', got {self.kv_disk_write!r}")
+        if self.kv_disk_write not in ("through", "back", "idle"):
+            raise ConfigError(f"kv_disk_write must be 'through', 'back' or 'idle', got {self.kv_disk_write!r}")
         if self.kv_host not in ("auto", "on", "off"):
             raise ConfigError(f"kv_host must be 'auto', 'on' or 'off', got {self.kv_host!r}")
         if self.kv_host_bytes is not None and self.kv_host_bytes < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from engine.spec.ngram import TokenHistory, propose
 from engine.spec.policy import SpecConfig
 from engine.structured.compiler import Constraint, GrammarCompiler
 from engine.structured.vocab import Vocabulary
-from engine.tiers.manager import tiers_for
+from engine.tiers.manager import IDLE_WRITE_BYTES, STOP_FLUSH_S, tiers_for
 from engine.tools.formats import ToolFormat, tool_format_for
 from engine.tools.grammar import tool_grammar
 from engine.tools.spec import ToolRequest
@@ -629,10 +630,38 @@ class EngineCore:
         tiers wake it (``KVTiers.wake``)."""
         return bool(self.scheduler.restoring or self.scheduler.kv.in_flight) and not self.scheduler.running
 
+    def write_idle(self, stop: Callable[[], bool]) -> bool:
+        """Write-idle (``kv_disk_write="idle"``), with nothing running or waiting: queue
+        up to ``IDLE_WRITE_BYTES`` of the tree's pages the disk lacks, a parent before
+        its children, one page at a time until ``stop()`` (a request arrived) is True.
+        Waits while the writer still has pages queued, so at most one batch is queued.
+
+        Returns:
+            True while pages may be left to write (the caller comes back soon).
+        """
+        tiers = self.tiers
+        if tiers is None or not tiers.config.write_idle or not tiers.unwritten or not tiers.disk_active:
+            return False
+        if tiers.writes_queued:
+            return True
+        pages = max(1, IDLE_WRITE_BYTES // tiers.key.payload_bytes)
+        _, done = tiers.write_unwritten(self.cache.page_nodes(), pages, stop)
+        if done:
+            tiers.unwritten = False
+        return not done
+
     def close(self) -> None:
         """Stop the KV tiers' threads after writing what they have queued (a few seconds
-        at most); call once the step loop has stopped."""
-        if self.tiers is not None:
+        at most); with write-idle, first the tree's pages the disk lacks (at most
+        ``STOP_FLUSH_S``, logged: pages written and left). Call once the step loop has
+        stopped."""
+        if self.tiers is None:
+            return
+        if self.tiers.config.write_idle and self.tiers.disk_active:
+            written, left = self.tiers.flush_tree(self.cache.page_nodes(), STOP_FLUSH_S)
+            log.info("KV disk tier: wrote %d pages of the cache at stop, %d left unwritten", written, left)
+            self.tiers.close(flush_s=0.5)
+        else:
             self.tiers.close()
 
     def evict_all(self) -> int:

@@ -167,7 +167,7 @@ class KVManager:
     def settle(self) -> None:
         """Drop the references held on blocks whose copies to or from host memory have
         landed (step loop, each step)."""
-        if self.tiers is None or not self.in_flight:
+        if self.tiers is None or not self.tiers.copies_in_flight:  # copies of evicted pages hold no block
             return
         done = self.tiers.settle()
         if not done:
@@ -204,7 +204,8 @@ class KVManager:
     def cache_pages(self, req: Request) -> None:
         """Insert the request's computed full pages into the tree, lock them, and swap its
         duplicate pages for the tree's copies (freeing the duplicates); the pages new to
-        the tree are written through to the KV tiers."""
+        the tree are written through to the KV tiers (write-idle: marked for the idle
+        writer)."""
         bs = self.block_size
         n_full = req.num_computed_tokens // bs
         if not self.cache.enabled or n_full <= req.num_tree_blocks:
@@ -221,6 +222,8 @@ class KVManager:
                 self.pool.decref([req.block_table[i]])
                 req.block_table[i] = b
         req.num_tree_blocks = len(inserted.blocks)
+        if self.tiers is not None and self.tiers.config.write_idle and inserted.num_new_tokens:
+            self.tiers.unwritten = True  # written when the engine is idle (``EngineCore.write_idle``)
         if (self.tiers is not None and self.tiers.active and not self.tiers.config.write_back
                 and inserted.num_new_tokens):
             first = inserted.num_existing_tokens // bs

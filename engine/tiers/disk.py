@@ -122,6 +122,13 @@ class DiskPageStore:
         """Bytes of the page files this store knows of."""
         return self._bytes
 
+    def indexed(self, chain_hash: int) -> bool:
+        """Whether the page is in the index, without looking on disk: the write path's check
+        (a page another engine wrote and this one never saw is written again, the same
+        bytes, rather than costing the step loop a ``stat`` per new page)."""
+        with self._lock:
+            return chain_hash in self._index
+
     def __contains__(self, chain_hash: int) -> bool:
         """Whether the page is in the index (a file written by another engine sharing the
         folder is looked up on disk once and indexed)."""

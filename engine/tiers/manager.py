@@ -40,7 +40,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 
 WRITER_NICE = 10  # the writer thread's nice value (Linux): it yields the CPU to the forward's threads
 RESTORE_YIELD_S = 2.0  # the longest the writer waits for a restore in flight before each page
+IDLE_WRITE_BYTES = 4 << 20  # write-idle: pages queued per idle moment (bytes of payload, at least one page)
+STOP_FLUSH_S = 8.0  # write-idle: the longest a graceful stop writes the tree (within a 10 s stop grace)
 
 __all__ = ["LoadJob", "PageRef", "TierConfig", "TierCounters", "KVTiers", "host_tier_on", "page_key", "page_refs",
            "tiers_for"]
@@ -85,8 +87,9 @@ class TierConfig:
         max_queue_bytes: the most bytes of pages waiting to be written (copied out of
             the pool); pages beyond it are dropped, not waited for.
         write_back: write a page when the pool evicts it (write-back) instead of when it
-            enters the tree (write-through, the default; docs/kv_tiers.md has the
-            measurement that chose it).
+            enters the tree (write-through; docs/kv_tiers.md has the measurement).
+        write_idle: with ``write_back``, also write the tree's pages while the engine is
+            idle (``write_unwritten``) and at a graceful stop (``flush_tree``).
         readers: threads that read one restore's pages (page ``i`` by reader ``i %
             readers``): reading a file and its CRC-32 release the GIL, so a restore runs
             on as many cores as there are readers while the step loop waits for it.
@@ -98,6 +101,7 @@ class TierConfig:
     disk_bytes: int
     max_queue_bytes: int = 256 << 20
     write_back: bool = False
+    write_idle: bool = False
     readers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     host_bytes: int = 0
 
@@ -258,6 +262,8 @@ class KVTiers:
         self._no_restore = threading.Event()  # clear while the readers work: the writer waits
         self._no_restore.set()
         self._spare: torch.Tensor | None = None  # a restore buffer kept for the next one (``_take_buffer``)
+        # write-idle: the tree may hold pages the disk lacks (set as pages enter the tree)
+        self.unwritten = False
         self._helpers = (ThreadPoolExecutor(config.readers - 1, thread_name_prefix="kv-tier-reader")
                          if config.readers > 1 and self.store is not None else None)
         self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
@@ -403,7 +409,7 @@ class KVTiers:
         (pinned until written). False when the disk holds it, has it queued, or the queue
         is full (counted as dropped)."""
         assert self.store is not None
-        if p.chain_hash in self._queued or p.chain_hash in self.store:
+        if p.chain_hash in self._queued or self.store.indexed(p.chain_hash):
             return False
         with self._lock:
             if self._queued_bytes + self.key.payload_bytes > self.config.max_queue_bytes:
@@ -428,7 +434,7 @@ class KVTiers:
         size = self.key.payload_bytes
         todo: list[tuple[PageRef, int]] = []
         for p, b in zip(pages, blocks):
-            if p.chain_hash in self._queued or p.chain_hash in self.store:
+            if p.chain_hash in self._queued or self.store.indexed(p.chain_hash):
                 continue
             with self._lock:
                 if self._queued_bytes + size > self.config.max_queue_bytes:
@@ -454,12 +460,94 @@ class KVTiers:
         """
         if not self.active or not node.hashes:
             return
+        self.store_pages(self._node_refs(node, parent_hash, namespace, salt), node.blocks, evicting=True)
+
+    def _node_refs(self, node: Any, parent_hash: int, namespace: str, salt: str | None) -> list[PageRef]:
+        """The ``PageRef`` of each page of a radix node (``store_evicted``'s arguments)."""
         bs = self.key.block_size
         scope = scope_digest(namespace) if salt is None else scope_digest(namespace, salt)
         hashes = node.hashes
-        refs = [PageRef(i, h, hashes[i - 1] if i else parent_hash, tuple(node.tokens[i * bs:(i + 1) * bs]), scope)
+        return [PageRef(i, h, hashes[i - 1] if i else parent_hash, tuple(node.tokens[i * bs:(i + 1) * bs]), scope)
                 for i, h in enumerate(hashes)]
-        self.store_pages(refs, node.blocks, evicting=True)
+
+    def _unwritten(self, nodes: Iterable[tuple[Any, int, str, str | None]]) -> Iterator[tuple[PageRef, int]]:
+        """Pages of ``nodes`` (``RadixCache.page_nodes``) the disk neither holds nor has
+        queued, with their pool blocks, in the nodes' order."""
+        assert self.store is not None
+        for node, parent_hash, namespace, salt in nodes:
+            if not node.hashes:
+                continue
+            for ref, block in zip(self._node_refs(node, parent_hash, namespace, salt), node.blocks):
+                if ref.chain_hash not in self._queued and not self.store.indexed(ref.chain_hash):
+                    yield ref, block
+
+    def _queue_pool_page(self, p: PageRef, block: int) -> bool:
+        """Copy one pool page out and queue its disk write; False (nothing counted) when
+        the queue has no room for it."""
+        with self._lock:
+            if self._queued_bytes + self.key.payload_bytes > self.config.max_queue_bytes:
+                return False
+            self._queued_bytes += self.key.payload_bytes
+            self._queued.add(p.chain_hash)
+        self._writes.put((p, gather_blocks(self._k, self._v, [block]).to("cpu")[0]))
+        return True
+
+    def write_unwritten(self, nodes: Iterable[tuple[Any, int, str, str | None]], max_pages: int,
+                        stop: Callable[[], bool]) -> tuple[int, bool]:
+        """Write-idle: queue disk writes of tree pages the disk lacks, at most
+        ``max_pages``, one page at a time, checking ``stop`` before each (a request
+        arrived: the caller's admission waits for one page's copy at most). Step loop,
+        with nothing running (the blocks are not being written).
+
+        Args:
+            nodes: ``RadixCache.page_nodes()`` (a parent before its children, so a
+                prefix reaches disk before its continuations: a restore needs a prefix).
+            max_pages: the most pages to queue now.
+            stop: called before each page; True ends the call.
+
+        Returns:
+            ``(pages queued, done)``; ``done``: no page of the tree is left unwritten
+            (the caller may stop calling until new pages enter the tree).
+        """
+        if not self.disk_active:
+            return 0, True
+        queued = 0
+        for ref, block in self._unwritten(nodes):
+            if queued >= max_pages or stop() or not self._queue_pool_page(ref, block):
+                return queued, False
+            queued += 1
+        return queued, True
+
+    def flush_tree(self, nodes: Iterable[tuple[Any, int, str, str | None]], timeout_s: float) -> tuple[int, int]:
+        """Write-idle, at a graceful stop: queue every tree page the disk lacks (waiting
+        for room in the queue) and wait for the writer, for ``timeout_s`` seconds at most.
+        Call with the step loop stopped.
+
+        Returns:
+            ``(pages of the tree written, pages of the tree left unwritten)``.
+        """
+        if not self.disk_active:
+            return 0, 0
+        end = time.monotonic() + timeout_s
+        todo = list(self._unwritten(nodes))
+        for ref, block in todo:
+            while not self._queue_pool_page(ref, block):
+                if time.monotonic() >= end or self.disabled:
+                    break
+                time.sleep(0.005)
+            else:
+                continue
+            break
+        self.flush(max(0.0, end - time.monotonic()))
+        assert self.store is not None
+        left = sum(1 for ref, _ in todo if not self.store.indexed(ref.chain_hash))
+        return len(todo) - left, left
+
+    @property
+    def writes_queued(self) -> int:
+        """Pages queued for the disk and not yet written."""
+        with self._lock:
+            return len(self._queued)
 
     def load(self, request: Any, pages: list[PageRef], blocks: list[int]) -> LoadJob:
         """Start a restore of ``pages`` into ``blocks`` (reserved by the caller): the pages
@@ -585,10 +673,10 @@ class KVTiers:
             time.sleep(0.005)
         return False
 
-    def close(self) -> None:
-        """Write what is queued (up to a few seconds), then stop the threads."""
+    def close(self, flush_s: float = 5.0) -> None:
+        """Write what is queued (up to ``flush_s`` seconds), then stop the threads."""
         if self.store is not None and self._threads[0].is_alive():
-            self.flush(5.0)
+            self.flush(flush_s)
             self._writes.put(None)
             self._loads.put(None)
             for t in self._threads:
@@ -822,11 +910,13 @@ def tiers_for(config: EngineConfig, model_config: ModelConfig, weights_id: str, 
     if folder is not None:
         size = config.kv_disk_bytes if config.kv_disk_bytes is not None else default_disk_bytes(folder)
     key = page_key(config, model_config, weights_id)
-    write_back = config.kv_disk_write == "back"
+    write_back = config.kv_disk_write in ("back", "idle")
+    write_idle = config.kv_disk_write == "idle"
     tiers: KVTiers | None = None
     for _attempt in range(2):
         try:
-            tiers = KVTiers(key, TierConfig(folder, size, write_back=write_back, host_bytes=host_bytes),
+            tiers = KVTiers(key, TierConfig(folder, size, write_back=write_back, write_idle=write_idle,
+                                            host_bytes=host_bytes),
                             k_caches, v_caches)
             break
         except OSError as e:

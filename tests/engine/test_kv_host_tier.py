@@ -237,3 +237,31 @@ async def test_a_salted_chat_restores_from_host_memory_only_under_its_salt(tiny_
         assert back.final.usage.cached_host_tokens == back.final.usage.cached_tokens >= 144
     finally:
         eng.shutdown()
+
+
+async def test_write_back_through_a_small_host_tier_reaches_disk_and_restores_token_identical(tiny_model_dir,
+                                                                                              tmp_path: Path) -> None:
+    probe = make_engine(tiny_model_dir, kv_host="on", kv_host_bytes=64 << 20)
+    assert probe.core.tiers is not None
+    page = probe.core.tiers.key.payload_bytes
+    probe.shutdown()
+    eng = make_engine(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_write="back", kv_host="on",
+                      kv_host_bytes=4 * page)
+    eng.start()
+    try:
+        prompt = _chat(31)
+        first = await _turn(eng, "b1", prompt)
+        hot = await _turn(eng, "b2", prompt + first.token_ids + [11, 12])
+        await _evict(eng)  # the pool evicts: 4 pages to host memory, the rest straight to disk
+        await _turn(eng, "noise", _chat(32))
+        await _evict(eng)  # the noise's pages push the chat's out of host memory: demoted to disk
+        await _flush(eng)
+        back = await _turn(eng, "b3", prompt + first.token_ids + [11, 12])
+        u = back.final.usage
+        assert back.token_ids == hot.token_ids and u.cached_tokens == hot.final.usage.cached_tokens
+        assert u.cached_disk_tokens + u.cached_host_tokens == u.cached_tokens and u.cached_disk_tokens >= 144 - 4 * 16
+        stats = await eng.stats()
+        assert stats["kv_host_pages_evicted_total"] > 0 and stats["kv_disk_pages_written_total"] >= 5
+        await eng.call(lambda core: core.check_invariants())
+    finally:
+        eng.shutdown()
