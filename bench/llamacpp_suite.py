@@ -16,11 +16,14 @@ summary) for docs/benchmarks.md.
 Both servers are started with the same settings: the bundled SmolLM2 (the engine's
 float weights; llama-server reads the package's Q4_1 GGUF of the same model), replies
 of 64 tokens by default (llama-server ``--n-predict 64``, our gateway's
-``defaults.max_tokens``), sampling temperature 0.8 and seed 42 as the suite's launcher
-passes them, a context of 8,192 tokens, chat templates from the model
-(llama-server ``--jinja``, which its tool-call tests need) and any model name taken
-for the one served (llama-server's habit; ours with ``MODEL_ALIASES=*``: the suite's
-OpenAI-SDK tests name ``gpt-3.5-turbo-instruct`` and the like). The suite runs in its own
+``defaults.max_tokens``), seed 42 as the suite's launcher passes it (ours: ``API_SEED``,
+the seed of every request that names none; llama-server also gets the launcher's
+``--temp 0.8``, ours samples a request that names no temperature at the API's default
+1.0, having no server-wide temperature setting), a context
+of 8,192 tokens, chat templates from the model (llama-server ``--jinja``, which its
+tool-call tests need) and any model name taken for the one served (llama-server's
+habit; ours with ``MODEL_ALIASES=*``: the suite's OpenAI-SDK tests name
+``gpt-3.5-turbo-instruct`` and the like). The suite runs in its own
 virtual environment (``--suite-python``; its ``requirements.txt`` plus
 ``pytest-timeout``), each test limited to ``--timeout`` seconds.
 """
@@ -119,7 +122,8 @@ def start_ours(port: int, log: Path) -> list[subprocess.Popen[bytes]]:
                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     env = {**os.environ, "PORT": str(port), "ENGINE_URLS": f"ws://127.0.0.1:{engine_port}",
            "KEY_PREFIX": f"llamacpp-suite-{uuid.uuid4().hex[:8]}:", "HF_HUB_OFFLINE": "1",
-           "MODEL_ALIASES": "*"}  # any model name means the one served, as llama-server takes it
+           "MODEL_ALIASES": "*",  # any model name means the one served, as llama-server takes it
+           "API_SEED": "42"}  # unseeded requests seeded alike, as llama-server's --seed 42
     gateway = subprocess.Popen([sys.executable, "-c", OURS_GATEWAY, str(DEFAULT_MAX_TOKENS)], cwd=ROOT, env=env,
                                stdout=out, stderr=subprocess.STDOUT)
     procs = [gateway, engine]

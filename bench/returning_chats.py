@@ -14,7 +14,9 @@ and its return. Systems:
 - ``ours``: engine + gateway, the engine's pool forced small (``--num-blocks``, about
   2.5 chats) so the noise evicts the first chat, and the disk KV tier on (a fresh folder);
 - ``ours, tier off``: the same with ``--no-kv-disk`` (what a return cost before the tier);
-- ``llama.cpp``: ``llama-server -c 4096 --parallel 1`` otherwise at its defaults (its
+- ``llama.cpp``: ``llama-server -c 4096 --parallel 1`` on the same weights in Q4_0 (its
+  fastest CPU format, ``bench/build_llamacpp.sh --models``; the package's Q4_1 file when
+  that has not been run), otherwise at its defaults (its
   prompt cache in RAM is on by default), plus ``-t/-tb`` threads and ``--poll 0`` as in
   ``bench/serving.py`` (a spinning server starves the client on 2 vCPUs).
 
@@ -46,6 +48,7 @@ from bench.serving_lib.openai_client import RequestResult, SSEParser, apply_chun
 from bench.serving_lib.procs import Child, start_child
 from bench.serving_lib.systems import (
     LLAMA_SERVER_DEFAULT,
+    PEER_Q4_0,
     ROOT,
     _cleanup_redis,
     default_gguf,
@@ -181,7 +184,9 @@ class LlamaServer(Server):
 
     def start(self) -> None:
         self.port = self.port or free_port()
-        self.command = [str(self.binary), "-m", str(default_gguf()), "-t", str(self.threads), "-tb",
+        # llama.cpp's fastest CPU format when bench/build_llamacpp.sh --models made it, as bench/serving.py's peer
+        gguf = PEER_Q4_0 if PEER_Q4_0.is_file() else default_gguf()
+        self.command = [str(self.binary), "-m", str(gguf), "-t", str(self.threads), "-tb",
                         str(self.threads), "-c", "4096", "--parallel", "1", "--poll", "0", "--host", "127.0.0.1",
                         "--port", str(self.port), "--no-webui"]
         self.children = [start_child(self.command, r"listening|server is listening|HTTP server", 300)]
@@ -314,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: CHATS chats taking --rounds turns in random order, ours with the tier on and "
                         "off (the pool holds about a third of them)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--many-tier", default="both", choices=["both", "on", "off"],
+                   help="--many: run ours with the tier on, off, or both (one at a time keeps a quiet run short)")
     p.add_argument("--read-rate", type=int, default=0, metavar="PAGES",
                    help="instead: the disk tier's restore read rate over PAGES pages (no server)")
     a = p.parse_args(argv)
@@ -415,7 +422,9 @@ def many_main(a: argparse.Namespace) -> int:
           f"our pool {num_blocks} blocks of 16", flush=True)
     lines = ["| ours | turn TTFT p50 | p99 | prefix hit ratio | turns |", "|---|---|---|---|---|"]
     try:
-        for label, folder in (("tier on", kv_dir), ("tier off", None)):
+        variants = [(label, folder) for label, folder in (("tier on", kv_dir), ("tier off", None))
+                    if a.many_tier in ("both", label.split()[1])]
+        for label, folder in variants:
             s = OursServer(label, num_blocks=num_blocks, kv_dir=folder, threads=a.threads)
             s.start()
             try:

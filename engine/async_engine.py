@@ -32,8 +32,11 @@ from engine.outputs import GenerateRequest, RequestOutput, Timings, Usage
 from engine.prompt import PromptBuilder
 from engine.protocol import EngineInfo
 from engine.sampling_params import SamplingParams
+from engine.tiers.manager import STOP_FLUSH_S
 
 log = logging.getLogger(__name__)
+
+IDLE_WRITE_POLL_S = 0.02  # write-idle: how soon an idle step loop writes the next batch of pages (s)
 
 
 @dataclasses.dataclass
@@ -179,7 +182,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=10 + STOP_FLUSH_S)  # write-idle writes the cache at stop
             self._thread = None
         self._prep.shutdown(wait=False, cancel_futures=True)
 
@@ -474,7 +477,10 @@ class AsyncEngine:
                         self.core.check_invariants()
                     except InvariantError as e:  # counted and logged by the core; keep serving
                         self.last_error = str(e)
-                if not self._wake.wait(timeout=0.5):
+                # write-idle: some of the tree's pages go to disk; a request arriving
+                # (the wake event) stops it at the next page
+                more = self.core.write_idle(self._wake.is_set)
+                if not self._wake.wait(timeout=IDLE_WRITE_POLL_S if more else 0.5):
                     self._publish_stats()  # idle: keep the snapshot's age honest
                 self._wake.clear()
                 continue

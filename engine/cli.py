@@ -77,11 +77,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(KV_DISK_DIR; default: $CHATSERVE_CACHE/kv, else ~/.cache/chatserve/kv)")
     p.add_argument("--kv-disk-gib", type=float, default=None,
                    help="most GiB the disk KV tier keeps (default: 8, at most half the free disk)")
-    p.add_argument("--kv-disk-write", default=os.environ.get("KV_DISK_WRITE", "through"), choices=["through", "back"],
-                   help="write a page to the disk tier as it enters the cache (through) or when the pool "
-                        "evicts it (back) (default: $KV_DISK_WRITE or through)")
+    p.add_argument("--kv-disk-write", default=os.environ.get("KV_DISK_WRITE", "through"),
+                   choices=["through", "back", "idle"],
+                   help="write a page to the disk tier as it enters the cache (through), when the pool "
+                        "evicts it (back), or when evicted plus the cache's pages while idle and at a "
+                        "graceful stop (idle) (default: $KV_DISK_WRITE or through)")
     p.add_argument("--no-kv-disk", action="store_true",
                    help="turn the disk KV tier off (so does KV_DISK=off, unless --kv-disk-dir is given)")
+    p.add_argument("--kv-host", default=os.environ.get("KV_HOST", "auto"), choices=["auto", "on", "off"],
+                   help="the host-memory KV tier between the pool and the disk: auto is on when the pool is "
+                        "on a GPU, off on the CPU (default: $KV_HOST or auto)")
+    p.add_argument("--kv-host-gib", type=float, default=None,
+                   help="GiB of the host-memory KV tier (default: twice the pool, at most half the free "
+                        "host memory)")
     p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"],
                    help="waiting requests in arrival order (fcfs) or longest cached prefix first (lpm) "
                         "(default: %(default)s)")
@@ -126,6 +134,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_disk_dir=_kv_disk_dir(a),
         kv_disk_bytes=int(a.kv_disk_gib * 2**30) if a.kv_disk_gib is not None else None,
         kv_disk_write=a.kv_disk_write,
+        kv_host=a.kv_host,
+        kv_host_bytes=int(a.kv_host_gib * 2**30) if a.kv_host_gib is not None else None,
     )
 
 

@@ -145,10 +145,20 @@ class EngineConfig:
             restarts; None turns the tier off (``python -m engine serve`` defaults it on,
             to ``engine.tiers.disk.default_disk_dir()``).
         kv_disk_write: when the disk tier writes a page: "through" (as it enters the
-            radix tree, the default) or "back" (when the pool evicts it; pages never
-            evicted are not on disk after a restart). docs/kv_tiers.md has the measurement.
+            radix tree), "back" (when the pool evicts it; pages never evicted are not on
+            disk after a restart) or "idle" (as "back", plus the tree's pages while the
+            engine has nothing to run and at a graceful stop). docs/kv_tiers.md has the
+            measurement that chose the default.
         kv_disk_bytes: the most bytes the disk tier keeps; None follows
             ``engine.tiers.disk.default_disk_bytes`` (8 GiB, at most half the free disk).
+        kv_host: the host-memory KV tier beneath the pool and above the disk
+            (``engine.tiers.host``): "auto" (on when the pool is on a CUDA device, off on
+            the CPU, where the pool already lives in host memory), "on" or "off". It also
+            takes the "through"/"back" of ``kv_disk_write``: with "back", pages reach it
+            when the pool evicts them and reach the disk when it evicts them.
+        kv_host_bytes: the host tier's size in bytes; None follows
+            ``engine.tiers.host.default_host_bytes`` (twice the pool, at most half the
+            host memory available).
 
     Raises:
         ConfigError: a setting is out of range or unknown (from ``__post_init__``).
@@ -186,6 +196,8 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = None
     kv_disk_write: str = "through"
+    kv_host: str = "auto"
+    kv_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -223,8 +235,12 @@ class EngineConfig:
             raise ConfigError(f"kv_pull_failure must be 'local' or 'fail', got {self.kv_pull_failure!r}")
         if not self.kv_pull_timeout_s > 0:
             raise ConfigError("kv_pull_timeout_s must be > 0")
-        if self.kv_disk_write not in ("through", "back"):
-            raise ConfigError(f"kv_disk_write must be 'through' or 'back', got {self.kv_disk_write!r}")
+        if self.kv_disk_write not in ("through", "back", "idle"):
+            raise ConfigError(f"kv_disk_write must be 'through', 'back' or 'idle', got {self.kv_disk_write!r}")
+        if self.kv_host not in ("auto", "on", "off"):
+            raise ConfigError(f"kv_host must be 'auto', 'on' or 'off', got {self.kv_host!r}")
+        if self.kv_host_bytes is not None and self.kv_host_bytes < 1:
+            raise ConfigError("kv_host_bytes must be >= 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError("kv_cache_bytes must be >= 1")
         if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:

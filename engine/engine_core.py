@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from engine.spec.ngram import TokenHistory, propose
 from engine.spec.policy import SpecConfig
 from engine.structured.compiler import Constraint, GrammarCompiler
 from engine.structured.vocab import Vocabulary
-from engine.tiers.manager import tiers_for
+from engine.tiers.manager import IDLE_WRITE_BYTES, STOP_FLUSH_S, tiers_for
 from engine.tools.formats import ToolFormat, tool_format_for
 from engine.tools.grammar import tool_grammar
 from engine.tools.spec import ToolRequest
@@ -76,6 +77,7 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     cached_disk_tokens_total: int = 0  # of those, restored from the disk tier
+    cached_host_tokens_total: int = 0  # of those, restored from the host-memory tier
     completion_tokens_total: int = 0
     steps_total: int = 0
     decode_steps_total: int = 0  # steps that decoded for at least one request
@@ -540,6 +542,7 @@ class EngineCore:
         c.prompt_tokens_total += len(req.prompt_ids)
         c.cached_tokens_total += cached
         c.cached_disk_tokens_total += min(req.num_disk_tokens, cached)
+        c.cached_host_tokens_total += min(req.num_host_tokens, cached)
         c.completion_tokens_total += n_out
         c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
         ttft = (req.first_token_s - req.arrival_s) * 1000 if req.first_token_s else 0.0
@@ -551,7 +554,8 @@ class EngineCore:
             stop_reason=stop_reason, tool_calls=req.pending_tool_calls or None, output_tool_calls=calls,
             prompt_logprobs=self._prompt_logprobs_once(req),
             usage=Usage(prompt_tokens=len(req.prompt_ids), cached_tokens=cached, completion_tokens=n_out,
-                        cached_disk_tokens=min(req.num_disk_tokens, cached)),
+                        cached_disk_tokens=min(req.num_disk_tokens, cached),
+                        cached_host_tokens=min(req.num_host_tokens, cached)),
             timings=Timings(ttft_ms=round(ttft, 3), tpot_ms=round(tpot, 3),
                             e2e_ms=round((req.finished_s - req.arrival_s) * 1000, 3), queue_ms=round(queue, 3),
                             **_step_timings(req, n_out)),
@@ -582,6 +586,7 @@ class EngineCore:
             "prompt_tokens_total": c.prompt_tokens_total,
             "cached_tokens_total": c.cached_tokens_total,
             "cached_disk_tokens_total": c.cached_disk_tokens_total,
+            "cached_host_tokens_total": c.cached_host_tokens_total,
             "completion_tokens_total": c.completion_tokens_total,
             "steps_total": c.steps_total,
             "decode_steps_total": c.decode_steps_total,
@@ -623,12 +628,40 @@ class EngineCore:
     def waiting_on_tiers(self) -> bool:
         """Nothing runs and a restore is in flight: the step loop may sleep until the
         tiers wake it (``KVTiers.wake``)."""
-        return bool(self.scheduler.restoring) and not self.scheduler.running
+        return bool(self.scheduler.restoring or self.scheduler.kv.in_flight) and not self.scheduler.running
+
+    def write_idle(self, stop: Callable[[], bool]) -> bool:
+        """Write-idle (``kv_disk_write="idle"``), with nothing running or waiting: queue
+        up to ``IDLE_WRITE_BYTES`` of the tree's pages the disk lacks, a parent before
+        its children, one page at a time until ``stop()`` (a request arrived) is True.
+        Waits while the writer still has pages queued, so at most one batch is queued.
+
+        Returns:
+            True while pages may be left to write (the caller comes back soon).
+        """
+        tiers = self.tiers
+        if tiers is None or not tiers.config.write_idle or not tiers.unwritten or not tiers.disk_active:
+            return False
+        if tiers.writes_queued:
+            return True
+        pages = max(1, IDLE_WRITE_BYTES // tiers.key.payload_bytes)
+        _, done = tiers.write_unwritten(self.cache.page_nodes(), pages, stop)
+        if done:
+            tiers.unwritten = False
+        return not done
 
     def close(self) -> None:
         """Stop the KV tiers' threads after writing what they have queued (a few seconds
-        at most); call once the step loop has stopped."""
-        if self.tiers is not None:
+        at most); with write-idle, first the tree's pages the disk lacks (at most
+        ``STOP_FLUSH_S``, logged: pages written and left). Call once the step loop has
+        stopped."""
+        if self.tiers is None:
+            return
+        if self.tiers.config.write_idle and self.tiers.disk_active:
+            written, left = self.tiers.flush_tree(self.cache.page_nodes(), STOP_FLUSH_S)
+            log.info("KV disk tier: wrote %d pages of the cache at stop, %d left unwritten", written, left)
+            self.tiers.close(flush_s=0.5)
+        else:
             self.tiers.close()
 
     def evict_all(self) -> int:

@@ -12,10 +12,15 @@ descriptions):
 - ``trim(req, num_tokens)``: give back blocks past ``num_tokens`` (rejected drafts);
 - ``release(req, cache_pages)``: drop everything it holds (finish, abort, preemption).
 
+- ``settle()``: each step, drop the references held on blocks whose copies to or from
+  host memory have landed (CUDA: the copies run on a side stream, and a block being
+  copied is never handed out again before its copy is done).
+
 Block accounting (docs/acceptance.md#block-accounting): every block is free, in the tree,
-or held by a running or restoring request; ``check_invariants`` recounts it, restores in
-flight included. Not thread-safe: the step loop is its only user (the tiers' threads never
-touch the pool, ``engine.tiers.manager``).
+held by a running or restoring request, or held by a copy in flight to or from host
+memory; ``check_invariants`` recounts it, restores and copies in flight included. Not
+thread-safe: the step loop is its only user (the tiers' threads never touch the pool's
+accounting, ``engine.tiers.manager``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class KVManager:
         self.cache = cache
         self.block_size = block_size
         self.tiers = tiers
+        self.in_flight: list[int] = []  # blocks with a reference held by a host-memory copy (a block per reference)
 
     # ----- reading the cache ------------------------------------------------------------
     def cached_prefix(self, req: Request) -> int:
@@ -79,7 +85,8 @@ class KVManager:
         req.num_computed_tokens = match.num_tokens
         if req.num_cached_tokens < 0:  # first admission: report the cache hit (restored pages included)
             req.num_cached_tokens = match.num_tokens
-            req.num_disk_tokens = min(req.num_disk_tokens, match.num_tokens)
+            req.num_host_tokens = min(req.num_host_tokens, match.num_tokens)
+            req.num_disk_tokens = min(req.num_disk_tokens, match.num_tokens - req.num_host_tokens)
         if req.first_scheduled_s is None:
             req.first_scheduled_s = time.monotonic()
         return True
@@ -132,26 +139,48 @@ class KVManager:
                 continue
             restoring.remove(req)
             req.restore_job = None
-            k = len(job.pages_kv)
+            k = job.served
             self.tiers.scatter(job)
             if k:
                 req.num_computed_tokens = (req.num_tree_blocks + k) * bs
                 before = req.num_tree_blocks
                 self.cache_pages(req)
                 if req.num_cached_tokens < 0:  # reported at its first admission
-                    req.num_disk_tokens = (req.num_tree_blocks - before) * bs
+                    restored = req.num_tree_blocks - before
+                    req.num_host_tokens = min(job.host_served, restored) * bs
+                    req.num_disk_tokens = restored * bs - req.num_host_tokens
             self.release(req, cache_pages=False)
             req.status = RequestStatus.WAITING
             back.append(req)
         return back
 
     def cancel_restore(self, req: Request) -> None:
-        """Drop a restore in flight (abort): its blocks go back now; the reader's result is
-        ignored."""
+        """Drop a restore in flight (abort): its blocks go back now, except those a copy
+        from host memory is still writing (CUDA), which go back when it lands
+        (``settle``); the reader's result is ignored."""
         if req.restore_job is not None:
-            req.restore_job.cancelled = True
+            assert self.tiers is not None
+            self._hold(self.tiers.cancel(req.restore_job))
             req.restore_job = None
         self.release(req, cache_pages=False)
+
+    def settle(self) -> None:
+        """Drop the references held on blocks whose copies to or from host memory have
+        landed (step loop, each step)."""
+        if self.tiers is None or not self.tiers.copies_in_flight:  # copies of evicted pages hold no block
+            return
+        done = self.tiers.settle()
+        if not done:
+            return
+        self.pool.decref(done)
+        for b in done:
+            self.in_flight.remove(b)
+
+    def _hold(self, blocks: list[int]) -> None:
+        """Take a reference on ``blocks`` for a copy in flight (dropped by ``settle``)."""
+        if blocks:
+            self.pool.incref(blocks)
+            self.in_flight.extend(blocks)
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.block_table`` to cover ``num_tokens`` tokens; False if out of blocks."""
@@ -175,7 +204,8 @@ class KVManager:
     def cache_pages(self, req: Request) -> None:
         """Insert the request's computed full pages into the tree, lock them, and swap its
         duplicate pages for the tree's copies (freeing the duplicates); the pages new to
-        the tree are written through to the KV tiers."""
+        the tree are written through to the KV tiers (write-idle: marked for the idle
+        writer)."""
         bs = self.block_size
         n_full = req.num_computed_tokens // bs
         if not self.cache.enabled or n_full <= req.num_tree_blocks:
@@ -192,11 +222,13 @@ class KVManager:
                 self.pool.decref([req.block_table[i]])
                 req.block_table[i] = b
         req.num_tree_blocks = len(inserted.blocks)
+        if self.tiers is not None and self.tiers.config.write_idle and inserted.num_new_tokens:
+            self.tiers.unwritten = True  # written when the engine is idle (``EngineCore.write_idle``)
         if (self.tiers is not None and self.tiers.active and not self.tiers.config.write_back
                 and inserted.num_new_tokens):
             first = inserted.num_existing_tokens // bs
             refs = page_refs(tokens, as_scope(req.namespace), bs, first, n_full)
-            self.tiers.store_pages(refs, inserted.blocks[first:])
+            self._hold(self.tiers.store_pages(refs, inserted.blocks[first:]))
 
     def release(self, req: Request, cache_pages: bool) -> None:
         """Drop every block reference and tree lock the request holds (caching its
@@ -222,7 +254,8 @@ class KVManager:
         return len(held)
 
     def check_invariants(self, holders: Iterable[Request]) -> None:
-        """free + evictable + held by ``holders`` (every running and restoring request)
+        """free + evictable + held by ``holders`` (every running and restoring request) or
+        by a copy in flight to or from host memory (outside the tree's evictable pages)
         == total (block accounting (docs/acceptance.md#block-accounting)).
 
         Raises:
@@ -233,7 +266,12 @@ class KVManager:
         self.cache.check_invariants()
         free = self.pool.num_free
         evictable = self.cache.num_evictable_blocks
-        held = self.held_blocks(holders)
+        held_set: set[int] = set()
+        for r in holders:
+            held_set.update(r.block_table)
+        # a block being copied is held by the copy, unless the tree still counts it as evictable
+        held_set.update(b for b in self.in_flight if not self.cache.holds_block(b))
+        held = len(held_set)
         # Locked tree pages are held by some running request; private blocks only by it.
         if free + evictable + held != self.pool.num_blocks:
             raise InvariantError(f"block accounting: free {free} + evictable {evictable} + held {held} "

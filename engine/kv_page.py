@@ -48,8 +48,8 @@ import torch
 from engine.config import DTYPES
 
 __all__ = ["DIGEST_BYTES", "MAGIC", "PAGE_VERSION", "DecodedPage", "PageError", "PageHeader", "PageKey",
-           "StalePageError", "decode_page", "encode_page", "gather_block", "gather_blocks", "scatter_block",
-           "scatter_blocks", "scope_digest"]
+           "StalePageError", "decode_page", "encode_page", "encode_page_parts", "gather_block", "gather_blocks",
+           "scatter_block", "scatter_blocks", "scope_digest"]
 
 MAGIC = b"CSKV"
 PAGE_VERSION = 2  # 1: a BLAKE2b-128 digest (never read back: recomputed)
@@ -199,15 +199,33 @@ def encode_page(header: PageHeader, kv: torch.Tensor) -> bytes:
         ValueError: ``kv``'s shape or dtype disagrees with the key, or more tokens than
             ``block_size``.
     """
+    return b"".join(encode_page_parts(header, kv))
+
+
+def encode_page_parts(header: PageHeader, kv: torch.Tensor) -> list[bytes | memoryview]:
+    """``encode_page`` without joining: the prefix and header, the payload as a view of
+    ``kv``'s own memory (no copy when ``kv`` is a contiguous CPU tensor), and the CRC-32,
+    computed over the views in turn (zlib releases the GIL for it). A writer that writes
+    the parts in order writes the page's bytes: the step loop's thread is not held up by
+    three 370 KB copies under the GIL per page, as a joined ``bytes`` cost. ``kv`` must
+    stay unchanged until the parts are written.
+
+    Returns:
+        [prefix and header bytes, payload view, 4 checksum bytes].
+
+    Raises:
+        ValueError: as ``encode_page``.
+    """
     key = header.key
     if tuple(kv.shape) != key.shape or kv.dtype != key.torch_dtype:
         raise ValueError(f"page tensor is {tuple(kv.shape)} {kv.dtype}, the key says {key.shape} {key.kv_dtype}")
     if len(header.token_ids) > key.block_size:
         raise ValueError(f"{len(header.token_ids)} tokens do not fit a page of {key.block_size}")
     head = header.to_json()
-    payload = kv.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-    body = _PREFIX.pack(MAGIC, PAGE_VERSION, len(head)) + head + payload
-    return body + _digest(body)
+    first = _PREFIX.pack(MAGIC, PAGE_VERSION, len(head)) + head
+    payload = memoryview(kv.detach().to("cpu").contiguous().view(torch.uint8).numpy().reshape(-1).data)
+    crc = zlib.crc32(payload, zlib.crc32(first))
+    return [first, payload, crc.to_bytes(DIGEST_BYTES, "little")]
 
 
 def decode_page(data: bytes | bytearray | memoryview, expect: PageKey | None = None, *,

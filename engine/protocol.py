@@ -57,7 +57,8 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     completion_tokens: int = 0
-    cached_disk_tokens: int = 0  # of cached_tokens, those restored from the disk KV tier (the rest: the pool)
+    cached_disk_tokens: int = 0  # of cached_tokens, those restored from the disk KV tier
+    cached_host_tokens: int = 0  # of cached_tokens, those restored from the host-memory KV tier (the rest: the pool)
 
 
 @dataclass
@@ -536,7 +537,7 @@ def _item(d: dict[str, Any]) -> ReplyItem:
     usage, timings = _get(d, "usage", dict, {}), _get(d, "timings", dict, {})
     try:
         u = Usage(**{k: int(usage.get(k, 0)) for k in ("prompt_tokens", "cached_tokens", "completion_tokens",
-                                                               "cached_disk_tokens")})
+                                                               "cached_disk_tokens", "cached_host_tokens")})
     except (TypeError, ValueError):
         raise FrameError(f"usage of a {kind} frame must hold numbers") from None
     if kind == "delta":

@@ -483,6 +483,10 @@ class RadixCache:
 
     # --- checks and debugging ------------------------------------------------------------
 
+    def holds_block(self, block: int) -> bool:
+        """Whether ``block`` is one of the tree's pages."""
+        return block in self._tree_blocks
+
     def check_invariants(self) -> None:
         """Check the tree's structure and recount its counters (also checks the pool).
 
@@ -630,23 +634,36 @@ class RadixCache:
         if not node.blocks:
             return 0
         if self.on_evict is not None and self.events and parent is not None:
-            namespace, salt = "", None
-            up: RadixNode | None = parent
-            while up is not None:  # the nearest salt node and the namespace node above
-                if up.salt is not None and salt is None:
-                    salt = up.salt
-                if up.namespace is not None:
-                    namespace = up.namespace
-                    break
-                up = up.parent
-            above = parent.parent if parent.salt is not None else parent  # a page's parent page skips the salt
-            assert above is not None
-            self.on_evict(node, self._tail_hash(above), namespace, salt)
+            self.on_evict(node, *self._place(parent))
         for h in node.hashes:
             self._pending[h] = False
         self._tree_blocks.difference_update(node.blocks)
         self._num_cached -= len(node.blocks)
         return len(self.pool.decref(node.blocks))
+
+    def _place(self, parent: RadixNode) -> tuple[int, str, str | None]:
+        """Where a child of ``parent`` lives: the chained hash before its first page, its
+        namespace and its salt (None: the shared part)."""
+        namespace, salt = "", None
+        up: RadixNode | None = parent
+        while up is not None:  # the nearest salt node and the namespace node above
+            if up.salt is not None and salt is None:
+                salt = up.salt
+            if up.namespace is not None:
+                namespace = up.namespace
+                break
+            up = up.parent
+        above = parent.parent if parent.salt is not None else parent  # a page's parent page skips the salt
+        assert above is not None
+        return self._tail_hash(above), namespace, salt
+
+    def page_nodes(self) -> Iterator[tuple[RadixNode, int, str, str | None]]:
+        """Every page-holding node of the live tree, a parent before its children, as
+        ``on_evict`` names it: ``(node, hash before its first page, namespace, salt)``
+        (needs ``events``). Do not change the tree while iterating."""
+        for n in self._iter_live():
+            if n.blocks and n.parent is not None:
+                yield (n, *self._place(n.parent))
 
     def _evictable_leaf(self, node: RadixNode) -> bool:
         """A block-holding, childless, unlocked node."""

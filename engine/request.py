@@ -53,8 +53,9 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the cache (tokens).
         num_cached_tokens: prompt tokens served by the prefix cache at first
             admission (reported as usage.cached_tokens).
-        num_disk_tokens: of ``num_cached_tokens``, the tokens restored from the disk tier
-            (the rest came from the pool).
+        num_disk_tokens: of ``num_cached_tokens``, the tokens restored from the disk tier;
+        num_host_tokens: those restored from the host-memory tier (the rest came from
+            the pool).
         restore_tried: it asked the KV tiers for its pages once already.
         restore_job: its restore in flight (``engine.tiers.manager.LoadJob``), or None.
         num_tree_blocks: leading entries of block_table that the radix tree also holds.
@@ -91,6 +92,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     num_disk_tokens: int = 0
+    num_host_tokens: int = 0
     restore_tried: bool = False
     restore_job: Any = None
     num_tree_blocks: int = 0

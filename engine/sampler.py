@@ -171,8 +171,10 @@ class Sampler:
             sampled token's log-probability and the top ``params.logprobs`` alternatives
             (descending). Log-probabilities are ``log_softmax`` of the raw logits (the
             model's own distribution, before logit bias, penalties, grammar mask,
-            temperature and filtering, as the OpenAI API reports them), clamped below at
-            ``LOGPROB_FLOOR``; always finite.
+            temperature and filtering, as the OpenAI API reports them), or with
+            ``params.processed_logprobs`` of the distribution the token was drawn from
+            (``distribution``'s), clamped below at ``LOGPROB_FLOOR`` (a token that could
+            not be drawn has exactly that); always finite.
 
         Cost: a fixed number of tensor ops over the rows that need them (all-greedy is
         one argmax); one device-to-host copy at the end, plus one small host sync per
@@ -185,6 +187,7 @@ class Sampler:
         x, rows = self._prepare(logits, params, noise_keys, token_counts)
         xp = self._adjust(x, params, token_counts, rows, extra_tokens, masks)
         token_ids = torch.argmax(xp, dim=1) if len(rows.sample) < len(params) else None
+        z: torch.Tensor | None = None
         if rows.sample:
             idx = self._index(rows.sample, len(params))
             z = self._filtered_logits(_take(xp, idx), rows.sample, params)
@@ -199,7 +202,25 @@ class Sampler:
                 assert token_ids is not None
                 token_ids = token_ids.index_copy(0, idx, drawn)
         assert token_ids is not None
+        if any(params[b].processed_logprobs for b in rows.logprobs):
+            x = self._processed(x, xp, z, logits, rows, params)
         return self._to_host(x, token_ids, params, rows.logprobs)
+
+    def _processed(self, x, xp, z, logits, rows: _Rows, params) -> torch.Tensor:
+        """``x`` with the rows that asked for ``processed_logprobs`` replaced by the
+        log-probabilities they were drawn from (``distribution``'s, from the filtered
+        logits ``z`` of the sampling rows: masked tokens -inf; a greedy row's all on its
+        argmax), so that ``_to_host``'s ``log_softmax`` reports them."""
+        want = [b for b in rows.logprobs if params[b].processed_logprobs]
+        greedy = torch.full_like(xp, -float("inf")).scatter_(1, torch.argmax(xp, dim=1, keepdim=True), 0.0)
+        post = greedy
+        if z is not None:
+            idx = self._index(rows.sample, len(params))
+            ok = _take(self._finite_rows(logits), idx).unsqueeze(1)
+            post = _put(greedy, idx, torch.where(ok, z, _take(greedy, idx)))
+        mask = torch.zeros(len(params), 1, dtype=torch.bool, device=x.device)
+        mask[want] = True
+        return torch.where(mask, post, x)
 
     def distribution(
         self,

@@ -108,6 +108,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: None, or the number (0-20) of top alternatives to return per token
             besides the sampled token's own log-probability.
+        processed_logprobs: the logprobs (and alternatives) are those of the distribution
+            the token was drawn from, after logit bias, penalties, the grammar mask,
+            temperature and top-k/top-p/min-p (llama.cpp's ``post_sampling_probs``; a
+            greedy row's is all on its argmax), instead of the model's raw distribution.
         prompt_logprobs: None, or the number (0-20) of top alternatives to return for
             each prompt token with its own log-probability given the tokens before it (the
             completions API's ``echo`` with ``logprobs``). Such a request computes its whole
@@ -136,6 +140,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    processed_logprobs: bool = False
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: dict[str, Any] | None = None
@@ -186,6 +191,8 @@ class SamplingParams:
             message = text_error(s, f"stop[{i}]")
             if message is not None:
                 raise InvalidRequestError(message)
+        if not isinstance(self.processed_logprobs, bool):
+            raise InvalidRequestError("processed_logprobs must be a boolean")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
         parse_structured(self.structured)

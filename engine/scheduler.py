@@ -123,8 +123,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        """True while any request waits, restores or runs."""
-        return bool(self.waiting or self.running or self.restoring)
+        """True while any request waits, restores or runs, or a copy to or from host memory
+        holds blocks (a step settles it: the idle identity holds once it lands)."""
+        return bool(self.waiting or self.running or self.restoring or self.kv.in_flight)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and release all its blocks (abort or finish);
@@ -160,6 +161,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        self.kv.settle()  # blocks whose copies to or from host memory landed
         if self.restoring:
             # restored requests first in line, in the order their restores finished
             self.waiting.extendleft(reversed(self.kv.finish_restores(self.restoring)))

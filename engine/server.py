@@ -390,10 +390,15 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
                 log.warning("some final frames were not sent within %.0f s of shutting down", DRAIN_S)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    """A signal handler that stops the step loop as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
 def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
     """Serve forever: the step loop on the calling (main) thread, the WebSocket server's
     asyncio loop on a second thread (``AsyncEngine.run_step_loop`` says why that way
-    round). Returns when the server thread ends. On Ctrl-C the live requests end with
+    round). Returns when the server thread ends. On Ctrl-C or SIGTERM the live requests end with
     an ``abort`` done frame, the server closes, and KeyboardInterrupt is re-raised.
 
     Raises:
@@ -423,6 +428,9 @@ def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
         # KeyboardInterrupt handler: Ctrl-C or a supervisor's SIGINT must still end the live
         # requests with their abort frames (uvicorn, serving the gateway, does the same).
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # SIGTERM (docker stop, a supervisor) stops as Ctrl-C does: the live requests end with
+        # their abort frames and the KV tiers write what they keep at a stop (docs/kv_tiers.md)
+        signal.signal(signal.SIGTERM, _interrupt)
     t = threading.Thread(target=server_thread, name="engine-server", daemon=True)
     t.start()
     try:

@@ -7,7 +7,9 @@ Two sources are read:
   each ``{"id", "title", "system_prompt", "params", "created_at", "updated_at",
   "messages", "versions"?}``; ``versions`` maps an anchor (the id of the message before a
   branch point, ``^`` for the first) to the chat's versions after it, in order, each
-  ``{"messages": [...]}`` or ``{"current": true}`` for the one ``messages`` shows.
+  ``{"messages": [...]}`` or ``{"current": true}`` for the one ``messages`` shows. An
+  assistant message keeps its ``tool_calls`` and a user message its ``tool_results``
+  (checked: their shapes as a ``chat`` frame gives them).
 * **ChatGPT's data export**: ``conversations.json`` (a list of conversations), the 2026
   exports' ``conversations-000.json``, ``-001``, ... (the same list split), or the
   export's zip holding them. A conversation is a message tree (``mapping``: node id ->
@@ -43,6 +45,8 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 MAX_MESSAGES = 20_000  # messages of one chat, all versions together
 MAX_CHARS = 4_000_000  # characters of one message
 _STATUS = ("complete", "partial", "error")
+MAX_TOOL_ITEMS = 128  # tool calls of one message, or results of one message
+MAX_TOOL_ID_CHARS = 128  # characters of a tool call's id or function name
 _KEEP = ("status", "finish_reason", "cut_reason", "usage", "timings", "error", "created_at", "attachments",
          "reasoning_ms", "model")
 
@@ -102,6 +106,48 @@ def _message(raw: Any, ids: dict[str, str]) -> dict[str, Any]:
         raise GatewayError("invalid_request", "a message's 'model' must be text and its 'reasoning_ms' a number")
     if "attachments" in out:
         out["attachments"] = [a.to_json() for a in parse_attachments(out["attachments"], ATTACHMENT_LIMITS)]
+    if raw["role"] == "assistant" and raw.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(raw["tool_calls"])
+    if raw["role"] == "user" and raw.get("tool_results") is not None:
+        out["tool_results"] = _tool_results(raw["tool_results"])
+    return out
+
+
+def _short_text(v: Any, limit: int = MAX_TOOL_ID_CHARS) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= limit
+
+
+def _tool_calls(raw: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as stored: ``[{"id", "type": "function",
+    "function": {"name", "arguments"}}]`` (strings; at most ``MAX_TOOL_ITEMS``)."""
+    bad = GatewayError("invalid_request", "a message's 'tool_calls' must be a list of {\"id\", \"type\": "
+                       "\"function\", \"function\": {\"name\", \"arguments\"}}")
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_TOOL_ITEMS:
+        raise bad
+    out = []
+    for c in raw:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and _short_text(c.get("id")) and c.get("type", "function") == "function"
+                and _short_text(fn.get("name")) and isinstance(fn.get("arguments"), str)
+                and len(fn["arguments"]) <= MAX_CHARS):
+            raise bad
+        out.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def _tool_results(raw: Any) -> list[dict[str, str]]:
+    """A user message's ``tool_results`` as stored: ``[{"tool_call_id", "content"}]``
+    (strings; at most ``MAX_TOOL_ITEMS``)."""
+    bad = GatewayError("invalid_request", "a message's 'tool_results' must be a list of "
+                       "{\"tool_call_id\", \"content\"}")
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_TOOL_ITEMS:
+        raise bad
+    out = []
+    for r in raw:
+        if not (isinstance(r, dict) and _short_text(r.get("tool_call_id")) and isinstance(r.get("content"), str)
+                and len(r["content"]) <= MAX_CHARS):
+            raise bad
+        out.append({"tool_call_id": r["tool_call_id"], "content": r["content"]})
     return out
 
 

@@ -250,6 +250,10 @@ class GatewayConfig:
             takes any name, as llama-server does. Empty (the default): a name no engine
             serves is 404 ``model_not_found``, as OpenAI answers (``default`` and an
             omitted name always mean any engine).
+        api_seed: the sampling seed of every stateless API request (``/v1`` chat, completions,
+            Messages, Responses, ``/completion``) that names none, as llama-server's and
+            vLLM's ``--seed``: such requests are then reproducible (the same request gets the
+            same reply). None (the default): an unseeded request draws its own randomness.
         engine_secret: when set, sent to every engine on connect (``X-Engine-Secret``);
             an engine started with the same ``ENGINE_SECRET`` refuses connections without it.
             Never sent to an OpenAI-compatible upstream.
@@ -295,6 +299,7 @@ class GatewayConfig:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     model_aliases: tuple[str, ...] = ()
+    api_seed: int | None = None
     engine_secret: str | None = None
     upstream_api_key: str | None = None
     upstream_max_model_len: int = 0
@@ -415,6 +420,7 @@ ENV_VARS: dict[str, str] = {
     "api_key": "API_KEY",
     "cors_origins": "CORS_ORIGINS",
     "model_aliases": "MODEL_ALIASES",
+    "api_seed": "API_SEED",
     "data_dir": "DATA_DIR",
     "key_prefix": "KEY_PREFIX",
     "session_ttl_s": "SESSION_TTL_S",
@@ -463,7 +469,7 @@ def config_from_env(env: Mapping[str, str] | None = None, base: GatewayConfig | 
             raw = env.get(var)
             if raw is None or raw == "":
                 continue
-            if name in ("port", "stream_ttl_s", "upstream_max_model_len"):
+            if name in ("port", "stream_ttl_s", "upstream_max_model_len", "api_seed"):
                 changes[name] = int(raw)
             elif name == "session_ttl_s":
                 changes[name] = int(raw) if int(raw) > 0 else None

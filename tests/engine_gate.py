@@ -6,9 +6,15 @@ engine is.
 Pausing stops the engine's process (SIGSTOP; SIGCONT resumes it): the engine really
 halts mid-reply with its KV blocks held, as a stalled engine would, and nothing in the
 product knows about the test. The relay sees every frame in both directions, so a test
-can pause the engine the moment it sends a chosen frame (``pause_on``: at most the frames
-of a step or two are already on their way; the items of a ``step`` frame count as frames
-of their own here: ``from_engine`` and the predicates see them one by one), wait until the gateway has sent the engine a
+can pause the engine the moment it sends a chosen frame (``pause_on``; the items of a
+``step`` frame count as frames of their own here: ``from_engine`` and the predicates see
+them one by one). The matching frame reaches the gateways and nothing after it does
+until ``resume``: the relay stops reading the engine there. A busy machine can run the
+engine many steps ahead of the relay before the stop lands (a test process's threads
+share one interpreter), so what the engine already sent waits in the socket, and the
+gateways see a halt exactly at the chosen frame however far ahead the engine got; on
+``resume(pause_on=...)`` the waiting frames are read first, and the relay halts again at
+the first of them that matches. The gate can also wait until the gateway has sent the engine a
 frame (``sent``: the ``abort`` that a Stop causes, the ``generate`` of a turn), and pass
 chosen requests' frames on one per interval (``throttle``: the gateway sees those replies
 stream slowly while the engine itself runs free). Frames pass unchanged, except that a
@@ -76,6 +82,9 @@ class EngineGate:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._armed: Predicate | None = None
+        # set while a relay holds the engine's frames after a ``pause_on`` match; ``resume``
+        # sets it (on the relay's loop) and clears it here
+        self._hold: asyncio.Event | None = None
         self._stopped_pid: int | None = None  # the process this gate stopped, until resumed
         self._throttle_s: float | None = None
         self._throttled: set[str] = set()
@@ -146,6 +155,9 @@ class EngineGate:
             self._throttled.clear()
             self._armed = pause_on
             self._continue_locked()
+            hold, self._hold = self._hold, None
+        if hold is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(hold.set)
 
     def throttle(self, interval_s: float, request_ids: Iterable[str]) -> None:
         """Until ``resume``, pass the frames of ``request_ids`` on to the gateways one per
@@ -214,13 +226,20 @@ class EngineGate:
                 pass  # it was killed while stopped (a test of a dying engine)
         self._changed.notify_all()
 
-    def _on_engine_frame(self, frame: Frame) -> None:
+    def _on_engine_frame(self, frame: Frame) -> asyncio.Event | None:
+        """Record ``frame``; when it matches ``pause_on``, stop the engine and return the
+        event to wait on (set by ``resume``) before relaying anything after it."""
         with self._lock:
             self.from_engine.append(frame)
+            hold = None
             if self._armed is not None and self._armed(frame):
                 self._armed = None
                 self._stop_locked()
+                if self._hold is None:
+                    self._hold = asyncio.Event()
+                hold = self._hold
             self._changed.notify_all()
+            return hold
 
     def _on_gateway_frame(self, frame: Frame) -> None:
         with self._lock:
@@ -274,28 +293,61 @@ class EngineGate:
                 senders.append(asyncio.create_task(lane(lanes[rid])))
             lanes[rid].put_nowait(message)
 
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        gone = asyncio.Event()  # the engine's side closed: what it sent passes, unheld
+
+        async def read() -> None:
+            try:
+                async for message in up:
+                    inbox.put_nowait(message)
+            except ConnectionClosed:
+                pass
+            finally:
+                gone.set()
+                inbox.put_nowait(None)
+
+        async def held(hold: asyncio.Event) -> None:
+            waits = [asyncio.ensure_future(hold.wait()), asyncio.ensure_future(gone.wait())]
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+
+        reader = asyncio.create_task(read())
+        senders.append(reader)
         try:
-            async for message in up:
+            while (message := await inbox.get()) is not None:
                 frame = _parse(message)
-                step = frame.get("type") == "step"
-                items = [i for i in frame.get("items", []) if isinstance(i, dict)] if step else [frame]
-                for item in items:
-                    self._on_engine_frame(item)
-                if not step:
+                if frame.get("type") != "step":
+                    hold = self._on_engine_frame(frame)
                     rid = frame.get("request_id")
                     if laned(rid):
                         to_lane(rid, message)
                     else:
                         await down.send(message)
+                    if hold is not None:
+                        await held(hold)
                     continue
-                # a step frame: a laned request's items leave it for a step frame of their own
-                rest = []
-                for item in items:
+                # a step frame: a laned request's items leave it for a step frame of their
+                # own; at a pause_on match the items up to it pass, the rest wait for resume
+                items = [i for i in frame.get("items", []) if isinstance(i, dict)]
+                rest: list[Frame] = []
+                whole = True
+                for n, item in enumerate(items):
+                    hold = self._on_engine_frame(item)
                     if laned(item.get("request_id")):
                         to_lane(item["request_id"], json.dumps({"type": "step", "items": [item]}))
+                        whole = False
                     else:
                         rest.append(item)
-                if len(rest) == len(items):
+                    if hold is None:
+                        continue
+                    if whole and n == len(items) - 1:
+                        await down.send(message)
+                    elif rest:
+                        await down.send(json.dumps({"type": "step", "items": rest}))
+                    rest, whole = [], False
+                    await held(hold)
+                if whole:
                     await down.send(message)
                 elif rest:
                     await down.send(json.dumps({"type": "step", "items": rest}))

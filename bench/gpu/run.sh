@@ -6,7 +6,9 @@
 # 1. kernels (python3 -m bench.gpu.kernels): the device's copy bandwidth and bf16
 #    matmul rate, then each Triton attention kernel's relative error against torch
 #    and its time and rate as a fraction of those ceilings (Llama-3-8B shapes, bf16);
-# 2. engine (python3 -m bench.gpu.engine): bench/engine_throughput.py on a
+# 2. host tier (python3 -m bench.gpu.host_tier): the host-memory KV tier's copies
+#    between a pool of Llama-3-8B's KV shape and pinned host memory, both ways;
+# 3. engine (python3 -m bench.gpu.engine): bench/engine_throughput.py on a
 #    random-weight Llama-3-8B in bf16, ours against transformers' generate.
 # Each part runs in its own process under a time limit and writes its rows, or an
 # error row, to rows.jsonl; the table is printed whatever happened.
@@ -69,7 +71,24 @@ elif [ "$rc" != 0 ]; then
     error_row kernel "kernels part" "error rc=$rc" "see kernels.log"
 fi
 
-# 2. engine throughput
+# 2. the host-memory KV tier: copy bandwidth both ways, exactness, overlap with compute
+limit=$(remaining)
+[ "$limit" -gt 60 ] && limit=60
+if [ "$limit" -lt 20 ]; then
+    error_row "host tier" "host tier part" skipped "only ${limit}s of the budget left"
+else
+    if [ "$SMOKE" = 1 ]; then
+        run_limited "$limit" "$PY" -m bench.gpu.host_tier --smoke --rows "$ROWS" 2>&1 | tee "$OUTDIR/host_tier.log"
+    else
+        run_limited "$limit" "$PY" -m bench.gpu.host_tier --rows "$ROWS" 2>&1 | tee "$OUTDIR/host_tier.log"
+    fi
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" != 0 ]; then
+        error_row "host tier" "host tier part" "error rc=$rc" "see host_tier.log"
+    fi
+fi
+
+# 3. engine throughput
 if [ "$SMOKE" = 1 ]; then
     error_row engine "engine throughput" skipped "smoke run (CPU)"
 else
@@ -86,9 +105,9 @@ else
     fi
 fi
 
-# 3. the table, last
+# 4. the table, last
 echo
-title="gpu bench, $(( SECONDS - START ))s: kernels on Llama-3-8B attention shapes (bf16), engine on random-weight Llama-3-8B (bf16)"
+title="gpu bench, $(( SECONDS - START ))s: kernels on Llama-3-8B attention shapes (bf16), host KV tier on its KV shape, engine on random-weight Llama-3-8B (bf16)"
 if "$PY" -m bench.gpu.table "$ROWS" --title "$title" > "$OUTDIR/table.txt" 2>&1; then
     cat "$OUTDIR/table.txt"
 else

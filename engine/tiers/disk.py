@@ -27,6 +27,7 @@ import shutil
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["DiskPageStore", "default_disk_bytes", "default_disk_dir"]
@@ -77,6 +78,7 @@ class DiskPageStore:
         self._index: OrderedDict[int, int] = OrderedDict()  # chained hash -> file bytes, oldest use first
         self._bytes = 0
         self.evicted = 0  # files this store deleted to stay under max_bytes
+        self._folders: set[Path] = set()  # subfolders known to exist
         self._scan()
 
     # --- index ---------------------------------------------------------------------------
@@ -120,6 +122,13 @@ class DiskPageStore:
         """Bytes of the page files this store knows of."""
         return self._bytes
 
+    def indexed(self, chain_hash: int) -> bool:
+        """Whether the page is in the index, without looking on disk: the write path's check
+        (a page another engine wrote and this one never saw is written again, the same
+        bytes, rather than costing the step loop a ``stat`` per new page)."""
+        with self._lock:
+            return chain_hash in self._index
+
     def __contains__(self, chain_hash: int) -> bool:
         """Whether the page is in the index (a file written by another engine sharing the
         folder is looked up on disk once and indexed)."""
@@ -138,20 +147,32 @@ class DiskPageStore:
 
     # --- I/O --------------------------------------------------------------------------------
 
-    def put(self, chain_hash: int, data: bytes) -> None:
+    def put(self, chain_hash: int, data: bytes | Sequence[bytes | memoryview]) -> None:
         """Write one page file atomically (temporary file, then rename), then evict the
         least recently used files beyond ``max_bytes``.
+
+        Args:
+            data: the file's bytes, or its parts in order (``kv_page.encode_page_parts``:
+                written one after the other, never joined).
 
         Raises:
             OSError: the write failed (a full disk: ``ENOSPC``); nothing is indexed, and
                 the temporary file is removed.
         """
         path = self.path_of(chain_hash)
-        path.parent.mkdir(exist_ok=True)
+        if path.parent not in self._folders:  # one mkdir per folder, not per page
+            path.parent.mkdir(exist_ok=True)
+            self._folders.add(path.parent)
         tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        size = 0
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
+            with open(tmp, "wb", buffering=0) as f:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    size += len(view)
+                    while view:  # a raw write may be short
+                        view = view[f.write(view):]
             os.replace(tmp, path)
         except OSError:
             try:
@@ -161,8 +182,8 @@ class DiskPageStore:
             raise
         with self._lock:
             old = self._index.pop(chain_hash, 0)
-            self._index[chain_hash] = len(data)
-            self._bytes += len(data) - old
+            self._index[chain_hash] = size
+            self._bytes += size - old
         self._evict_over()
 
     def get(self, chain_hash: int) -> bytes | None:

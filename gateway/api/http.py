@@ -22,6 +22,7 @@ from gateway.api.socket_frames import MAX_MODEL_CHARS, is_valid_id
 from gateway.api.validation import BadJson, check_text, loads_json, printable, sampling_ranges
 from gateway.attachments import ATTACHMENT_LIMITS
 from gateway.config import GatewayConfig
+from gateway.engines.client import EngineRouter
 from gateway.errors import GatewayError, not_found
 from gateway.replies.manager import merge_params
 
@@ -116,21 +117,20 @@ def _session_fields(body: dict[str, Any], config: GatewayConfig) -> dict[str, An
     return out
 
 
-def config_body(request_or_state: Any) -> dict[str, Any]:
-    """The ``GET /api/config`` body (also embedded in the chat page)."""
-    state = getattr(request_or_state, "state", request_or_state)
-    config: GatewayConfig = state.config
-    info = state.router.info()
+def config_body(config: GatewayConfig, router: EngineRouter) -> dict[str, Any]:
+    """The ``GET /api/config`` body (also embedded in the chat page), from the gateway's
+    settings and its engines."""
+    info = router.info()
     fallback = Path(config.model).name if config.model else "SmolLM2-135M-Instruct"
     model = info.model if info and info.model else fallback
     d = config.defaults
     models, seen = [], set()
-    for c in state.router.clients:  # every model the engines serve, the default first
+    for c in router.clients:  # every model the engines serve, the default first
         if c.info is not None and c.info.model not in seen:
             seen.add(c.info.model)
             models.append({"id": c.info.model, "max_model_len": c.info.max_model_len or None,
                            "format": c.info.format or None, "available": any(
-                               o.healthy for o in state.router.clients if o.info and o.info.model == c.info.model)})
+                               o.healthy for o in router.clients if o.info and o.info.model == c.info.model)})
     models.sort(key=lambda m: m["id"] != model)
     return {"model": model, "models": models, "max_model_len": info.max_model_len if info else None,
             "format": info.format if info and info.format else None,
@@ -142,7 +142,7 @@ def config_body(request_or_state: Any) -> dict[str, Any]:
 @api
 async def get_config(request: Request) -> Response:
     """GET /api/config."""
-    return JSONResponse(config_body(request.app))
+    return JSONResponse(config_body(request.app.state.config, request.app.state.router))
 
 
 @api

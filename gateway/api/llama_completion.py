@@ -2,12 +2,15 @@
 "llama-server's /completion").
 
 The body is translated onto ``/v1/completions`` (``completions.parse_completion_request``,
-the same engine path): ``prompt`` (a string, token ids, ``{"prompt_string": text}``, or a
-list of those, each its own answer), ``n_predict`` (``max_tokens``; absent or negative: the
+the same engine path): ``prompt`` (a string, token ids, ``{"prompt_string": text}``, one
+sequence mixing token ids and texts (each text's tokens spliced in its place), or a list
+of those, each its own answer), ``n_predict`` (``max_tokens``; absent or negative: the
 server's default), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``,
 ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``, ``ignore_eos``,
 ``return_tokens``, ``stream``, ``logit_bias`` (``llama_logit_bias``), ``n_probs``
-(``logprobs``: alternatives per token, answered as ``completion_probabilities``).
+(``logprobs``: alternatives per token, answered as ``completion_probabilities``; with
+``post_sampling_probs`` as the probabilities the sampler drew from, the engine's
+``processed_logprobs``).
 llama-server's slot and cache knobs (``cache_prompt``, ``id_slot``, ``n_keep``...) are
 accepted and ignored (this server has no slots; its prefix cache is always on); multimodal
 data and anything else unknown is a 400.
@@ -16,15 +19,17 @@ The answer has the keys llama.cpp clients read: ``content``, ``stop`` (true),
 ``tokens`` (the reply's ids with ``return_tokens``, else empty), ``tokens_predicted``,
 ``tokens_evaluated``, ``stop_type`` (``eos``, ``word`` or ``limit``), ``stopping_word``,
 ``truncated`` (always false: a prompt too long is refused, never cut), ``has_new_line``,
-``generation_settings`` (the sampling settings sent) and ``timings`` (``prompt_n``: prompt
-tokens computed, ``cache_n``: those reused from the prefix cache, ``predicted_n``,
-``predicted_ms``); a list of those for several prompts. Streamed, each
+``generation_settings`` (the sampling settings sent) and ``timings`` (llama-server's object,
+``reply_collect.llama_timings``: ``prompt_n`` prompt tokens computed, ``cache_n`` those
+reused from the prefix cache, ``predicted_n``, their ms and rates); a list of those for
+several prompts. Streamed, each
 SSE event is ``{"index", "content", "tokens": [], "stop": false}``, and each prompt's last
 event is its whole answer without the text, ``stop`` true; no ``[DONE]``, as llama-server.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +37,7 @@ from gateway.api.completions import CompletionRequest, parse_completion_request
 from gateway.api.openai_chat import openai_error_event
 from gateway.api.openai_replies import Delta, Finished, ReplyEvent
 from gateway.api.openai_request import bad
-from gateway.api.reply_collect import ChoiceReply, CollectingWriter
+from gateway.api.reply_collect import ChoiceReply, CollectingWriter, finished_timings
 from gateway.api.sse import json_bytes, sse
 
 # llama-server's name -> ours (the same meaning)
@@ -40,8 +45,10 @@ _RENAMED = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "
 _SAME = ("prompt", "logit_bias", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
          "frequency_penalty", "ignore_eos", "stream", "model")
 # llama-server's slot, cache and reporting knobs: nothing to do here (no slots; the prefix cache is always on)
+# (backend_sampling: where llama-server samples, not what it samples from)
 _IGNORED = frozenset({"cache_prompt", "id_slot", "slot_id", "n_keep", "n_indent", "t_max_predict_ms",
-                      "t_max_prompt_ms", "response_fields", "timings_per_token", "return_progress", "n_cmpl"})
+                      "t_max_prompt_ms", "response_fields", "timings_per_token", "return_progress", "n_cmpl",
+                      "backend_sampling"})
 _SETTINGS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos")
 
@@ -83,12 +90,32 @@ def llama_logit_bias(value: Any, tokenize: Callable[[str], list[int]] | None) ->
     return out
 
 
+def _is_mixed(p: Any) -> bool:
+    """A prompt that is one sequence of token ids and texts (llama-server's mixed prompt)."""
+    return (isinstance(p, list) and any(isinstance(x, str) for x in p)
+            and any(isinstance(x, int) and not isinstance(x, bool) for x in p)
+            and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in p))
+
+
+def _splice(p: list[Any], tokenize: Callable[[str], list[int]] | None) -> list[int]:
+    """A mixed prompt as token ids: each text's tokens in its place (no special tokens added).
+
+    Raises:
+        OpenAIError: 400 without ``tokenize``.
+    """
+    if tokenize is None:
+        raise bad("a prompt mixing token ids and texts needs the served tokenizer", "prompt")
+    return [t for x in p for t in (tokenize(x) if isinstance(x, str) else [x])]
+
+
 def needs_tokenizer(body: Any) -> bool:
-    """The body's ``logit_bias`` names a token by its text."""
+    """The body's ``logit_bias`` names a token by its text, or a prompt mixes token ids and texts."""
     bias = body.get("logit_bias") if isinstance(body, dict) else None
     keys = bias.keys() if isinstance(bias, dict) else [p[0] for p in bias if isinstance(p, list) and p] \
         if isinstance(bias, list) else []
-    return any(isinstance(k, str) and not k.isdigit() for k in keys)
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    mixed = _is_mixed(prompt) or (isinstance(prompt, list) and any(_is_mixed(x) for x in prompt))
+    return mixed or any(isinstance(k, str) and not k.isdigit() for k in keys)
 
 
 def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | None = None
@@ -104,7 +131,7 @@ def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | Non
         raise bad("the request body must be a JSON object")
     out: dict[str, Any] = {}
     for k, v in body.items():
-        if k in _IGNORED or k == "return_tokens" or (k == "n_probs" and v == 0):
+        if k in _IGNORED or k in ("return_tokens", "post_sampling_probs") or (k == "n_probs" and v == 0):
             continue
         if k in _RENAMED:
             out[_RENAMED[k]] = v
@@ -116,8 +143,11 @@ def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | Non
         out["logit_bias"] = llama_logit_bias(out["logit_bias"], tokenize)
     if "prompt" in out:
         p = out["prompt"]
-        out["prompt"] = [_prompt(x) for x in p] if isinstance(p, list) and any(
-            isinstance(x, (dict, str, list)) for x in p) else _prompt(p)
+        if _is_mixed(p):
+            out["prompt"] = _splice(p, tokenize)
+        else:
+            out["prompt"] = [_splice(x, tokenize) if _is_mixed(x) else _prompt(x) for x in p] if isinstance(
+                p, list) and any(isinstance(x, (dict, str, list)) for x in p) else _prompt(p)
     n_predict = out.get("max_tokens")
     if "max_tokens" in out and (not isinstance(n_predict, int) or isinstance(n_predict, bool)):
         raise bad("'n_predict' must be an integer", "n_predict")
@@ -126,16 +156,29 @@ def parse_llama_completion(body: Any, tokenize: Callable[[str], list[int]] | Non
     return_tokens = body.get("return_tokens", False)
     if not isinstance(return_tokens, bool):
         raise bad("'return_tokens' must be a boolean", "return_tokens")
+    post_sampling = body.get("post_sampling_probs", False)
+    if not isinstance(post_sampling, bool):
+        raise bad("'post_sampling_probs' must be a boolean", "post_sampling_probs")
     creq = parse_completion_request(out)
-    if "max_tokens" not in out:
-        params = {k: v for k, v in creq.params.items() if k != "max_tokens"}
-        creq = CompletionRequest(creq.prompts, creq.model, params, creq.n, creq.logprobs, creq.echo,
-                                 creq.stream, creq.include_usage)
+    params = {k: v for k, v in creq.params.items() if k != "max_tokens" or "max_tokens" in out}
+    if post_sampling and "logprobs" in params:
+        params["processed_logprobs"] = True  # the engine reports the distribution it drew from
+    creq = CompletionRequest(creq.prompts, creq.model, params, creq.n, creq.logprobs, creq.echo,
+                             creq.stream, creq.include_usage)
     return creq, return_tokens
 
 
-def _probabilities(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Engine logprob entries in llama-server's ``completion_probabilities`` layout."""
+def _probabilities(entries: list[dict[str, Any]], post_sampling: bool = False) -> list[dict[str, Any]]:
+    """Engine logprob entries in llama-server's ``completion_probabilities`` layout; with
+    ``post_sampling`` (the engine's ``processed_logprobs``) as probabilities, ``prob`` and
+    ``top_probs``, leaving out the alternatives the sampler could not draw (probability 0)."""
+    if post_sampling:
+        def prob(e: dict[str, Any]) -> dict[str, Any]:
+            return {"id": e["token_id"], "token": e["token"], "prob": math.exp(e["logprob"]), "bytes": e["bytes"]}
+
+        return [{**prob(e), "top_probs": [p for p in map(prob, e.get("top", [])) if p["prob"] > 0.0]}
+                for e in entries]
+
     def one(e: dict[str, Any]) -> dict[str, Any]:
         return {"id": e["token_id"], "token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
 
@@ -184,12 +227,13 @@ class LlamaCompletionWriter(CollectingWriter):
                 "stop_type": _stop_type(done),
                 "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
                 # llama-server's prompt_n counts the prompt tokens computed, cache_n those reused
-                "timings": {"prompt_n": evaluated - cached, "cache_n": cached, "predicted_n": predicted,
-                            "predicted_ms": float(done.timings.get("e2e_ms", 0.0))},
+                "timings": finished_timings(done),
                 **self._probs(self.choices[index].logprobs if content else [])}
 
     def _probs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"completion_probabilities": _probabilities(entries)} if self.creq.logprobs is not None else {}
+        if self.creq.logprobs is None:
+            return {}
+        return {"completion_probabilities": _probabilities(entries, bool(self.creq.params.get("processed_logprobs")))}
 
     def start_events(self) -> list[bytes]:
         """Nothing before the first text."""

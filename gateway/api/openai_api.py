@@ -75,6 +75,12 @@ from gateway.api.openai_request import (
     openai_error_from,
     parse_chat_request,
 )
+from gateway.api.openai_resume import (
+    CONVERSATION_HEADER,
+    ResumableStreams,
+    conversation_rid,
+    valid_conversation_id,
+)
 from gateway.api.responses_api import ResponsesWriter, new_response_id, parse_responses_request
 from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
@@ -188,6 +194,8 @@ class OpenAIApi:
         self.api_key = api_key or None
         self.created = int(time.time())
         self._ids: tuple[str, UserIds] | None = None
+        self._resumable: ResumableStreams | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     # ---- who is asking ------------------------------------------------------------------
 
@@ -266,6 +274,24 @@ class OpenAIApi:
                                       "format": c.info.format or None}
         return json_response({"object": "list", "data": list(seen.values())})
 
+    # ---- GET /slots ------------------------------------------------------------------------
+
+    async def slots(self, request: Request) -> Response:
+        """``GET /slots``: llama-server's slot list, read-only, in this server's terms: one
+        entry per engine (an engine batches every request it holds; it has no fixed slots),
+        ``id`` its position, ``is_processing`` whether it serves some request of this
+        gateway now, ``n_processing`` how many, ``n_ctx`` its context (tokens), ``model``
+        and ``healthy``. No request's text or owner is shown."""
+        try:
+            self.authorize(request)
+        except OpenAIError as e:
+            return error_response(e)
+        out = [{"id": i, "model": c.info.model if c.info else None,
+                "n_ctx": c.info.max_model_len if c.info else 0, "healthy": c.healthy,
+                "is_processing": c.in_flight > 0, "n_processing": c.in_flight}
+               for i, c in enumerate(request.app.state.router.clients)]
+        return json_response(out)
+
     # ---- POST /v1/chat/completions --------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
@@ -279,6 +305,19 @@ class OpenAIApi:
             markers = request.app.state.config.think_markers  # reasoning_content
             return (choices, ChatWriter(creq, _completion_id(src), src.model_name, extra, markers), creq.stream,
                     headers)
+        return await self.serve(request, start)
+
+    async def chat_input_tokens(self, request: Request) -> Response | SSEResponse:
+        """``POST /v1/chat/completions/input_tokens`` (llama-server's): a chat request's
+        prompt tokens, ``{"input_tokens": N}``, from a one-token run as Anthropic's
+        ``count_tokens`` (the engine renders the chat, tools included, as for its reply)."""
+        async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
+            creq = parse_chat_request(await self._read_json(request))
+            model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
+            params = {k: v for k, v in creq.params.items() if k not in ("logprobs", "max_tokens")}
+            choices = await self.start_engine_choices(request, creq.messages, {**params, "max_tokens": 1}, 1, model,
+                                                      extra=creq.extra)
+            return choices, CountWriter("", choices.model_name), False, {}
         return await self.serve(request, start)
 
     # ---- POST /v1/completions ---------------------------------------------------------------
@@ -371,7 +410,7 @@ class OpenAIApi:
             choices = await self.start_engine_choices(request, rreq.messages, rreq.params, 1,
                                                       resolve_model(request.app.state.router, rreq.model,
                                                                     request.app.state.config.model_aliases),
-                                                      extra=rreq.extra)
+                                                      extra=rreq.extra, progress=rreq.progress)
             return choices, ResponsesWriter(rreq, new_response_id(), choices.model_name), rreq.stream, {}
         return await self.serve(request, start)
 
@@ -386,6 +425,7 @@ class OpenAIApi:
         errors = errors or error_response
         try:
             self.authorize(request)
+            resumable = self._conversation(request) if request.url.path.endswith("/chat/completions") else None
             choices, writer, stream, headers = await start()
         except OpenAIError as e:
             return errors(e)
@@ -416,19 +456,143 @@ class OpenAIApi:
                 await _delete_quietly(request, src.owner, src.session_id)
             return errors(openai_error_from(refused.code, refused.message, _refused_param(refused.message),
                                             refused.status))
+        if stream and resumable is not None:
+            return await self._resumable_stream(request, resumable, choices, watcher, first, writer, headers, errors)
         if stream:
             return SSEResponse(lambda emit: self._stream(choices, watcher, first, writer, emit), headers)
         return await self._collect(choices, watcher, first, writer, headers, errors)
 
     @staticmethod
-    def _hold(request: Request, watcher: DisconnectWatcher) -> Callable[[], None]:
+    def _hold(request: Request, watcher: DisconnectWatcher | Callable[[str], None]) -> Callable[[], None]:
         """Register the request with the revocations (its token's, or its user's): a
-        revocation ends it through ``watcher``. Returns the function that unregisters it."""
+        revocation ends it through ``watcher`` (or calls the function given with the
+        reason). Returns the function that unregisters it."""
         state = request.scope.get("state", {})
         token = state.get("token") if state.get("auth") == "token" else None
         uid = request_user(request.scope) or ""
         revocations: Revocations = request.app.state.revocations
-        return revocations.hold(uid, watcher.revoke, token.id if token else None, token.digest if token else None)
+        close = watcher.revoke if isinstance(watcher, DisconnectWatcher) else watcher
+        return revocations.hold(uid, close, token.id if token else None, token.digest if token else None)
+
+    # ---- resumable streams (X-Conversation-Id; gateway/api/openai_resume.py) -----------------
+
+    def _spawn(self, aw: Awaitable[Any]) -> None:
+        """Run ``aw`` in a task of its own (from a synchronous callback), held until done."""
+        task = asyncio.ensure_future(aw)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _resumable_streams(self, request: Request) -> ResumableStreams:
+        if self._resumable is None:
+            state = request.app.state
+            self._resumable = ResumableStreams(state.streams, state.config.cancel_grace_s)
+        return self._resumable
+
+    def _stream_scope(self, request: Request) -> str:
+        """Whose conversation ids a request reaches (``openai_resume`` module doc)."""
+        if self.api_key is not None or request.scope.get("state", {}).get("auth") == "token":
+            return self.owners(request)[0]
+        return (request_user(request.scope) or "") if cookie_value(request.scope) else ""
+
+    def _conversation(self, request: Request) -> str | None:
+        """The resumable stream's request id from ``X-Conversation-Id``, or None without one.
+
+        Raises:
+            OpenAIError: 400 for an id that is empty, too long or not printable.
+        """
+        conv = request.headers.get(CONVERSATION_HEADER)
+        if conv is None:
+            return None
+        if not valid_conversation_id(conv):
+            raise bad("the X-Conversation-Id header must be 1-256 printable characters")
+        return conversation_rid(self._stream_scope(request), conv)
+
+    async def _resumable_stream(self, request: Request, rid: str, choices: ChoiceSet, watcher: DisconnectWatcher,
+                                first: list[tuple[int, ReplyEvent]], writer: Writer, headers: dict[str, str],
+                                errors: Callable[[OpenAIError], Response]) -> Response | SSEResponse:
+        """Hand the reply to a task of its own that records its events (it no longer
+        depends on this connection) and stream them to the client as they come."""
+        watcher.close()  # the client may leave: the reply goes on (a DELETE stops it)
+        resumable = self._resumable_streams(request)
+        unhold: Callable[[], None] = lambda: None  # noqa: E731
+
+        async def produce(tee: Callable[[list[bytes]], Awaitable[None]]) -> None:
+            try:
+                await self._produce(choices, first, writer, tee)
+            finally:
+                unhold()
+
+        try:
+            queue = await resumable.start(rid, self._stream_scope(request), produce)
+        except GatewayError as e:
+            await self._abandon(choices, watcher)
+            return errors(from_gateway_error(e))
+        # a revoked token (or deleted user) stops the reply and forgets its stream
+        unhold = self._hold(request, lambda reason: self._spawn(resumable.stop(rid)))
+
+        async def live(emit: Callable[[bytes], Awaitable[None]]) -> None:
+            while (frame := await queue.get()) is not None:
+                await emit(frame)
+
+        return SSEResponse(live, headers)
+
+    async def _produce(self, choices: ChoiceSet, events: list[tuple[int, ReplyEvent]], writer: Writer,
+                       tee: Callable[[list[bytes]], Awaitable[None]]) -> None:
+        """A resumable reply's events, as ``_stream`` writes them, through ``tee``; no
+        client to watch (cancelled: the reply is aborted)."""
+        try:
+            await tee(writer.start_events())
+            while True:
+                for i, ev in events:
+                    if isinstance(ev, Failed):
+                        await tee(writer.error_event(openai_error_from(ev.code, ev.message, status=ev.status)))
+                        await choices.abort()
+                        return
+                    await tee(writer.stream_events(i, ev))
+                if choices.done:
+                    await tee(writer.end_events())
+                    return
+                events = await choices.next()
+        except BaseException:
+            await asyncio.shield(choices.abort())
+            raise
+        finally:
+            choices.close()
+
+    async def stream_get(self, request: Request) -> Response | SSEResponse:
+        """``GET /v1/stream?conv_id=<id>&from=<byte>``: replay a resumable reply and follow it."""
+        try:
+            self.authorize(request)
+            rid = self._stream_rid(request)
+            raw = request.query_params.get("from", "0")
+            if not raw.isdigit():
+                raise bad("'from' must be a byte offset (a non-negative integer)", "from")
+            resumable = self._resumable_streams(request)
+            if await request.app.state.streams.head(rid) is None:
+                raise OpenAIError(404, "no stream for this conversation", "invalid_request_error", "conv_id",
+                                  "not_found")
+        except OpenAIError as e:
+            return error_response(e)
+        except GatewayError as e:
+            return error_response(from_gateway_error(e))
+        return SSEResponse(lambda emit: resumable.replay(rid, int(raw), emit), {})
+
+    async def stream_delete(self, request: Request) -> Response:
+        """``DELETE /v1/stream?conv_id=<id>``: stop a resumable reply and forget its stream (204)."""
+        try:
+            self.authorize(request)
+            await self._resumable_streams(request).stop(self._stream_rid(request))
+        except OpenAIError as e:
+            return error_response(e)
+        except GatewayError as e:
+            return error_response(from_gateway_error(e))
+        return Response(status_code=204)
+
+    def _stream_rid(self, request: Request) -> str:
+        conv = request.query_params.get("conv_id")
+        if not valid_conversation_id(conv):
+            raise bad("'conv_id' must be the conversation id (1-256 printable characters)", "conv_id")
+        return conversation_rid(self._stream_scope(request), conv or "")
 
     async def _read_json(self, request: Request) -> Any:
         limit = request.app.state.config.limits.max_frame_bytes
@@ -459,16 +623,18 @@ class OpenAIApi:
                           "logprobs, logit_bias, n or continue_final_message)", "session_id")
             return ChoiceSet([await self._start_linked(request, creq, sid, model)])
         return await self.start_engine_choices(request, creq.messages, creq.params, creq.n, model,
-                                               extra=creq.extra)
+                                               extra=creq.extra, progress=creq.progress)
 
     async def start_engine_choices(self, request: Request, messages: list[dict[str, Any]], params: dict[str, Any],
                                    n: int, model: str | None, extra: dict[str, Any] | None = None,
                                    prompt_token_ids: list[int] | None = None,
-                                   routing: str | None = None) -> ChoiceSet:
+                                   routing: str | None = None, progress: bool = False) -> ChoiceSet:
         """Start ``n`` stateless choices of one prompt on one engine (the same routing
         key), choice i with its own seed (``api_to_engine.choice_params``): the engine
         computes their shared prompt once. ``params`` lack ``max_tokens``: the gateway's
-        default. ``extra``: ``generate`` frame fields (``prompt``, ``tools``...).
+        default; without a ``seed`` they get ``GatewayConfig.api_seed`` when it is set (an
+        explicit -1, random, stays). ``extra``: ``generate`` frame fields (``prompt``, ``tools``...).
+        ``progress``: the choices hand back prompt-progress events (``EngineReply``).
 
         Raises:
             GatewayError: ``engine_unavailable`` (the started choices are closed).
@@ -476,6 +642,8 @@ class OpenAIApi:
         state = request.app.state
         events: GenerationEvents = state.generations.events
         params = {"max_tokens": state.config.defaults.max_tokens, **params}
+        if state.config.api_seed is not None and params.get("seed") is None:
+            params["seed"] = state.config.api_seed  # the operator's --seed (GatewayConfig.api_seed)
         # the cache namespace of the request's first user (docs/reliability.md, cache isolation)
         isolation = state.generations.isolation
         salt = isolation.salt(self.owners(request)[0])
@@ -488,7 +656,7 @@ class OpenAIApi:
                 source = EngineReply(state.router, events, base_id if i == 0 else f"{base_id}-{i}", messages,
                                      a2e.choice_params(params, i), key, model, state.config.cancel_grace_s,
                                      salt, shared, extra=extra, prompt_token_ids=prompt_token_ids,
-                                     think_open=state.config.think_markers.open)
+                                     think_open=state.config.think_markers.open, progress=progress)
                 await source.start()
                 sources.append(source)
         except BaseException:
@@ -664,13 +832,14 @@ def _refused(events: list[tuple[int, ReplyEvent]]) -> Failed | None:
 
 
 def openai_routes(api_key: str | None = None) -> list[Route]:
-    """The ``/v1`` routes (``chat/completions``, ``completions``, Anthropic's
+    """The ``/v1`` routes (``chat/completions`` and its ``input_tokens``, ``completions``, Anthropic's
     ``messages`` and ``messages/count_tokens``, ``responses``, ``models``, root
-    ``tokenize`` and ``detokenize``, and an OpenAI
+    ``tokenize`` and ``detokenize``, llama-server's ``completion`` and ``slots``, and an OpenAI
     error for any other ``/v1`` path); with ``api_key`` every request must send
     ``Authorization: Bearer <api_key>``."""
     api = OpenAIApi(api_key)
     routes = [Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/v1/chat/completions/input_tokens", api.chat_input_tokens, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/messages", api.messages, methods=["POST"]),
               Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
@@ -679,12 +848,15 @@ def openai_routes(api_key: str | None = None) -> list[Route]:
     # the same routes without /v1, as llama-server also serves them (clients configured
     # with the server's root as their base URL)
     routes += [Route(r.path.removeprefix("/v1"), r.endpoint, methods=sorted(r.methods or ()))
-               for r in routes if r.path in ("/v1/chat/completions", "/v1/completions", "/v1/models",
-                                             "/v1/responses")]
+               for r in routes if r.path in ("/v1/chat/completions", "/v1/chat/completions/input_tokens",
+                                             "/v1/completions", "/v1/models", "/v1/responses")]
     # llama-server's and vLLM's token counting, at the root as both serve it
     routes += [Route("/completion", api.llama_completion, methods=["POST"]),
                Route("/tokenize", api.tokenize, methods=["POST"]),
-               Route("/detokenize", api.detokenize, methods=["POST"])]
+               Route("/detokenize", api.detokenize, methods=["POST"]),
+               Route("/slots", api.slots, methods=["GET"]),
+               Route("/v1/stream", api.stream_get, methods=["GET"]),
+               Route("/v1/stream", api.stream_delete, methods=["DELETE"])]
     known = {r.path for r in routes}
 
     async def unknown(request: Request) -> Response:

@@ -11,6 +11,14 @@ call's first entry has its ``index``, ``id``, ``type`` and function name with ar
 A reply's reasoning (the text between its thinking markers, ``gateway/reasoning.py``)
 is apart, as vLLM and llama.cpp's server answer: ``reasoning_content`` deltas before the
 content, and the message's ``reasoning_content`` (present only when the reply reasoned).
+
+llama-server's extensions (docs/protocol.md, "llama-server's extensions"): with
+``timings_per_token`` every chunk after the first carries its ``timings`` object (while
+streaming, the gateway's clock and the tokens so far; the finish and usage chunks and the
+body, the engine's figures); with ``return_progress`` a chunk with no choices and a
+``prompt_progress`` object (``total``, ``cache``, ``processed`` tokens, ``time_ms``) goes
+out for each chunk of a long prompt the engine computed, and one with ``processed`` =
+``total`` before the first text.
 """
 
 from __future__ import annotations
@@ -20,18 +28,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.api import engine_to_api as e2a
-from gateway.api.openai_replies import Delta, Failed, Finished, ReplyEvent
+from gateway.api.openai_replies import Delta, Failed, Finished, Progress, ReplyEvent
 from gateway.api.openai_request import ChatRequest, OpenAIError
-from gateway.api.reply_collect import ChoiceReply, CollectingWriter
+from gateway.api.reply_collect import (
+    ChoiceReply,
+    CollectingWriter,
+    finished_timings,
+    live_timings,
+    prompt_progress,
+)
 from gateway.api.sse import json_bytes, sse
 from gateway.reasoning import DEFAULT_MARKERS, ReasoningSplitter, ThinkMarkers, split_reasoning
 
 
 @dataclass
 class ChoiceState(ChoiceReply):
-    """What one choice wrote so far, and the streamed split of its reasoning."""
+    """What one choice wrote so far, the streamed split of its reasoning, and (for live
+    ``timings``) when its first text came (``time.perf_counter`` s), its tokens so far and
+    its prompt's token counts."""
 
     think: ReasoningSplitter | None = None
+    first_at: float | None = None
+    n_tokens: int = 0
+    prompt_usage: dict[str, int] | None = None
 
 
 def usage_of(finished: list[Finished]) -> dict[str, Any]:
@@ -41,11 +60,13 @@ def usage_of(finished: list[Finished]) -> dict[str, Any]:
     prompt = int(u0.get("prompt_tokens", 0))
     completion = sum(int(f.usage.get("completion_tokens", 0)) for f in finished)
     cached, disk = int(u0.get("cached_tokens", 0)), int(u0.get("cached_disk_tokens", 0))
+    host = int(u0.get("cached_host_tokens", 0))
     # cached_tokens stays OpenAI's total; the split says where those tokens' KV came from
-    # (the engine's pool, or its disk KV tier: docs/kv_tiers.md)
+    # (the engine's pool, its host-memory KV tier or its disk KV tier: docs/kv_tiers.md)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached,
-                                      "cached_tokens_by_tier": {"pool": cached - disk, "disk": disk}}}
+                                      "cached_tokens_by_tier": {"pool": cached - host - disk, "host": host,
+                                                                "disk": disk}}}
 
 
 def openai_error_event(e: OpenAIError) -> list[bytes]:
@@ -70,6 +91,7 @@ class ChatWriter(CollectingWriter):
         self.id = completion_id
         self.model = model
         self.created = int(time.time())
+        self.started = time.perf_counter()
         self.extra_fields = extra_fields or {}
         self.markers = markers
         self.choices: list[ChoiceState] = [ChoiceState(think=ReasoningSplitter(markers)) for _ in range(creq.n)]
@@ -81,9 +103,20 @@ class ChatWriter(CollectingWriter):
     # ---- streaming --------------------------------------------------------------------
 
     def _chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> bytes:
+               logprobs: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> bytes:
         return sse(json_bytes({**self._base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                          "finish_reason": finish_reason}]}))
+                                                          "finish_reason": finish_reason}], **(extra or {})}))
+
+    def _live_timings(self, st: ChoiceState, now: float) -> dict[str, Any]:
+        """``timings`` while a choice streams: the gateway's clock (prompt: request to first
+        text; reply: first text to now) and the engine's token counts so far."""
+        return {"timings": live_timings(self.started, st.first_at, st.n_tokens, st.prompt_usage, now)}
+
+    def _progress(self, done: int, total: int, cached: int) -> bytes:
+        """A ``prompt_progress`` chunk (no choices), as llama-server's ``return_progress``."""
+        return sse(json_bytes({**self._base, "choices": [],
+                               "prompt_progress": prompt_progress(done, total, cached, self.started,
+                                                                  time.perf_counter())}))
 
     def start_events(self) -> list[bytes]:
         """The first chunk of each choice: its role (``content`` null: no content delta is
@@ -94,35 +127,53 @@ class ChatWriter(CollectingWriter):
         """The chunks for one event of choice ``index`` (and keeps what it needs for ``end_events``)."""
         st = self.choices[index]
         out: list[bytes] = []
-        if isinstance(ev, Delta):
+        if isinstance(ev, Progress):
+            if self.creq.progress and index == 0:  # the choices share one prompt: choice 0 reports it
+                out.append(self._progress(ev.done, ev.total, ev.cached))
+        elif isinstance(ev, Delta):
+            now = time.perf_counter()
+            if st.first_at is None:
+                st.first_at = now
+                st.prompt_usage = ev.prompt_usage
+                if self.creq.progress and index == 0 and ev.prompt_usage is not None:
+                    total = int(ev.prompt_usage.get("prompt_tokens", 0))
+                    out.append(self._progress(total, total, int(ev.prompt_usage.get("cached_tokens", 0))))
+            st.n_tokens += ev.n_tokens
+            extra = self._live_timings(st, now) if self.creq.timings else None
             lp = e2a.chat_logprobs(ev.logprobs) if self.creq.logprobs and ev.logprobs else None
             reasoning, text = st.think.feed(ev.text) if st.think is not None and ev.text else ("", ev.text)
             if reasoning:
-                out.append(self._chunk(index, {"reasoning_content": reasoning}, logprobs=lp))
+                out.append(self._chunk(index, {"reasoning_content": reasoning}, logprobs=lp, extra=extra))
                 lp = None
             if text:
-                out.append(self._chunk(index, {"content": text}, logprobs=lp))
+                out.append(self._chunk(index, {"content": text}, logprobs=lp, extra=extra))
                 lp = None
             if ev.tool_calls:
-                out.append(self._chunk(index, {"tool_calls": e2a.chat_tool_call_deltas(ev.tool_calls)}, logprobs=lp))
+                out.append(self._chunk(index, {"tool_calls": e2a.chat_tool_call_deltas(ev.tool_calls)}, logprobs=lp,
+                                       extra=extra))
                 lp = None
             if lp is not None:  # tokens that showed no text yet (held back, or a call's marker)
-                out.append(self._chunk(index, {}, logprobs=lp))
+                out.append(self._chunk(index, {}, logprobs=lp, extra=extra))
         elif isinstance(ev, Finished):
             st.finished = ev
+            extra = {"timings": finished_timings(ev)} if self.creq.timings else None
             reasoning, text = st.think.finish() if st.think is not None else ("", "")
             if reasoning:
-                out.append(self._chunk(index, {"reasoning_content": reasoning}))
+                out.append(self._chunk(index, {"reasoning_content": reasoning}, extra=extra))
             if text:
-                out.append(self._chunk(index, {"content": text}))
-            out.append(self._chunk(index, {}, ev.finish_reason))
+                out.append(self._chunk(index, {"content": text}, extra=extra))
+            out.append(self._chunk(index, {}, ev.finish_reason, extra=extra))
         return out
 
     def end_events(self) -> list[bytes]:
         """After every choice finished: the usage chunk (when asked) and ``[DONE]``."""
         out = []
         if self.creq.include_usage:
-            out.append(sse(json_bytes({**self._base, "choices": [], "usage": usage_of(self.finished_choices())})))
+            finished = self.finished_choices()
+            chunk = {**self._base, "choices": [], "usage": usage_of(finished)}
+            if self.creq.timings and finished:
+                chunk["timings"] = finished_timings(finished[0])
+            out.append(sse(json_bytes(chunk)))
         return out + [sse(b"[DONE]")]
 
     error_event = staticmethod(openai_error_event)
@@ -147,6 +198,7 @@ class ChatWriter(CollectingWriter):
                             "finish_reason": fin.finish_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices, "usage": usage_of(self.finished_choices()),
+                **({"timings": finished_timings(self.choices[0].done)} if self.creq.timings else {}),
                 **self.extra_fields}
 
 

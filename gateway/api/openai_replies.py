@@ -105,7 +105,19 @@ class Failed:
     status: int = 0
 
 
-ReplyEvent = Delta | Finished | Failed
+@dataclass
+class Progress:
+    """How far the engine has read the prompt (its chunked prefill; only for a request that
+    asked, ``EngineReply(progress=True)``): ``done`` of ``total`` prompt tokens have their
+    KV, ``cached`` of them from the prefix cache (tokens). The engine reports a prompt read
+    in one step with none."""
+
+    done: int
+    total: int
+    cached: int
+
+
+ReplyEvent = Delta | Finished | Failed | Progress
 
 
 class ClientGone(Exception):
@@ -197,14 +209,18 @@ class EngineReply:
         extra: protocol 7's ``generate`` fields (``prompt``, ``tools``, ...).
         prompt_token_ids: a prompt of token ids instead of ``messages``.
         think_open: the opening reasoning marker (``EngineRun``).
+        progress: also hand back the engine's prompt-progress items, as ``Progress``
+            events (only the writers that show them ask).
     """
 
     def __init__(self, router: EngineRouter, events: GenerationEvents, request_id: str,
                  messages: list[dict[str, Any]], params: dict[str, Any], affinity_key: str,
                  model: str | None, abort_grace_s: float, cache_salt: str = "",
                  shared_messages: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None,
-                 prompt_token_ids: list[int] | None = None, think_open: str = "<think>") -> None:
+                 prompt_token_ids: list[int] | None = None, think_open: str = "<think>",
+                 progress: bool = False) -> None:
         self.router = router
+        self.progress = progress
         self.events = events
         self.request_id = request_id
         self.model = model
@@ -246,6 +262,9 @@ class EngineReply:
             if batch is None:
                 continue
             events: list[ReplyEvent] = []
+            if self.progress and batch.progress is not None and not (batch.text or batch.token_ids):
+                p = batch.progress
+                events.append(Progress(p.prompt_tokens_done, p.prompt_tokens, p.cached_tokens))
             if batch.text or batch.token_ids or batch.tool_calls:
                 events.append(Delta(batch.text, len(batch.token_ids), batch.logprobs, batch.tool_calls,
                                     batch.prompt_logprobs, batch.prompt_usage))

@@ -42,6 +42,8 @@ IGNORED_FIELDS = frozenset({
     "cache_prompt", "id_slot",
 })
 NEW_SESSION = "new"
+# llama-server's reporting flags (booleans): its timings object, its prompt-progress chunks
+LLAMA_FLAGS = ("timings_per_token", "return_progress")
 
 
 class OpenAIError(Exception):
@@ -128,6 +130,10 @@ class ChatRequest:
         logprobs: answer with each token's logprobs.
         extra: the engine ``generate`` frame's ``tools``, ``tool_choice``,
             ``parallel_tool_calls`` and ``continue_final_message`` (only those set).
+        timings: llama-server's ``timings_per_token``: answer with its ``timings`` object
+            (docs/protocol.md, "llama-server's extensions").
+        progress: llama-server's ``return_progress``: stream ``prompt_progress`` chunks
+            while the prompt is read.
     """
 
     messages: list[dict[str, Any]]
@@ -139,6 +145,8 @@ class ChatRequest:
     n: int = 1
     logprobs: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    timings: bool = False
+    progress: bool = False
 
     @property
     def plain(self) -> bool:
@@ -355,7 +363,7 @@ KNOWN_FIELDS = frozenset({
     "tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "modalities",
     "audio", "prediction", "logprobs", "top_logprobs", "parallel_tool_calls", "continue_final_message",
     "add_generation_prompt", "guided_json", "guided_regex", "guided_grammar", "guided_choice", "json_schema",
-    "grammar",
+    "grammar", "timings_per_token", "return_progress",
 }) | IGNORED_FIELDS
 
 
@@ -407,7 +415,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
     """
-    head = check_body(body, KNOWN_FIELDS, stream_options=True)
+    head = check_body(body, KNOWN_FIELDS, flags=("stream",) + LLAMA_FLAGS, stream_options=True)
     body = head.body
     messages = _messages(body.get("messages"))
     try:
@@ -424,4 +432,5 @@ def parse_chat_request(body: Any) -> ChatRequest:
     params.update(features)
     return ChatRequest(messages=messages, model=head.model, params=params, stream=head.stream,
                        include_usage=head.include_usage, session_id=sid, n=n,
-                       logprobs="logprobs" in features, extra=extra)
+                       logprobs="logprobs" in features, extra=extra,
+                       timings=body.get("timings_per_token") is True, progress=body.get("return_progress") is True)

@@ -18,6 +18,11 @@ Not served: stored responses (``store`` is taken as false; ``previous_response_i
 ``conversation`` and ``background`` are refused), built-in tools (web and file search,
 computer use, code interpreter, image generation, MCP), reasoning items, images and
 files in the input.
+
+llama-server's ``timings_per_token`` and ``return_progress`` work as in chat completions
+(docs/protocol.md, "llama-server's extensions"): the ``timings`` object on each
+``response.output_text.delta`` and on ``response.completed`` (and the body), and
+``response.in_progress`` events carrying ``prompt_progress``.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from typing import Any
 
 from gateway.api import api_to_engine as a2e
 from gateway.api import engine_to_api as e2a
-from gateway.api.openai_replies import Delta, Finished, ReplyEvent
+from gateway.api.openai_replies import Delta, Finished, Progress, ReplyEvent
 from gateway.api.openai_request import (
     IGNORED_FIELDS,
+    LLAMA_FLAGS,
     BodyWording,
     OpenAIError,
     bad,
@@ -39,13 +45,19 @@ from gateway.api.openai_request import (
     check_text,
     sampling_fields,
 )
-from gateway.api.reply_collect import ChoiceReply, CollectingWriter
+from gateway.api.reply_collect import (
+    ChoiceReply,
+    CollectingWriter,
+    finished_timings,
+    live_timings,
+    prompt_progress,
+)
 from gateway.api.sse import json_bytes, sse
 
 KNOWN_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice",
     "parallel_tool_calls", "text", "store", "previous_response_id", "conversation", "background", "include",
-    "truncation", "reasoning", "top_logprobs", "stream_options", "max_tool_calls",
+    "truncation", "reasoning", "top_logprobs", "stream_options", "max_tool_calls", *LLAMA_FLAGS,
 }) | IGNORED_FIELDS
 _WORDING = BodyWording("Unknown parameter: '{}'.")  # as OpenAI's Responses API words it
 
@@ -61,6 +73,8 @@ class ResponsesRequest:
         extra: ``generate`` frame fields (tools, tool choice, parallel calls).
         stream: answer with the Responses stream events.
         echo: request fields a ``response`` object repeats (instructions, tools, ...).
+        timings, progress: llama-server's ``timings_per_token`` and ``return_progress``
+            (``ChatRequest``'s; docs/protocol.md, "llama-server's extensions").
     """
 
     messages: list[dict[str, Any]]
@@ -69,6 +83,8 @@ class ResponsesRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     echo: dict[str, Any] = field(default_factory=dict)
+    timings: bool = False
+    progress: bool = False
 
 
 def _text_format(text: Any) -> dict[str, Any] | None:
@@ -91,7 +107,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
     """
-    head = check_body(body, KNOWN_FIELDS, _WORDING)
+    head = check_body(body, KNOWN_FIELDS, _WORDING, flags=("stream",) + LLAMA_FLAGS)
     body = head.body
     for name in ("previous_response_id", "conversation"):
         if body.get(name):
@@ -131,7 +147,8 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {}}
-    return ResponsesRequest(messages, head.model, params, extra, head.stream, echo)
+    return ResponsesRequest(messages, head.model, params, extra, head.stream, echo,
+                            timings=body.get("timings_per_token") is True, progress=body.get("return_progress") is True)
 
 
 def _usage(done: Finished | None) -> dict[str, Any]:
@@ -160,14 +177,19 @@ class ResponsesWriter(CollectingWriter):
         self.items: list[dict[str, Any]] = []  # output items so far (streaming)
         self._seq = 0
         self._open: dict[str, Any] | None = None  # the item being streamed
+        # llama-server's live timings: the request's arrival, its first text, tokens so far, prompt counts
+        self.started = time.perf_counter()
+        self._first_at: float | None = None
+        self._n_tokens = 0
+        self._prompt_usage: dict[str, int] | None = None
 
     @property
     def finished(self) -> Finished | None:
         """The reply's ``Finished``, once it came."""
         return self.choices[0].finished
 
-    def _event(self, name: str, data: dict[str, Any]) -> bytes:
-        out = sse(json_bytes({"type": name, "sequence_number": self._seq, **data}), name)
+    def _event(self, name: str, data: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
+        out = sse(json_bytes({"type": name, "sequence_number": self._seq, **data, **(extra or {})}), name)
         self._seq += 1
         return out
 
@@ -212,7 +234,19 @@ class ResponsesWriter(CollectingWriter):
         """Item events for a delta; the closing events and ``response.completed`` at the end."""
         out: list[bytes] = []
         at = len(self.items)
-        if isinstance(ev, Delta):
+        if isinstance(ev, Progress):
+            if self.rreq.progress:
+                out.append(self._in_progress(ev.done, ev.total, ev.cached))
+        elif isinstance(ev, Delta):
+            now = time.perf_counter()
+            if self._first_at is None:
+                self._first_at, self._prompt_usage = now, ev.prompt_usage
+                if self.rreq.progress and ev.prompt_usage is not None:
+                    total = int(ev.prompt_usage.get("prompt_tokens", 0))
+                    out.append(self._in_progress(total, total, int(ev.prompt_usage.get("cached_tokens", 0))))
+            self._n_tokens += ev.n_tokens
+            timings = ({"timings": live_timings(self.started, self._first_at, self._n_tokens, self._prompt_usage,
+                                                now)} if self.rreq.timings else None)
             if ev.text:
                 if self._open is None or self._open["type"] != "message":
                     out += self._close_item()
@@ -228,7 +262,7 @@ class ResponsesWriter(CollectingWriter):
                 self._open["content"][0]["text"] += ev.text
                 out.append(self._event("response.output_text.delta", {
                     "item_id": self._open["id"], "output_index": at, "content_index": 0, "delta": ev.text,
-                    "logprobs": []}))
+                    "logprobs": []}, timings))
             for d in ev.tool_calls:
                 if d.get("id") is not None:
                     out += self._close_item()
@@ -246,8 +280,14 @@ class ResponsesWriter(CollectingWriter):
             out += self._close_item()
             status = self._status()
             name = "response.incomplete" if status == "incomplete" else "response.completed"
-            out.append(self._event(name, {"response": self._response(status, self.items)}))
+            out.append(self._event(name, {"response": self._response(status, self.items)},
+                                   {"timings": finished_timings(ev)} if self.rreq.timings else None))
         return out
+
+    def _in_progress(self, done: int, total: int, cached: int) -> bytes:
+        """A ``response.in_progress`` event with llama-server's ``prompt_progress``."""
+        return self._event("response.in_progress", {"response": self._response("in_progress", [])}, {
+            "prompt_progress": prompt_progress(done, total, cached, self.started, time.perf_counter())})
 
     def end_events(self) -> list[bytes]:
         """Nothing after ``response.completed``."""
@@ -268,7 +308,8 @@ class ResponsesWriter(CollectingWriter):
                            "role": "assistant",
                            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
         output += e2a.responses_function_calls(done.tool_calls or [])
-        return self._response(self._status(), output)
+        timings = {"timings": finished_timings(done)} if self.rreq.timings else {}
+        return {**self._response(self._status(), output), **timings}
 
 
 def new_response_id() -> str:

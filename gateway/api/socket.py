@@ -1,14 +1,15 @@
 """The browser WebSocket ``/ws`` (docs/protocol.md section 2).
 
-Per socket there is one reader (frames in), one writer (frames out) and one tail task
-per reply the socket watches (``tails.ReplyTail``: from the reply task's memory when the
-reply runs on this gateway, else from its Redis Stream). Everything sent goes through a
-bounded outbox: a tail that finds the outbox full waits, so it reads no faster than the
-client reads the socket, and the gateway holds at most ``ws_max_pending_frames`` frames
-plus one read batch per tail for a slow client (bounded outbound buffers
-(docs/acceptance.md#bounded-outbound-buffers)). A frame the client
-has not taken within ``ws_send_timeout_s`` marks the socket stalled: it is closed and
-its tails stop; the replies themselves go on and are stored.
+Per socket there is one reader (frames in) and one tail task per reply the socket
+watches (``tails.ReplyTail``: from the reply task's memory when the reply runs on this
+gateway, else from its Redis Stream). Everything sent goes through a bounded outbox,
+written out in order by whichever sender finds nobody writing: a tail that finds the
+outbox full waits, so it reads no faster than the client reads the socket, and the
+gateway holds at most ``ws_max_pending_frames`` frames plus one read batch per tail for
+a slow client (bounded outbound buffers (docs/acceptance.md#bounded-outbound-buffers)).
+A write the client has not taken within ``ws_send_timeout_s`` (checked every quarter of
+it) marks the socket stalled: it is closed and its tails stop; the replies themselves
+go on and are stored. A delta is encoded once however many sockets here follow its reply.
 
 Frames are handled concurrently (at most ``ws_max_inflight`` per socket), so a ``ping``
 is answered while a big ``chat`` of the same or another socket is being processed;
@@ -19,8 +20,8 @@ large frames are JSON-decoded off the event loop (the event loop is never blocke
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +35,20 @@ from gateway.api.socket_frames import (
     ChatFrame,
     ClientFrame,
     ContinueFrame,
+    DeltaOut,
     EditFrame,
     EventsFrame,
     PingFrame,
+    ProgressOut,
     ProtocolError,
     RegenerateFrame,
     ResumeFrame,
+    ServerFrame,
+    StartOut,
+    WireFrame,
     decode_json,
+    done_frame,
+    encode_frame,
     error_frame,
     error_from,
     parse_client_frame,
@@ -53,7 +61,6 @@ from gateway.store.live_events import LiveHub
 from gateway.store.reply_streams import ReplyStreams, StreamEntry, done_payload
 
 __all__ = ["TAIL_BLOCK_MS", "Connection", "WsStats", "websocket_endpoint"]
-from gateway.api.validation import printable
 
 log = logging.getLogger("gateway.api.socket")
 
@@ -96,7 +103,12 @@ def _utf8_len_over(text: str, limit: int) -> bool:
 
 
 class Connection:
-    """One accepted browser socket of user ``uid``."""
+    """One accepted browser socket of user ``uid``.
+
+    Frames out wait in ``outbox`` (at most ``ws_max_pending_frames``, the one being
+    written included); whichever sender finds nobody writing writes the outbox out in
+    order (no task hop per frame), and a watchdog marks the socket stalled when one
+    write has waited ``ws_send_timeout_s`` (checked every quarter of it)."""
 
     def __init__(self, ws: WebSocket, uid: str, config: GatewayConfig, gens: GenerationManager,
                  streams: ReplyStreams, stats: WsStats) -> None:
@@ -107,8 +119,12 @@ class Connection:
         self.gens = gens
         self.streams = streams
         self.stats = stats
-        self.outbox: asyncio.Queue[str] = asyncio.Queue(maxsize=config.limits.ws_max_pending_frames)
+        self.outbox: deque[WireFrame] = deque()
         self.outbox_bytes = 0
+        self._writing = False  # a sender is writing the outbox out
+        self._write_started: float | None = None  # loop time the current write began
+        self._room: deque[asyncio.Future[None]] = deque()  # senders waiting for a free slot
+        self._gone = asyncio.Event()  # the client went away (a write failed) or stalled
         self.inflight = asyncio.Semaphore(config.limits.ws_max_inflight)
         self.tails: dict[str, asyncio.Task[None]] = {}
         self.handlers: set[asyncio.Task[None]] = set()
@@ -119,44 +135,91 @@ class Connection:
 
     # ---- out ---------------------------------------------------------------------------
 
-    async def send(self, frame: dict[str, Any]) -> None:
+    async def send(self, frame: ServerFrame) -> None:
         """Queue a frame; waits while the outbox is full (the client reads slowly)."""
-        data = json.dumps(frame, ensure_ascii=False)
-        try:
-            size = len(data.encode())
-        except UnicodeEncodeError:  # a lone surrogate echoed from input: never break the socket
-            data = printable(data)
-            size = len(data.encode())
-        await self.outbox.put(data)
-        self.outbox_bytes += size
-        self.stats.max_outbox_frames = max(self.stats.max_outbox_frames, self.outbox.qsize())
-        self.stats.max_outbox_bytes = max(self.stats.max_outbox_bytes, self.outbox_bytes)
+        await self.send_wire(encode_frame(frame))
+
+    async def send_wire(self, wire: WireFrame) -> None:
+        """Queue an encoded frame (waiting while the outbox is full) and, when nobody is
+        writing, write the outbox out."""
+        while len(self.outbox) >= self.limits.ws_max_pending_frames and not self._gone.is_set():
+            room = asyncio.get_running_loop().create_future()
+            self._room.append(room)
+            await room
+        self._queue(wire)
+        if not self._writing:
+            await self._write_out()
 
     def offer(self, frame: dict[str, Any]) -> bool:
         """Queue a frame without waiting (live events); False when the outbox is full."""
-        data = json.dumps(frame, ensure_ascii=False)
-        try:
-            self.outbox.put_nowait(data)
-        except asyncio.QueueFull:
+        if len(self.outbox) >= self.limits.ws_max_pending_frames:
             return False
-        self.outbox_bytes += len(data.encode())
+        self._queue(encode_frame(frame))
+        if not self._writing:
+            task = asyncio.get_running_loop().create_task(self._write_out())
+            self.handlers.add(task)
+            task.add_done_callback(self.handlers.discard)
         return True
 
-    async def _writer(self) -> None:
+    def _queue(self, wire: WireFrame) -> None:
+        self.outbox.append(wire)
+        self.outbox_bytes += wire.size
+        self.stats.max_outbox_frames = max(self.stats.max_outbox_frames, len(self.outbox))
+        self.stats.max_outbox_bytes = max(self.stats.max_outbox_bytes, self.outbox_bytes)
+
+    async def _write_out(self) -> None:
+        """Write the outbox to the client in order until it is empty. A frame leaves the
+        outbox once written; a writer cancelled mid-frame leaves it first in line and
+        hands the rest to a task of its own."""
+        self._writing = True
+        loop = asyncio.get_running_loop()
+        try:
+            while self.outbox and not self._gone.is_set():
+                wire = self.outbox[0]
+                self._write_started = loop.time()
+                try:
+                    await self.ws.send_text(wire.text)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # the client went away
+                    self._gone.set()
+                    return
+                finally:
+                    self._write_started = None
+                self.outbox.popleft()
+                self.outbox_bytes -= wire.size
+                self.stats.frames_sent_total += 1
+                while self._room:
+                    room = self._room.popleft()
+                    if not room.done():
+                        room.set_result(None)
+                        break
+        finally:
+            self._writing = False
+            if self.outbox and not self._gone.is_set() and not loop.is_closed():
+                # cancelled (its tail replaced or ended) with frames still to write
+                task = loop.create_task(self._write_out())
+                self.handlers.add(task)
+                task.add_done_callback(self.handlers.discard)
+            if self._gone.is_set():
+                for room in self._room:
+                    if not room.done():
+                        room.set_result(None)
+                self._room.clear()
+
+    async def _watch_writes(self) -> None:
+        """Mark the socket stalled once a write has waited ``ws_send_timeout_s``."""
         timeout = self.limits.ws_send_timeout_s
+        loop = asyncio.get_running_loop()
         while True:
-            data = await self.outbox.get()
-            try:
-                await asyncio.wait_for(self.ws.send_text(data), timeout)
-            except asyncio.TimeoutError:
+            await asyncio.sleep(timeout / 4)
+            started = self._write_started
+            if started is not None and loop.time() - started >= timeout:
                 self.stalled = True
                 self.stats.stalled_closed_total += 1
                 log.info("closing a stalled socket of user %s", self.uid)
+                self._gone.set()
                 return
-            except Exception:  # the client went away
-                return
-            self.outbox_bytes -= len(data.encode())
-            self.stats.frames_sent_total += 1
 
     # ---- in ----------------------------------------------------------------------------
 
@@ -274,18 +337,23 @@ class Connection:
         tail = ReplyTail(rid, cursor, self.streams, self.gens.reply_log, self.store_retry_s)
         progress: asyncio.Task[None] | None = None
         try:
-            await self.send({"type": "start", "request_id": rid, "session_id": sid,
-                             "message_id": head.fields.get("message_id"),
-                             "user_message_id": head.fields.get("user_message_id") or None})
+            await self.send(StartOut(type="start", request_id=rid, session_id=sid,
+                                     message_id=head.fields.get("message_id"),
+                                     user_message_id=head.fields.get("user_message_id") or None))
             reply_log = self.gens.reply_log(rid)
             if reply_log is not None and not reply_log.deltas and reply_log.end is None:
                 progress = asyncio.create_task(self._progress(rid, sid, reply_log))
             while not tail.done:
                 for e in await tail.next():
                     if e.kind == "delta":
-                        await self.send({"type": "delta", "request_id": rid, "seq": e.seq, "text": e.fields["x"]})
+                        # one encoding per delta, shared by every socket here that follows the reply
+                        wire = e.wire.get("ws")
+                        if wire is None:
+                            wire = e.wire["ws"] = encode_frame(DeltaOut(type="delta", request_id=rid, seq=e.seq,
+                                                                        text=e.fields["x"]))
+                        await self.send_wire(wire)
                     elif e.kind == "done":
-                        await self.send({"type": "done", **done_payload(e)})
+                        await self.send(done_frame(done_payload(e)))
                     elif e.kind == "error":
                         await self.send(error_frame(e.fields.get("code", "internal_error"),
                                                     e.fields.get("message", ""), rid, sid))
@@ -308,8 +376,8 @@ class Connection:
                 return
             seen = reply_log.progress_version
             done, total, cached = reply_log.progress
-            await self.send({"type": "progress", "request_id": rid, "session_id": sid,
-                             "prompt_tokens_done": done, "prompt_tokens": total, "cached_tokens": cached})
+            await self.send(ProgressOut(type="progress", request_id=rid, session_id=sid, prompt_tokens_done=done,
+                                        prompt_tokens=total, cached_tokens=cached))
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -322,14 +390,16 @@ class Connection:
     async def run(self) -> None:
         """Serve the socket until the client leaves or stalls, or it is revoked; replies go on."""
         self.stats.sockets_open += 1
-        writer = asyncio.create_task(self._writer())
         reader = asyncio.create_task(self._reader())
+        watchdog = asyncio.create_task(self._watch_writes())
+        gone = asyncio.create_task(self._gone.wait())
         revoked = asyncio.create_task(self._revoked.wait())
         try:
-            await asyncio.wait({writer, reader, revoked}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({reader, watchdog, gone, revoked}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.stats.sockets_open -= 1
-            tasks = [writer, reader, revoked, *self.tails.values(), *self.handlers]
+            self._gone.set()  # nothing more is written
+            tasks = [reader, watchdog, gone, revoked, *self.tails.values(), *self.handlers]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -388,8 +458,8 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     if stats.by_user.get(uid, 0) >= lim.ws_max_sockets_per_user or \
             stats.by_address.get(addr, 0) >= lim.ws_max_sockets_per_address:
         who = "user" if stats.by_user.get(uid, 0) >= lim.ws_max_sockets_per_user else "address"
-        await websocket.send_text(json.dumps(error_frame("rate_limited", f"too many open sockets for this {who}; "
-                                                         "close other tabs or try again later")))
+        await websocket.send_text(encode_frame(error_frame("rate_limited", f"too many open sockets for this {who}; "
+                                                           "close other tabs or try again later")).text)
         await websocket.close(code=1008, reason=f"too many sockets per {who}")
         return
     stats.by_user[uid] = stats.by_user.get(uid, 0) + 1

@@ -7,13 +7,15 @@ socket answers with an error frame and stays open.
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NamedTuple, TypedDict, cast
 
 from engine.text_checks import text_error
 from gateway.api import api_to_engine as a2e
-from gateway.api.validation import BadJson, loads_json
+from gateway.api.validation import BadJson, loads_json, printable
 from gateway.attachments import ATTACHMENT_LIMITS, parse_attachments
 from gateway.errors import GatewayError
 
@@ -289,12 +291,107 @@ def parse_client_frame(obj: Any) -> ClientFrame:
 
 
 # ---- server -> client ------------------------------------------------------
+#
+# Every frame the server sends has a type here; they are dicts at run time (no copy,
+# one ``json.dumps`` each), typed for the checker. Fields as in docs/protocol.md section 2.
+
+
+class StartOut(TypedDict):
+    """``start``: a reply this socket follows begins (or is re-attached)."""
+
+    type: Literal["start"]
+    request_id: str
+    session_id: str | None
+    message_id: str | None
+    user_message_id: str | None
+
+
+class DeltaOut(TypedDict):
+    """``delta``: the reply's text from delta ``seq`` (1, 2, ... without gaps)."""
+
+    type: Literal["delta"]
+    request_id: str
+    seq: int
+    text: str
+
+
+class ProgressOut(TypedDict):
+    """``progress``: how far a long prompt is read (tokens)."""
+
+    type: Literal["progress"]
+    request_id: str
+    session_id: str | None
+    prompt_tokens_done: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class _DoneHead(TypedDict):
+    type: Literal["done"]
+    request_id: str
+
+
+class DoneOut(_DoneHead, total=False):
+    """``done``: the reply ended and is stored (its fields are the reply stream's ``done``
+    entry: ``gateway.replies.reply_end.ReplyEnd.done_entry``)."""
+
+    session_id: str
+    message_id: str
+    finish_reason: str
+    usage: dict[str, int]
+    timings: dict[str, Any] | None
+    error: dict[str, Any]
+    title: str
+    reasoning_ms: int
+    tool_calls: list[dict[str, Any]]
+
+
+class _ErrorHead(TypedDict):
+    type: Literal["error"]
+    code: str
+    message: str
+
+
+class ErrorOut(_ErrorHead, total=False):
+    """``error``: a refused frame or a failed reply; the ids of what it concerns, when known."""
+
+    request_id: str
+    session_id: str
+
+
+class PongOut(TypedDict):
+    """``pong``: the answer to ``ping``."""
+
+    type: Literal["pong"]
+
+
+ServerFrame = StartOut | DeltaOut | ProgressOut | DoneOut | ErrorOut | PongOut
+
+
+class WireFrame(NamedTuple):
+    """A frame encoded once: its JSON ``text`` and that text's UTF-8 ``size`` (bytes)."""
+
+    text: str
+    size: int
+
+
+def encode_frame(frame: ServerFrame | Mapping[str, Any]) -> WireFrame:
+    """A server frame (or a live ``event`` frame, already shaped by the store) as the
+    socket's JSON text; a lone surrogate echoed from input becomes U+FFFD rather than
+    breaking the socket."""
+    data = json.dumps(frame, ensure_ascii=False)
+    try:
+        size = len(data.encode())
+    except UnicodeEncodeError:
+        data = printable(data)
+        size = len(data.encode())
+    return WireFrame(data, size)
 
 
 def error_frame(code: str, message: str, request_id: str | None = None,
-                session_id: str | None = None) -> dict[str, Any]:
+                session_id: str | None = None) -> ErrorOut:
     """``{"type": "error", "code", "message", "request_id"?, "session_id"?}``."""
-    frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    frame: ErrorOut = {"type": "error", "code": code, "message": message}
     if request_id is not None:
         frame["request_id"] = request_id
     if session_id is not None:
@@ -302,11 +399,16 @@ def error_frame(code: str, message: str, request_id: str | None = None,
     return frame
 
 
-def error_from(exc: GatewayError, request_id: str | None = None, session_id: str | None = None) -> dict[str, Any]:
+def error_from(exc: GatewayError, request_id: str | None = None, session_id: str | None = None) -> ErrorOut:
     """An error frame for ``exc``, echoing the ids it or the caller knows."""
     rid = getattr(exc, "request_id", None) or request_id
     sid = getattr(exc, "session_id", None) or session_id
     return error_frame(exc.code, exc.message, rid, sid)
 
 
-PONG: dict[str, Any] = {"type": "pong"}
+def done_frame(entry: dict[str, Any]) -> DoneOut:
+    """The ``done`` frame of a reply stream's ``done`` payload."""
+    return cast(DoneOut, {"type": "done", **entry})
+
+
+PONG: PongOut = {"type": "pong"}

@@ -91,6 +91,9 @@ class EngineRequest:
         self.ended = False
         # a disaggregated turn's prefill phase, before the decode engine has it (gateway/engines/disagg.py)
         self.phases: PrefillThenDecode | None = None
+        # takes an item the moment it arrives, in the connection's dispatch (no task step
+        # per item); returns False to leave it in the queue for ``next`` (gateway/engines/run.py)
+        self.sink: Callable[[ReplyItem], bool] | None = None
 
     def _take(self, item: ReplyItem | None) -> ReplyItem | None:
         if isinstance(item, (DoneFrame, ErrorFrame)):
@@ -177,6 +180,11 @@ class EngineClient:
         self.kv_listener: KvListener | None = None
 
     @property
+    def in_flight(self) -> int:
+        """This gateway's requests the engine is serving now (sent, final item not yet read)."""
+        return len(self._requests)
+
+    @property
     def healthy(self) -> bool:
         """Connected and greeted by the engine."""
         return self._ready.is_set()
@@ -235,7 +243,9 @@ class EngineClient:
     def _route(self, item: ReplyItem) -> None:
         req = self._requests.get(item.request_id) if item.request_id is not None else None
         if req is not None:
-            req.queue.put_nowait(item)
+            # the sink only while nothing waits in the queue, so items stay in order
+            if req.sink is None or not req.queue.empty() or not req.sink(item):
+                req.queue.put_nowait(item)
         elif isinstance(item, ErrorFrame):
             log.warning("engine %s error without a live request: %s %s", self.url, item.code, item.message)
 

@@ -10,15 +10,18 @@ that arrived into one batch, and fail over to the next engine while nothing was 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, ProgressFrame
+from engine.protocol import DeltaFrame, DoneFrame, ErrorFrame, ProgressFrame, ReplyItem
 from gateway.engines.client import EngineClient, EngineRequest, EngineRouter, RoutePrompt
 from gateway.engines.disagg import prefill_engine
 from gateway.engines.upstream import UpstreamError
 from gateway.errors import GatewayError
+
+log = logging.getLogger("gateway.engines.run")
 
 # engine error codes shown to the user as they are; any other becomes internal_error
 PASSTHROUGH_CODES = frozenset({"context_length_exceeded", "invalid_request", "engine_unavailable"})
@@ -108,6 +111,30 @@ class EngineRun:
         self.produced = False  # any text or token came (no fail-over after that)
         self.cancelled = False  # the owner aborted it (no fail-over either)
         self._tried: list[EngineClient] = []
+        self._accepts: Callable[[], bool] | None = None  # ``stream_to``'s
+        self._take: Callable[[Batch], None] | None = None
+
+    def stream_to(self, accepts: Callable[[], bool], take: Callable[[Batch], None]) -> None:
+        """Hand each ``delta`` item to ``take`` as a batch of its own the moment it arrives
+        (in the engine connection's dispatch: no task step per item) while ``accepts()``
+        says so; every other item (progress, the final one) and the deltas refused or
+        arriving behind a queued item are read with ``next`` as before. ``take`` must not
+        block or raise; an exception in it ends the reply with ``internal_error``."""
+        self._accepts, self._take = accepts, take
+        if self.request is not None:
+            self.request.sink = self._sink
+
+    def _sink(self, item: ReplyItem) -> bool:
+        if type(item) is not DeltaFrame or self._take is None or self._accepts is None or not self._accepts():
+            return False
+        try:
+            self._take(self._sealed(*self._merge([item])))
+        except Exception:
+            log.exception("reply %s: taking an engine delta failed", self.request_id)
+            if self.request is not None:
+                self.request.queue.put_nowait(ErrorFrame("internal_error", "the reply failed unexpectedly",
+                                                         self.request_id))
+        return True
 
     async def route_prompt(self) -> RoutePrompt | None:
         """What the router may know of this prompt: its exact ids (a continued reply, or
@@ -183,6 +210,8 @@ class EngineRun:
                                                          self.prefix_token_ids,
                                                          self.params, clamp_max_tokens=self.clamp_max_tokens,
                                                          **scope)
+                if self._take is not None:
+                    self.request.sink = self._sink
                 return
             except GatewayError as e:
                 if e.code != "engine_unavailable" or self.cancelled:
@@ -204,6 +233,23 @@ class EngineRun:
             items.insert(0, first)
         elif not items:
             return None
+        batch, any_text = self._merge(items)
+        end = batch.end
+        retry = isinstance(end, ErrorFrame) and (end.code == "engine_unavailable" or (
+            isinstance(end, UpstreamError) and end.retry_elsewhere))
+        if retry and not self.produced and not any_text and not batch.token_ids and not self.cancelled:
+            req.close()
+            try:
+                await self.start()
+                return Batch()
+            except GatewayError:
+                pass  # nothing left: report this engine's error
+        return self._sealed(batch, any_text)
+
+    @staticmethod
+    def _merge(items: list[ReplyItem]) -> tuple[Batch, bool]:
+        """The items that arrived, as one batch (up to and including the final item), and
+        whether any of them was a ``delta`` or ``done`` (text, even empty, came)."""
         text: list[str] = []
         ids: list[int] = []
         trim = 0
@@ -231,21 +277,18 @@ class EngineRun:
             if isinstance(it, (DoneFrame, ErrorFrame)):
                 end = it
                 break
-        retry = isinstance(end, ErrorFrame) and (end.code == "engine_unavailable" or (
-            isinstance(end, UpstreamError) and end.retry_elsewhere))
-        if retry and not self.produced and not text and not ids and not self.cancelled:
-            req.close()
-            try:
-                await self.start()
-                return Batch()
-            except GatewayError:
-                pass  # nothing left: report this engine's error
-        if text or ids or calls:
+        return (Batch("".join(text), ids, end, progress, trim, logprobs, calls, prompt_logprobs, prompt_usage),
+                bool(text))
+
+    def _sealed(self, batch: Batch, any_text: bool) -> Batch:
+        """``batch`` as the reply's: it counts as produced once text (even empty), a
+        token or a call came, and its first text gets the opening reasoning marker when
+        the prompt opened the reasoning."""
+        if any_text or batch.token_ids or batch.tool_calls:
             self.produced = True
-        joined = "".join(text)
-        if joined and self._think_prefix:
-            joined, self._think_prefix = self._think_prefix + joined, ""
-        return Batch(joined, ids, end, progress, trim, logprobs, calls, prompt_logprobs, prompt_usage)
+        if batch.text and self._think_prefix:
+            batch.text, self._think_prefix = self._think_prefix + batch.text, ""
+        return batch
 
     def wake(self) -> None:
         """Make a waiting ``next`` return None now."""

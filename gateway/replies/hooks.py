@@ -23,7 +23,7 @@ class GenerationEvents:
         """The reply's task started (before the engine request is sent)."""
 
     def on_delta(self, request_id: str, n_tokens: int, n_chars: int, t: float) -> None:
-        """A coalesced delta was written to the reply stream (``n_tokens`` engine tokens)."""
+        """A coalesced delta was handed to the reply stream's writer (``n_tokens`` engine tokens)."""
 
     def on_finish(self, request_id: str, end: ReplyEnd, t: float) -> None:
         """The reply ended (and, for a chat's reply, was stored): its finish reason,

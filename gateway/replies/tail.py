@@ -37,6 +37,7 @@ class ReplyLog:
 
     def __init__(self) -> None:
         self.deltas: list[str] = []
+        self._entries: list[StreamEntry] = []  # deltas[i] as an entry, made once for every follower
         self.end: StreamEntry | None = None
         self.progress: tuple[int, int, int] | None = None
         self.progress_version = 0
@@ -62,6 +63,7 @@ class ReplyLog:
         if seq != len(self.deltas) + 1:
             raise ValueError(f"delta seq {seq} after {len(self.deltas)}")
         self.deltas.append(text)
+        self._entries.append(StreamEntry("delta", seq, {"x": text}))
         self._notify()
 
     def set_progress(self, done: int, total: int, cached: int) -> None:
@@ -84,8 +86,7 @@ class ReplyLog:
 
     def read(self, after_seq: int, count: int) -> list[StreamEntry]:
         """Up to ``count`` deltas with seq > ``after_seq``, then the end once reached."""
-        out = [StreamEntry("delta", s, {"x": self.deltas[s - 1]})
-               for s in range(after_seq + 1, min(len(self.deltas), after_seq + count) + 1)]
+        out = self._entries[after_seq:after_seq + count]
         if self.end is not None and after_seq + len(out) >= len(self.deltas):
             out.append(self.end)
         return out

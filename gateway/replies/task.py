@@ -18,7 +18,7 @@ from engine.protocol import DoneFrame, ErrorFrame
 from gateway.config import GatewayConfig
 from gateway.engines.cache_scope import CacheIsolation
 from gateway.engines.client import EngineRouter
-from gateway.engines.run import EngineRun
+from gateway.engines.run import Batch, EngineRun
 from gateway.errors import GatewayError
 from gateway.reasoning import without_reasoning
 from gateway.replies.ending import ReplyEnding
@@ -109,6 +109,10 @@ class ReplyTasks:
                                    think_open=self.config.think_markers.open, model=req.model,
                                    extra=req.tools or None)
         run.cancelled = turn.cancel.requested
+        # the reply's deltas go to its writer straight from the engine connection's dispatch
+        # while the writer streams and no cancel is under way; the rest comes through _pump
+        run.stream_to(lambda: turn.cancel.deadline is None and turn.writer.streaming,
+                      lambda batch: self._take_now(turn, batch))
         await run.start()  # raises engine_unavailable when no engine is left
         if turn.cancel.requested:
             await run.abort()
@@ -138,19 +142,32 @@ class ReplyTasks:
             batch = await run.next(timeout)
             if batch is None:
                 continue  # re-check the deadline, re-send the abort
-            if batch.progress is not None and not turn.produced:
-                p = batch.progress
-                writer.log.set_progress(p.prompt_tokens_done, p.prompt_tokens, p.cached_tokens)
-            turn.output_ids.extend(batch.token_ids)
-            if batch.trim_prior and not writer.trim_prior(batch.trim_prior):
-                log.error("reply %s: the engine took back %d characters of text already streamed; kept",
-                          rid, batch.trim_prior)
-            if batch.text:
-                turn.reasoning.feed(batch.text)
-                await writer.add(batch.text)
-                self.events.on_delta(rid, len(batch.token_ids), len(batch.text), time.perf_counter())
+            text = self._take(turn, batch)
+            if text:
+                await writer.add(text)
+                self.events.on_delta(rid, len(batch.token_ids), len(text), time.perf_counter())
             if batch.end is not None:
                 return batch.end
+
+    def _take(self, turn: Turn, batch: Batch) -> str:
+        """Everything of ``batch`` but writing its text, which it returns."""
+        if batch.progress is not None and not turn.produced:
+            p = batch.progress
+            turn.writer.log.set_progress(p.prompt_tokens_done, p.prompt_tokens, p.cached_tokens)
+        turn.output_ids.extend(batch.token_ids)
+        if batch.trim_prior and not turn.writer.trim_prior(batch.trim_prior):
+            log.error("reply %s: the engine took back %d characters of text already streamed; kept",
+                      turn.request.rid, batch.trim_prior)
+        if batch.text:
+            turn.reasoning.feed(batch.text)
+        return batch.text
+
+    def _take_now(self, turn: Turn, batch: Batch) -> None:
+        """A delta taken in the engine connection's dispatch (``EngineRun.stream_to``)."""
+        text = self._take(turn, batch)
+        if text:
+            turn.writer.add_nowait(text)
+            self.events.on_delta(turn.request.rid, len(batch.token_ids), len(text), time.perf_counter())
 
 
 def _continue_ids(turn: Turn, history: History) -> list[int]:

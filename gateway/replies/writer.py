@@ -11,6 +11,7 @@ same text in both places (``gateway/replies/tail.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -28,6 +29,12 @@ OUTAGE_PAUSE_S = 1.0  # after a failed delta write, new text waits this long bef
 
 class ReplyWriter:
     """Writes reply ``rid``'s stream after its start entry.
+
+    Text taken while the store answers is written without waiting (``add_nowait``): at
+    most one delta write of the reply is out at a time, and the text that comes
+    meanwhile goes as the next delta once it is answered, so seqs stay in order. After
+    a failed write the writer is no longer ``streaming``: the caller then takes text with
+    ``add``, which waits for the store (the outage path below).
 
     Args:
         rid: the reply's request id.
@@ -48,6 +55,9 @@ class ReplyWriter:
         self._retry_at = 0.0  # monotonic time before which delta writes are not tried
         self._uncertain = False  # a delta write failed: it may or may not have been applied
         self._warned = False
+        self._writing: str | None = None  # the text of the delta write that is out
+        self._written: asyncio.Future[None] | None = None  # done when that write is answered
+        self._failed: GatewayError | Exception | None = None  # a write's error other than an outage
 
     @property
     def seq(self) -> int:
@@ -56,14 +66,77 @@ class ReplyWriter:
 
     @property
     def text(self) -> str:
-        """The reply's whole text so far (written and unsent)."""
-        return "".join(self.log.deltas) + "".join(self.unsent)
+        """The reply's whole text so far (written, being written and unsent)."""
+        return "".join(self.log.deltas) + (self._writing or "") + "".join(self.unsent)
+
+    @property
+    def streaming(self) -> bool:
+        """True while text can be taken without waiting (no failed write to recover from)."""
+        return not self._uncertain and self._failed is None
+
+    def add_nowait(self, text: str) -> None:
+        """Take new text from the engine and write it (or send it after the write that is
+        out); only while ``streaming``."""
+        assert self.streaming, "add() after a failed write"
+        self.added = True
+        self.unsent.append(text)
+        if self._writing is None:
+            self._send()
 
     async def add(self, text: str) -> None:
-        """Take new text from the engine and write what is unsent (see ``write``)."""
+        """Take new text from the engine and write what is unsent: without waiting while
+        ``streaming``, else as ``write`` does.
+
+        Raises:
+            GatewayError: a write's store error other than ``store_unavailable``.
+        """
+        if self.streaming:
+            self.add_nowait(text)
+            return
         self.added = True
         self.unsent.append(text)
         await self.write()
+
+    def _send(self) -> None:
+        """Submit the unsent text as the next delta (no write is out)."""
+        text = self._writing = "".join(self.unsent)
+        self.unsent.clear()
+        seq = self.seq + 1
+        self._written = None
+        self.streams.submit(self.rid, f"{seq}-1", {"t": "delta", "x": text},
+                            lambda err: self._answered(seq, text, err))
+
+    def _answered(self, seq: int, text: str, err: BaseException | None) -> None:
+        """The outcome of delta ``seq``'s write (``text``)."""
+        self._writing = None
+        if err is None:
+            if self.log.end is None:  # else the reply was torn down meanwhile
+                self.log.append(seq, text)
+        else:
+            self.unsent.insert(0, text)  # kept, to be written (or checked) again
+            self._uncertain = True  # it may have been applied with its answer lost
+            if isinstance(err, GatewayError) and err.code == "store_unavailable":
+                self._outage()
+            else:
+                self._failed = err if isinstance(err, Exception) else GatewayError(
+                    "store_unavailable", "the chat store write was cancelled")
+        if self._written is not None and not self._written.done():
+            self._written.set_result(None)
+        if err is None and self.unsent:
+            self._send()
+
+    def _outage(self) -> None:
+        if not self._warned:
+            log.warning("reply %s: Redis unreachable; the reply goes on and is kept in memory", self.rid)
+            self._warned = True
+        self._retry_at = time.monotonic() + OUTAGE_PAUSE_S
+
+    async def _settled(self) -> None:
+        """Wait until no delta write is out."""
+        while self._writing is not None:
+            if self._written is None:
+                self._written = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._written)
 
     def trim_prior(self, n: int) -> bool:
         """Take ``n`` characters off the end of a continued reply's earlier text: a stop
@@ -71,18 +144,23 @@ class ReplyWriter:
         would never have shown them (docs/protocol.md, continuing a cut reply). The
         engine sends this before the continuation's first text, while the earlier text
         is still unsent; False (nothing changed) when it is not."""
-        if not self.continued or self.seq or self.added or len(self.unsent) != 1:
+        if not self.continued or self.seq or self.added or len(self.unsent) != 1 or self._writing is not None:
             return False
         self.unsent[0] = self.unsent[0][: max(0, len(self.unsent[0]) - n)]
         return True
 
     async def write(self) -> None:
-        """Append the text not yet in the reply stream as the next delta; while Redis
-        is unreachable, keep it (the generation goes on) and try again after a pause.
+        """Append the text not yet in the reply stream as the next delta, waiting for
+        the answer; while Redis is unreachable, keep it (the generation goes on) and try
+        again after a pause.
 
         Raises:
             GatewayError: any store error but ``store_unavailable``.
         """
+        await self._settled()
+        if self._failed is not None:
+            err, self._failed = self._failed, None  # raised once; the next write checks and retries
+            raise err
         if not self.unsent or time.monotonic() < self._retry_at:
             return
         try:
@@ -105,10 +183,7 @@ class ReplyWriter:
         except GatewayError as e:
             if e.code != "store_unavailable":
                 raise
-            if not self._warned:
-                log.warning("reply %s: Redis unreachable; the reply goes on and is kept in memory", self.rid)
-                self._warned = True
-            self._retry_at = time.monotonic() + OUTAGE_PAUSE_S
+            self._outage()
             return
         self.unsent.clear()
         self.log.append(self.seq + 1, text)
@@ -126,7 +201,8 @@ class ReplyWriter:
             await self.write()
             if self.unsent:
                 raise GatewayError("store_unavailable", "the chat store (Redis) is unreachable")
-        if self.unsent:
+        await self._settled()
+        if self.unsent or self._failed is not None:
             await store_retrying(self.rid, "writing the reply stream", write, self.store_retry_s)
 
     async def done(self, done: dict[str, Any]) -> None:
@@ -135,6 +211,7 @@ class ReplyWriter:
         Raises:
             GatewayError: ``store_unavailable`` after ``store_retry_s``.
         """
+        await self._settled()
         await store_retrying(self.rid, "ending the reply stream",
                              lambda: self.streams.done(self.rid, self.seq, done), self.store_retry_s)
         self.log.finish(StreamEntry("done", self.seq, {"t": "done", "d": dumps(done)}))
@@ -145,6 +222,7 @@ class ReplyWriter:
         Raises:
             GatewayError: ``store_unavailable`` after ``store_retry_s``.
         """
+        await self._settled()
         await store_retrying(self.rid, "ending the reply stream",
                              lambda: self.streams.error(self.rid, self.seq, code, message, status), self.store_retry_s)
         fields = {"t": "error", "code": code, "message": message, **({"status": str(status)} if status else {})}

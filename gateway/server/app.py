@@ -174,7 +174,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
 
     async def index(request: Request) -> Response:
         """GET /: the chat page (web/index.html with model_name, model_format, config_json, static_url)."""
-        body = config_body(request.app)
+        body = config_body(config, request.app.state.router)
         if not (config.web_dir / "index.html").exists():
             return HTMLResponse(FALLBACK_PAGE)
         return templates.TemplateResponse(request, "index.html", {

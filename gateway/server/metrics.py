@@ -56,6 +56,8 @@ ENGINE_GAUGES = {
     "restoring": ("engine_requests_restoring", "Requests waiting for KV pages from the disk tier."),
     "kv_disk_pages": ("engine_kv_disk_pages", "KV pages the disk tier holds."),
     "kv_disk_bytes": ("engine_kv_disk_bytes", "Bytes of KV pages the disk tier holds."),
+    "kv_host_pages": ("engine_kv_host_pages", "KV pages the host-memory tier holds."),
+    "kv_host_bytes": ("engine_kv_host_bytes", "Bytes of KV pages the host-memory tier holds."),
 }
 ENGINE_COUNTERS = {
     "preemptions_total": ("engine_preemptions", "Requests preempted (blocks freed, recomputed later)."),
@@ -73,6 +75,13 @@ ENGINE_COUNTERS = {
     "kv_disk_pages_dropped_total": ("engine_kv_disk_pages_dropped", "KV pages not written (queue full, tier off)."),
     "kv_disk_pages_corrupt_total": ("engine_kv_disk_pages_corrupt", "KV pages refused on read and recomputed."),
     "kv_disk_restore_ms_total": ("engine_kv_disk_restore_ms", "Milliseconds spent restoring pages from the disk tier."),
+    "cached_host_tokens_total": ("engine_cached_host_tokens", "Of those, tokens restored from the host KV tier."),
+    "kv_host_pages_written_total": ("engine_kv_host_pages_written", "KV pages copied into the host-memory tier."),
+    "kv_host_pages_read_total": ("engine_kv_host_pages_read", "KV pages copied back from the host-memory tier."),
+    "kv_host_hits_total": ("engine_kv_host_hits", "Restores that brought pages back from the host-memory tier."),
+    "kv_host_misses_total": ("engine_kv_host_misses", "Prompts past the pool's match the tiers held nothing of."),
+    "kv_host_pages_dropped_total": ("engine_kv_host_pages_dropped", "KV pages the host-memory tier had no slot for."),
+    "kv_host_pages_evicted_total": ("engine_kv_host_pages_evicted", "KV pages the host-memory tier evicted."),
     "completion_tokens_total": ("engine_completion_tokens", "Completion tokens generated."),
     "steps_total": ("engine_steps", "Scheduler steps run."),
     "spec_drafted_total": ("engine_spec_draft_tokens", "Speculative draft tokens verified."),

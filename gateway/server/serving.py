@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
 
 from gateway.config import GatewayConfig
 from gateway.server.http_limits import ConnectionStats, bounded_http_protocol
@@ -62,14 +63,13 @@ class DeniedHandshakeFilter(logging.Filter):
 _DENIED_FILTER = DeniedHandshakeFilter()
 
 
-def uvicorn_config(app: Any, config: GatewayConfig, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(app: Starlette, config: GatewayConfig, log_level: str = "info") -> uvicorn.Config:
     """The uvicorn settings for ``app`` under ``config`` (see module doc); the connection
     counters go to ``app.state.connection_stats`` (for ``/metrics``)."""
     logging.getLogger("uvicorn.error").addFilter(_DENIED_FILTER)  # the same object: added once
     lim = config.limits
     stats = ConnectionStats()
-    if hasattr(app, "state"):
-        app.state.connection_stats = stats
+    app.state.connection_stats = stats
     return uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="on", log_level=log_level,
         # a socket whose writes stay paused is aborted after twice the app's stall timeout
@@ -93,7 +93,7 @@ class ThreadedServer:
     ``start()`` returns once the app's startup finished and the socket listens.
     """
 
-    def __init__(self, app: Any, config: GatewayConfig, log_level: str = "warning") -> None:
+    def __init__(self, app: Starlette, config: GatewayConfig, log_level: str = "warning") -> None:
         self.app = app
         self.config = config
         self.server = uvicorn.Server(uvicorn_config(app, config, log_level))

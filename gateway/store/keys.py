@@ -18,7 +18,8 @@ Layout (every name under the configured key prefix):
     chat:session:{sid}:cmids          hash        client_msg_id -> turn (idempotent resend)
     chat:session:{sid}:lock           string      request id holding the chat (SET NX PX lease)
     chat:session:{sid}:versions       hash        anchor message id -> the chat's versions after it
-    chat:gen:{rid}                    stream      the reply's deltas and its end (reply streams)
+    chat:gen:{rid}                    stream      the reply's deltas and its end (reply streams; rid
+                                                  conv-{hash}: a resumable API stream's SSE events)
     chat:route:{key}                  string      the engine a shed chat was moved to
     chat:cancel                       channel     cancels, to the replica running the reply
     chat:revocations                  channel     revoked tokens and deleted users, to every replica

@@ -9,29 +9,36 @@ Entry ids are chosen, not generated, so that a ``seq`` is its own cursor:
 
 Reading from id ``{k}-1`` returns exactly the deltas with seq > k and then the end.
 Writes are idempotent (re-adding a taken entry id is a no-op), so the generation
-task can retry them while Redis is away. The writes of all replies made in one
-event-loop iteration (the replies of one engine step) go to Redis as one pipeline:
-each writer still waits for, and gets the outcome of, its own entry. The start and end
-entries refresh the key's TTL (``stream_ttl_s``), and so does a delta when the last
-refresh from this gateway is older than ``TTL_REFRESH_S`` (at most a quarter of the
-TTL), so a reply whose gateway died expires on its own; ``MAXLEN ~`` is a safety cap
-far above any reply's frame count.
+task can retry them while Redis is away. Entries go to Redis in round trips of one
+packed write each (redis-py's ``Connection.pack_commands``, no pipeline object): the
+entries submitted in one event-loop iteration (the replies of one engine step) go
+together, and those submitted while a round trip is out go together in the next one,
+so at most one stream write is in flight per gateway; each entry still gets its own
+outcome. The start and end entries refresh the key's TTL (``stream_ttl_s``), and so
+does a delta when the last refresh from this gateway is older than ``TTL_REFRESH_S``
+(at most a quarter of the TTL), so a reply whose gateway died expires on its own;
+``MAXLEN ~`` is a safety cap far above any reply's frame count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis.asyncio.connection import AbstractConnection
 
 from gateway.errors import GatewayError
 from gateway.store.keys import Keys
 from gateway.store.sessions import dumps, redis_errors
+
+log = logging.getLogger("gateway.store.reply_streams")
 
 TTL_REFRESH_S = 60.0  # a running reply's stream TTL is refreshed at least this often (seconds)
 
@@ -44,11 +51,31 @@ class StreamEntry:
     kind: str
     seq: int
     fields: dict[str, str]
+    # the entry as a client protocol's frame, by protocol: encoded by the first socket that
+    # sends it and reused by every other one watching the reply (not part of its value)
+    wire: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def terminal(self) -> bool:
         """True for the entry that ends the reply."""
         return self.kind in ("done", "error")
+
+
+Outcome = Callable[[BaseException | None], None]  # an entry's outcome: None (written) or its error
+
+
+def _tell(batch: list[tuple[str, str, dict[str, str], Outcome]], err: BaseException | None) -> None:
+    """Give each entry of ``batch`` its outcome ``err``; a failing callback is logged, never
+    raised into the other entries' round trip."""
+    for *_, outcome in batch:
+        _call(outcome, err)
+
+
+def _call(outcome: Outcome, err: BaseException | None) -> None:
+    try:
+        outcome(err)
+    except Exception:
+        log.exception("a reply stream write's outcome handler failed")
 
 
 def _decode(entry_id: str, fields: dict[str, str]) -> StreamEntry:
@@ -70,70 +97,123 @@ class ReplyStreams:
         self.keys = keys
         self.ttl = ttl_s
         self.maxlen = maxlen
-        self._pending: list[tuple[str, str, dict[str, Any], asyncio.Future[None]]] = []
-        self._flushes: set[asyncio.Task[None]] = set()
+        self._pending: list[tuple[str, str, dict[str, str], Outcome]] = []  # for the next round trip
+        self._writing: asyncio.Task[None] | None = None  # the task making the round trips, while there are any
+        self._conn: AbstractConnection | None = None  # the pool connection the writes use (see _round_trip)
         self._refreshed: dict[str, float] = {}  # key -> monotonic time of its last EXPIRE from here
         self._refresh_s = min(TTL_REFRESH_S, ttl_s / 4)
 
-    async def _add(self, rid: str, entry_id: str, fields: dict[str, Any]) -> None:
+    def submit(self, rid: str, entry_id: str, fields: dict[str, str], outcome: Outcome) -> None:
+        """Queue an entry of reply ``rid`` for the next round trip (see module doc), without
+        waiting; ``outcome`` is called once, with None when the entry is in the stream
+        (written now, or already there: a retried write whose answer was lost), else
+        with the error (``GatewayError`` ``store_unavailable``, a ``redis`` ``ResponseError``)."""
+        self._pending.append((self.keys.gen(rid), entry_id, fields, outcome))
+        if self._writing is None:
+            self._writing = asyncio.get_running_loop().create_task(self._write_all(), name="reply-stream writes")
+
+    async def _add(self, rid: str, entry_id: str, fields: dict[str, str]) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush_soon)  # after this iteration's other writers
-        self._pending.append((self.keys.gen(rid), entry_id, fields, fut))
+
+        def outcome(err: BaseException | None) -> None:
+            if fut.done():  # its writer was cancelled
+                return
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)
+
+        self.submit(rid, entry_id, fields, outcome)
         await fut
 
-    def _flush_soon(self) -> None:
-        batch, self._pending = self._pending, []
-        if batch:
-            task = asyncio.create_task(self._flush(batch))
-            self._flushes.add(task)
-            task.add_done_callback(self._flushes.discard)
+    async def _write_all(self) -> None:
+        """Round trips until nothing is pending (the entries submitted meanwhile go in the next)."""
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._write(batch)
+        except BaseException:  # cancelled with the gateway: no writer may hang
+            batch, self._pending = self._pending, []
+            _tell(batch, GatewayError("store_unavailable", "the chat store write was cancelled"))
+            raise
+        finally:
+            self._writing = None
 
-    async def _flush(self, batch: list[tuple[str, str, dict[str, Any], asyncio.Future[None]]]) -> None:
-        """One pipeline (no MULTI: every command is idempotent) for the batch's entries;
-        each entry's future gets its own outcome."""
+    async def _write(self, batch: list[tuple[str, str, dict[str, str], Outcome]]) -> None:
+        """One packed write (no MULTI: every command is idempotent) for the batch's entries;
+        each entry's ``outcome`` gets its own result."""
         now = time.monotonic()
-        spans: list[tuple[int, int]] = []  # each entry's commands in the pipeline's results
+        commands: list[list[Any]] = []
+        spans: list[int] = []  # each entry's number of commands, in order
+        for key, entry_id, fields, _ in batch:
+            cmd: list[Any] = ["XADD", key, "MAXLEN", "~", self.maxlen, entry_id]
+            for k, v in fields.items():
+                cmd += (k, v)
+            commands.append(cmd)
+            kind = fields.get("t")
+            if kind != "delta" or now - self._refreshed.get(key, 0.0) >= self._refresh_s:
+                commands.append(["EXPIRE", key, self.ttl])
+                spans.append(2)
+                if kind in ("done", "error"):
+                    self._refreshed.pop(key, None)
+                else:
+                    self._refreshed[key] = now
+            else:
+                spans.append(1)
         try:
             async with redis_errors():
-                pipe = self.redis.pipeline(transaction=False)
-                n = 0
-                for key, entry_id, fields, _ in batch:
-                    pipe.xadd(key, cast("dict[Any, Any]", fields), id=entry_id, maxlen=self.maxlen, approximate=True)
-                    kind = fields.get("t")
-                    if kind != "delta" or now - self._refreshed.get(key, 0.0) >= self._refresh_s:
-                        pipe.expire(key, self.ttl)
-                        spans.append((n, n + 2))
-                        n += 2
-                        if kind in ("done", "error"):
-                            self._refreshed.pop(key, None)
-                        else:
-                            self._refreshed[key] = now
-                    else:
-                        spans.append((n, n + 1))
-                        n += 1
-                results = await pipe.execute(raise_on_error=False)
+                results = await self._round_trip(commands)
         except (GatewayError, rexc.RedisError) as e:
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+            _tell(batch, e)
             return
         except BaseException as e:  # cancelled with the gateway, or a bug: no writer may hang
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e if isinstance(e, Exception) else GatewayError(
-                        "store_unavailable", "the chat store write was cancelled"))
+            _tell(batch, e if isinstance(e, Exception) else GatewayError(
+                "store_unavailable", "the chat store write was cancelled"))
             raise
-        for (a, b), (*_, fut) in zip(spans, batch):
-            if fut.done():  # its writer was cancelled
-                continue
-            err = next((r for r in results[a:b] if isinstance(r, Exception)), None)
+        i = 0
+        for n, (*_, outcome) in zip(spans, batch):
+            err = next((r for r in results[i:i + n] if isinstance(r, Exception)), None)
+            i += n
             # a retried write whose first try was applied (its answer was lost): the entry
             # id is taken, so it is already there (writes are idempotent)
-            if err is not None and "equal or smaller" not in str(err):
-                fut.set_exception(err)
-            else:
-                fut.set_result(None)
+            _call(outcome, err if err is not None and "equal or smaller" not in str(err) else None)
+
+    async def _round_trip(self, commands: list[list[Any]]) -> list[Any]:
+        """Send ``commands`` as one packed write and read every answer (a command's
+        error is its answer: the rest are still read, so the connection stays in step).
+        The writes use one connection of the pool, taken at the first write and kept
+        (one round trip at a time uses it, so taking it from the pool each time would
+        only cost); a broken connection is retried on a fresh one as the client's other
+        commands are (``gateway/store/connection.py``): every command here is idempotent.
+
+        Raises:
+            redis.exceptions.ConnectionError, TimeoutError: Redis stayed unreachable.
+        """
+        conn = self._conn
+        if conn is None:
+            # typed loosely by redis-py; a pool connection is a Connection
+            conn = self._conn = await self.redis.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        packed = conn.pack_commands(commands)
+
+        async def exchange() -> list[Any]:
+            await conn.send_packed_command(packed)
+            out: list[Any] = []
+            for _ in commands:
+                try:
+                    out.append(await conn.read_response())
+                except rexc.ResponseError as e:
+                    out.append(e)
+            return out
+
+        async def broken(_err: Exception) -> None:
+            await conn.disconnect()  # the next try connects afresh
+
+        try:
+            answers: list[Any] = await conn.retry.call_with_retry(exchange, broken)
+        except BaseException:
+            await conn.disconnect()  # cancelled or failed mid-answer: never reuse it out of step
+            raise
+        return answers
 
     async def open(self, rid: str, owner: str, session_id: str, message_id: str, user_message_id: str) -> None:
         """Write the start entry (before any socket subscribes)."""
@@ -155,6 +235,12 @@ class ReplyStreams:
         if status:
             fields["status"] = str(status)
         await self._add(rid, f"{last_seq}-2", fields)
+
+    async def forget(self, rid: str) -> None:
+        """Delete reply ``rid``'s stream (a resumable API stream that was stopped)."""
+        self._refreshed.pop(self.keys.gen(rid), None)
+        async with redis_errors():
+            await self.redis.delete(self.keys.gen(rid))
 
     async def delta_text(self, rid: str, seq: int) -> str | None:
         """The text of delta ``seq``, or None when it was never written (used after a

@@ -15,6 +15,7 @@ from engine.kv_page import (
     StalePageError,
     decode_page,
     encode_page,
+    encode_page_parts,
     gather_block,
     gather_blocks,
     scatter_block,
@@ -150,3 +151,13 @@ def test_decode_into_a_given_buffer_reads_the_same_bytes() -> None:
     assert page.kv.data_ptr() == out[1].data_ptr() and torch.equal(out[1].view(torch.uint8), kv.view(torch.uint8))
     with pytest.raises(ValueError, match="out is"):
         decode_page(encode_page(header, kv), KEY, out=out[1].float())
+
+
+def test_page_parts_written_in_order_are_the_encoded_page() -> None:
+    key = PageKey("m", "int8", "bfloat16", 4, 2, 1, 8)
+    kv = torch.randn(key.shape).to(torch.bfloat16)
+    header = PageHeader(key, "s", 7, 6, (1, 2, 3, 4))
+    parts = encode_page_parts(header, kv)
+    joined = b"".join(bytes(p) for p in parts)
+    assert joined == encode_page(header, kv)
+    assert torch.equal(decode_page(joined, key).kv, kv)

@@ -20,7 +20,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tiers.disk import DiskPageStore
 from engine.tiers.manager import KVTiers, TierConfig, page_refs
-from tests.engine_helpers import collect, greedy, make_engine
+from tests.engine_helpers import collect, greedy, make_engine, run_core
 
 # the exact format, and the CPU default (int8 weights on the kernels, bfloat16 KV)
 FORMATS = {"exact": dict(dtype="float32"), "cpu-default": dict(dtype="auto", quantization="auto")}
@@ -292,3 +292,96 @@ async def test_write_back_writes_a_page_only_when_the_pool_evicts_it_and_restore
         assert u.cached_disk_tokens == u.cached_tokens >= 144  # the salted pages came back, named right
     finally:
         eng.shutdown()
+
+
+# ----- write-idle: write-back, plus the tree's pages while idle and at a graceful stop ---------
+
+async def _until(eng, check, timeout_s: float = 60.0) -> bool:
+    """Poll ``check(core)`` on the step loop until it holds (a wait, not a timing assert)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await eng.call(check):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_write_idle_puts_a_finished_chats_pages_on_disk_while_idle_without_eviction(tiny_model_dir,
+                                                                                       tmp_path: Path) -> None:
+    eng = make_engine(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_write="idle")
+    eng.start()
+    try:
+        prompt = _chat(5)
+        first = await _turn(eng, "i1", prompt)
+        cached = await eng.call(lambda core: core.cache.num_cached_blocks)
+        assert cached >= 9
+        # every page of the tree reaches disk with nothing evicted from the pool
+        assert await _until(eng, lambda core: core.tiers.store.num_pages == core.cache.num_cached_blocks
+                            and not core.tiers.writes_queued)
+        assert await eng.call(lambda core: core.cache.num_cached_blocks) == cached
+        assert await eng.call(lambda core: core.tiers.counters.pages_written) == cached
+        await eng.call(lambda core: core.check_invariants())  # block accounting holds
+        await _evict(eng)  # now the pool forgets it: the next turn comes from disk
+        back = await _turn(eng, "i2", prompt + first.token_ids + [11, 12])
+        assert back.final.usage.cached_disk_tokens == back.final.usage.cached_tokens >= 144
+        await eng.call(lambda core: core.check_invariants())
+    finally:
+        eng.shutdown()
+
+
+def test_write_idle_stops_at_the_next_page_when_a_request_arrives(tiny_model_dir, tmp_path: Path) -> None:
+    eng = make_engine(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_write="idle")
+    core = eng.core
+    try:
+        core.add_request("a", _chat(7), greedy(4))
+        run_core(core)
+        tree = core.cache.num_cached_blocks
+        assert tree >= 9 and core.tiers.unwritten and core.tiers.counters.pages_written == 0
+        arrived = iter([False, False, True])  # a request arrives while the third page is due
+        more = core.write_idle(lambda: next(arrived))
+        assert more  # it stopped early: pages are left
+        assert core.tiers.flush() and core.tiers.counters.pages_written == 2  # two pages, not a third
+        assert core.write_idle(lambda: False) is False  # the rest (tiny pages: all fit one idle moment)
+        assert core.tiers.flush() and not core.tiers.unwritten
+        assert core.tiers.counters.pages_written == tree  # each page once
+        core.check_invariants()
+        assert core.cache.num_cached_blocks == tree  # nothing was evicted
+    finally:
+        core.close()
+
+
+async def test_write_back_alone_writes_nothing_while_idle(tiny_model_dir, tmp_path: Path) -> None:
+    eng = make_engine(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_write="back")
+    core = eng.core
+    try:
+        core.add_request("a", _chat(8), greedy(4))
+        run_core(core)
+        assert core.write_idle(lambda: False) is False
+        assert core.tiers.flush() and core.tiers.counters.pages_written == 0
+    finally:
+        core.close()
+    assert core.tiers.counters.pages_written == 0  # nor at the stop
+
+
+def test_write_idle_at_a_graceful_stop_writes_the_tree_and_a_new_engine_restores_it(tiny_model_dir, tmp_path: Path,
+                                                                                   caplog) -> None:
+    eng = make_engine(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_write="idle")
+    core = eng.core
+    prompt = _chat(9)
+    core.add_request("a", prompt, greedy(12))
+    first = run_core(core)["a"]
+    tree = core.cache.num_cached_blocks
+    assert core.tiers.counters.pages_written == 0  # never idle in the step loop: nothing written yet
+    with caplog.at_level("INFO", logger="engine.engine_core"):
+        core.close()
+    assert core.tiers.counters.pages_written == tree
+    assert any(f"wrote {tree} pages of the cache at stop, 0 left unwritten" in r.getMessage()
+               for r in caplog.records)
+    again = make_engine(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_write="idle").core  # a restart
+    try:
+        again.add_request("b", prompt + first.output_token_ids + [11, 12], greedy(12))
+        back = run_core(again)["b"]
+        assert back.usage.cached_disk_tokens == back.usage.cached_tokens >= 144
+        again.check_invariants()
+    finally:
+        again.close()

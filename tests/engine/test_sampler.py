@@ -340,6 +340,27 @@ def test_logprobs_are_finite_sorted_and_match_log_softmax(device):
     assert out.logprobs[3] is None
 
 
+def test_processed_logprobs_are_the_distribution_the_token_was_drawn_from(device):
+    logits = rand_logits(3, 200, 8, device)
+    params = [SP(temperature=0.7, top_k=5, logprobs=10, processed_logprobs=True),
+              SP(temperature=0.0, logprobs=3, processed_logprobs=True),
+              SP(temperature=0.7, top_k=5, logprobs=10)]
+    sampler = Sampler(200, device, seed=0)
+    out = sampler.sample(logits, params)
+    probs = sampler.distribution(logits, params).double().cpu()
+    top5 = out.logprobs[0].top[:5]
+    assert [t for t, _ in top5] == probs[0].topk(5).indices.tolist()
+    assert all(math.isclose(math.exp(v), probs[0, t].item(), abs_tol=1e-4) for t, v in top5)
+    assert math.isclose(sum(math.exp(v) for _, v in top5), 1.0, abs_tol=1e-4)
+    assert all(v == LOGPROB_FLOOR for _, v in out.logprobs[0].top[5:])  # filtered out: could not be drawn
+    assert math.isclose(out.logprobs[0].logprob, math.log(probs[0, out.token_ids[0]].item()), abs_tol=1e-4)
+    greedy = out.logprobs[1]
+    assert greedy.logprob == 0.0 and greedy.top[0] == (out.token_ids[1], 0.0)
+    assert [v for _, v in greedy.top[1:]] == [LOGPROB_FLOOR] * 2
+    raw = torch.log_softmax(logits.double(), dim=1).cpu()
+    assert math.isclose(out.logprobs[2].logprob, raw[2, out.token_ids[2]].item(), abs_tol=1e-4)  # raw unless asked
+
+
 def test_logprobs_request_larger_than_vocab_is_capped(device):
     out = Sampler(4, device).sample(torch.randn(1, 4, device=device), [SP(temperature=0.0, logprobs=20)])
     assert len(out.logprobs[0].top) == 4

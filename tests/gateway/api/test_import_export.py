@@ -188,3 +188,24 @@ async def test_an_import_that_meets_the_limit_of_chats_keeps_what_it_stored_and_
         assert r["imported"] == 2 and r["error"]["code"] == "too_many_sessions"
         assert r["error"]["message"].startswith("1 more chat not imported: at most 2 chats")
         assert sorted(s["title"] for s in c.get("/api/sessions").json()["sessions"]) == ["Chat 0", "Chat 1"]
+
+
+async def test_an_import_keeps_tool_calls_and_results_and_refuses_bad_ones(gateway_factory):
+    gw = gateway_factory()
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}
+    messages = [{"role": "user", "id": "u1", "content": "Weather in Oslo?"},
+                {"role": "assistant", "id": "a1", "content": "", "tool_calls": [call], "finish_reason": "tool_calls"},
+                {"role": "user", "id": "u2", "content": "", "tool_results": [{"tool_call_id": "call_1",
+                                                                             "content": "Sunny"}]},
+                {"role": "assistant", "id": "a2", "content": "It is sunny."}]
+    chat = {"id": "t00l5", "title": "Tools", "system_prompt": "", "params": {}, "messages": messages}
+    with client(gw, gw.new_cookie()) as c:
+        r = c.post("/api/import", content=json.dumps(chat).encode())
+        assert r.status_code == 200, r.text
+        shown = c.get(f"/api/sessions/{r.json()['chats'][0]['id']}").json()["messages"]
+        assert shown[1]["tool_calls"] == [call]
+        assert shown[2]["tool_results"] == [{"tool_call_id": "call_1", "content": "Sunny"}]
+        for bad in ({**messages[1], "tool_calls": [{"id": "x"}]}, {**messages[1], "tool_calls": "weather"}):
+            broken = {**chat, "id": "br0ken", "messages": [messages[0], bad]}
+            r = c.post("/api/import", content=json.dumps(broken).encode())
+            assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text

@@ -51,6 +51,11 @@ def test_token_and_object_prompts_and_several_prompts(api_gateway):
     one = _post(gw, "/completion", {**body, "prompt": ids}).json()
     many = _post(gw, "/completion", {**body, "prompt": [ids, PROMPT, {"prompt_string": PROMPT}]}).json()
     assert isinstance(many, list) and [m["content"] for m in many] == [one["content"]] * 3
+    half = len(ids) // 2
+    text_tail = _post(gw, "/detokenize", {"tokens": ids[half:]}).json()["content"]
+    mixed = _post(gw, "/completion", {**body, "prompt": [*ids[:half], text_tail], "return_tokens": True}).json()
+    assert mixed["tokens_evaluated"] == half + len(_post(gw, "/tokenize", {"content": text_tail}).json()["tokens"])
+    assert isinstance(mixed["content"], str)
 
 
 def test_bad_completion_bodies_get_a_400_naming_the_field(api_gateway):
@@ -83,3 +88,19 @@ def test_llama_logit_bias_by_id_or_text_bans_those_tokens(api_gateway):
     text = _post(gw, "/detokenize", {"tokens": first[:1]}).json()["content"]
     by_text = _post(gw, "/completion", {**body, "logit_bias": [[text, -100]]}).json()
     assert first[0] not in by_text["tokens"]
+
+
+def test_post_sampling_probs_are_the_samplers_probabilities(api_gateway):
+    gw = api_gateway()
+    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 1.0, "top_k": 3, "ignore_eos": True, "n_probs": 5,
+            "post_sampling_probs": True, "return_tokens": True, "seed": 5}
+    b = _post(gw, "/completion", body).json()
+    probs = b["completion_probabilities"]
+    assert [p["id"] for p in probs] == b["tokens"]
+    for p in probs:  # top-k 3: three tokens could be drawn, their probabilities sum to 1
+        assert len(p["top_probs"]) == 3 and 0 < p["prob"] <= 1 and "logprob" not in p
+        assert abs(sum(t["prob"] for t in p["top_probs"]) - 1) < 1e-3
+        assert p["id"] in [t["id"] for t in p["top_probs"]]
+    raw = _post(gw, "/completion", {**body, "post_sampling_probs": False}).json()["completion_probabilities"]
+    assert [len(p["top_logprobs"]) for p in raw] == [5] * 4  # the model's own distribution: every alternative
+    assert _post(gw, "/completion", {**body, "post_sampling_probs": 1}).status_code == 400

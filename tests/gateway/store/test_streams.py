@@ -1,5 +1,5 @@
 """Reply-stream writes on the real Redis: the writes of one event-loop iteration (the
-replies of one engine step) share one pipeline, and each writer gets its own outcome."""
+replies of one engine step) share one packed write, and each writer gets its own outcome."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis.asyncio.connection import AbstractConnection
 
 from gateway.store.keys import Keys
 from gateway.store.reply_streams import ReplyStreams
@@ -20,18 +21,18 @@ async def streams(redis_url, key_prefix):
     await r.aclose()
 
 
-async def test_one_iterations_writes_go_as_one_pipeline_each_with_its_own_outcome(streams):
+async def test_one_iterations_writes_go_as_one_packed_write_each_with_its_own_outcome(streams, monkeypatch):
     s, r = streams
     await r.set(s.keys.gen("bad"), "not a stream")  # XADD to it fails with WRONGTYPE
     calls = 0
-    execute = type(r.pipeline()).execute
+    send = AbstractConnection.send_packed_command
 
     async def counting(self, *args, **kwargs):
         nonlocal calls
         calls += 1
-        return await execute(self, *args, **kwargs)
+        return await send(self, *args, **kwargs)
 
-    type(r.pipeline()).execute = counting
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
     try:
         await s.delta("a", 1, "x")
         calls = 0
@@ -39,7 +40,7 @@ async def test_one_iterations_writes_go_as_one_pipeline_each_with_its_own_outcom
                                        s.delta("a", 1, "x"),  # a retried write that was applied: no error
                                        s.delta("bad", 1, "y"), return_exceptions=True)
     finally:
-        type(r.pipeline()).execute = execute
+        monkeypatch.undo()
     assert calls == 1
     assert results[:17] == [None] * 17
     assert isinstance(results[17], rexc.ResponseError) and "WRONGTYPE" in str(results[17])
