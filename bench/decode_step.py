@@ -7,12 +7,15 @@ same run; paged decode attention against SDPA; and where one step's time goes.
     python bench/decode_step.py --profile [--formats default] [--batches 1]
     python bench/decode_step.py --prefill-chunk [--prefixes 0,1024,2048,4096,6000]
     python bench/decode_step.py --quality [--formats default,int8+bf16] [--gguf Q4_0.gguf,...]
+    python bench/decode_step.py --quality --agreement [--formats default,int8] [--gguf Q4_0.gguf] [--answers]
     python bench/decode_step.py --llama-bench [--gguf Q4_0.gguf,Q4_1.gguf] [--formats default]
 
 Formats (``engine/formats.py``): ``default`` is what the engine picks on this machine
 ("auto"); ``exact`` is float32 everywhere through torch (transformers parity);
 ``int8``, ``int4`` and ``int4-sym`` are those weights on the CPU kernels (float32
-activations); ``int8+bf16`` is int8 weights with bfloat16 activations on torch's int8 kernel;
+activations); ``int4-torch`` is the 4-bit weights dequantized and run through torch in
+float32 (activations and KV unrounded: the weights' share of ``int4``'s drift);
+``int8+bf16`` is int8 weights with bfloat16 activations on torch's int8 kernel;
 ``bfloat16`` is bfloat16 weights. For each, the model (default: the bundled
 SmolLM2-135M-Instruct) admits B requests with the same ``--context``-token prompt,
 prefills them, and times ``--steps`` pure decode steps through ``EngineCore.step``
@@ -32,6 +35,11 @@ shift against ``exact`` (nats per token), the quality bar of the serving formats
 ``--gguf`` file (e.g. llama.cpp's Q4_0 made by ``bench/build_llamacpp.sh --models``) adds a
 row: its weights dequantized and run in float32 (the weights' share of that format's
 shift; llama.cpp also rounds activations to 8 bits, which this row leaves out).
+``--quality --agreement`` scores greedy answers instead (``agreement_table``): 30 short
+chat prompts, up to 32 tokens each; along the exact format's answers (teacher-forced,
+through the decode path) each format's share of positions with the same top-1 token and
+its mean KL divergence from exact's distribution, then how many of its own greedy answers
+equal exact's; each ``--gguf`` file adds llama.cpp's ``llama-server`` on it, greedy.
 
 ``--llama-bench`` puts llama.cpp's own decode figure beside ours: ``llama-bench -t THREADS
 -p 0 -n 128`` (tg128: 128 tokens generated one by one after an empty prompt) for each
@@ -68,6 +76,7 @@ from engine.loader import load_model, model_weight_bytes  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 FORMATS: dict[str, dict[str, Any]] = {
+    "int4-torch": {"dtype": "float32", "quantization": "int4", "cpu_kernels": False},
     "default": {},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
@@ -335,6 +344,158 @@ def quality_table(model: str | None, names: list[str], ggufs: list[str] | None =
     return "\n".join(rows)
 
 
+# Greedy answers on a fixed prompt set (--quality --agreement)
+AGREEMENT_PROMPTS = (
+    "What is the capital of France?", "What is the capital of Japan?", "Who wrote Romeo and Juliet?",
+    "How many days are in a week?", "What is the largest planet in the solar system?",
+    "What is 12 times 12?", "What color is the sky on a clear day?", "Name three primary colors.",
+    "What is the boiling point of water in Celsius?", "Who painted the Mona Lisa?",
+    "What language is spoken in Brazil?", "What is photosynthesis?", "How many legs does a spider have?",
+    "What is the chemical symbol for gold?", "Who was the first person to walk on the Moon?",
+    "What is the tallest mountain on Earth?", "Hello! How are you today?", "Tell me a short joke.",
+    "Give me a tip for sleeping better.", "What should I cook for dinner tonight?",
+    "Write a haiku about the sea.", "Can you recommend a good book?", "How do I make a cup of tea?",
+    "What is a prime number?", "Explain what a computer virus is.", "Why do leaves change color in autumn?",
+    "What is the speed of light?", "Translate 'good morning' into Spanish.",
+    "What is the difference between weather and climate?", "Write a Python function that adds two numbers.",
+)
+AGREEMENT_TOKENS = 32
+
+
+def greedy_tokens(model: str | None, overrides: dict[str, Any], prompts: list[list[int]], n: int,
+                  forced: list[list[int]] | None = None,
+                  logprobs: list[torch.Tensor] | None = None) -> list[list[int]]:
+    """Each prompt's next ``n`` top-1 tokens in a format, all prompts in one batch: a
+    prefill, then ``n - 1`` decode steps (the engine's decode path).
+
+    Args:
+        prompts: token ids per prompt.
+        n: tokens per prompt.
+        forced: None (each step feeds the format's own top token: its greedy answer), or per
+            prompt ``n`` tokens fed instead (teacher forcing along another format's answer,
+            so every position is scored on the same context).
+
+    Returns:
+        [len(prompts)][n] token ids: the top-1 token at each position.
+    """
+    from engine.formats import resolved_config
+    from engine.forward_batch import ForwardBatch
+    from engine.kv_cache import KVCache
+    from engine.model_runner import make_attention_backend, make_layer_runner
+
+    cfg, _ = resolved_config(EngineConfig(model=model, device="cpu", **overrides))
+    lm = load_model(cfg)
+    bs = 16
+    per = -(-(max(len(p) for p in prompts) + n) // bs)
+    kv = KVCache.allocate(lm.model_config, per * len(prompts), bs, cfg.kv_torch_dtype, "cpu")
+    attn = make_attention_backend(cfg.attention_backend, torch.device("cpu"), lm.cpu_kernels)
+    layers = make_layer_runner(lm.model, kv, attn, lm.cpu_kernels)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
+    out: list[list[int]] = [[] for _ in prompts]
+    chunks, prefix = [list(p) for p in prompts], [0] * len(prompts)
+    with torch.inference_mode():
+        for step in range(n):
+            b = ForwardBatch.build(token_chunks=chunks, prefix_lens=prefix, block_tables=tables,
+                                   sample_mask=[True] * len(prompts), block_size=bs)
+            logits = lm.model(b, kv, attn, layers)
+            if logprobs is not None:
+                logprobs.append(torch.log_softmax(logits.float(), -1))
+            top = logits.argmax(-1).tolist()
+            for i, t in enumerate(top):
+                out[i].append(t)
+            prefix = [p + len(c) for p, c in zip(prefix, chunks)]
+            chunks = [[forced[i][step] if forced is not None else top[i]] for i in range(len(prompts))]
+    return out
+
+
+def llamacpp_greedy(gguf: str, prompts: list[list[int]], n: int, threads: int,
+                    forced: list[list[int]] | None = None) -> list[list[int]]:
+    """``greedy_tokens`` through llama.cpp's ``llama-server`` on ``gguf`` (one slot, prompt
+    cache on, its default sampling chain reduced to greedy): each prompt's next ``n``
+    top-1 tokens, free-running or, with ``forced``, one request per position with the
+    prompt extended by the forced tokens so far (its decode path, as ours).
+
+    Raises:
+        RuntimeError: the server is not built or did not start.
+    """
+    import httpx
+
+    from bench.serving_lib.systems import LlamaCpp, llama_server_available
+
+    if not llama_server_available():
+        raise RuntimeError("llama-server is not built: run bench/build_llamacpp.sh")
+    server = LlamaCpp(label="llama.cpp", gguf=Path(gguf), threads=threads, slot_tokens=1024)
+    base = server.start(1)
+    body = {"n_predict": 1, "temperature": 0.0, "top_k": 1, "cache_prompt": True, "ignore_eos": True,
+            "return_tokens": True, "samplers": ["top_k"]}
+
+    def ask(ids: list[int], count: int) -> list[int]:
+        r = client.post(base + "/completion", json={**body, "prompt": ids, "n_predict": count})
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    try:
+        with httpx.Client(timeout=120) as client:
+            if forced is None:
+                return [ask(p, n) for p in prompts]
+            return [[ask(list(p) + f[:k], 1)[0] for k in range(n)] for p, f in zip(prompts, forced)]
+    finally:
+        server.stop()
+
+
+def agreement_table(model: str | None, names: list[str], ggufs: list[str], threads: int,
+                    answers: bool = False) -> str:
+    """Markdown: for each format, greedy answers to AGREEMENT_PROMPTS (chat template,
+    AGREEMENT_TOKENS tokens) against ``exact``'s: how often its top-1 token is exact's at
+    each position of exact's answers (teacher-forced), how many answers are identical, and
+    the mean length of the common start; then the same for llama.cpp's ``llama-server`` on
+    each of ``ggufs`` (``llamacpp_greedy``; no KL: it returns no full distributions).
+    ``answers``: also each prompt's answers."""
+    from transformers import AutoTokenizer
+
+    from engine.loader import ensure_default_model
+
+    tok = AutoTokenizer.from_pretrained(model or str(ensure_default_model()))
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False))
+               for q in AGREEMENT_PROMPTS]
+    n = AGREEMENT_TOKENS
+    ref_lp: list[torch.Tensor] = []
+    ref = greedy_tokens(model, FORMATS["exact"], prompts, n, logprobs=ref_lp)
+    # An answer ends at its end-of-turn token: the positions after it are no reply anyone reads.
+    ends = [r.index(tok.eos_token_id) + 1 if tok.eos_token_id in r else n for r in ref]
+    total = sum(ends)
+    live = torch.tensor([[k < e for e in ends] for k in range(n)])  # [n, prompts]: positions scored
+    rows = [f"{len(prompts)} chat prompts, greedy answers of at most {n} tokens ({total} positions)", "",
+            "| format | same top-1 as exact along its answers | mean KL(exact ‖ format) (nats) "
+            "| identical answers | mean common start (tokens) |",
+            "|---|---|---|---|---|"]
+    texts = {"exact": ref}
+
+    def row(name: str, forced: list[list[int]], own: list[list[int]], kl: float | None) -> str:
+        texts[name] = own
+        same = sum(a == b for f, r, e in zip(forced, ref, ends) for a, b in zip(f[:e], r[:e])) / total
+        equal = sum(o[:e] == r[:e] for o, r, e in zip(own, ref, ends))
+        start = statistics.mean(next((k for k in range(e) if o[k] != r[k]), e) for o, r, e in zip(own, ref, ends))
+        return (f"| {name} | {same:.1%} | {'n/a' if kl is None else f'{kl:.4f}'} | {equal}/{len(ref)} "
+                f"| {start:.1f} |")
+
+    for name in [x for x in names if x != "exact"]:
+        lp: list[torch.Tensor] = []
+        forced = greedy_tokens(model, FORMATS[name], prompts, n, forced=ref, logprobs=lp)
+        kl = sum(float(((r.exp() * (r - q)).sum(-1) * m).sum()) for r, q, m in zip(ref_lp, lp, live)) / total
+        rows.append(row(name, forced, greedy_tokens(model, FORMATS[name], prompts, n), kl))
+    for g in ggufs:
+        forced = llamacpp_greedy(g, prompts, n, threads, forced=ref)
+        rows.append(row(f"llama.cpp {Path(g).name}", forced, llamacpp_greedy(g, prompts, n, threads), None))
+    if answers:
+        for i, q in enumerate(AGREEMENT_PROMPTS):
+            rows.append(f"\n{q}")
+            for name, t in texts.items():
+                rows.append(f"  {name:>9}: {tok.decode(t[i])!r}")
+    return "\n".join(rows)
+
+
 LLAMA_BENCH = Path.home() / ".cache/chatserve/llama.cpp/src/vendor/llama.cpp/build/bin/llama-bench"
 PEER_GGUFS = [Path.home() / f".cache/chatserve/llama.cpp/models/smollm2-135m-instruct-{q}.gguf"
               for q in ("Q4_0", "Q4_1")]
@@ -397,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefixes", default="0,1024,2048,4096,6000")
     p.add_argument("--quality", action="store_true",
                    help="each format's log-likelihood of a text against the exact format's")
+    p.add_argument("--agreement", action="store_true",
+                   help="with --quality: greedy answers to a fixed chat prompt set against exact's")
+    p.add_argument("--answers", action="store_true", help="with --agreement: print every answer")
     p.add_argument("--gguf", default=None,
                    help="comma-separated GGUF files for --quality and --llama-bench (default for --llama-bench: the "
                         "Q4_0 and Q4_1 files of bench/build_llamacpp.sh --models)")
@@ -420,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.prefill_chunk:
         print(f"threads {a.threads}; {names[0]} format; median of 3 chunks per prefix")
         print(prefill_chunk_table(a.model, FORMATS[names[0]], [int(x) for x in a.prefixes.split(",")]))
+        return 0
+    if a.quality and a.agreement:
+        print(agreement_table(a.model, names, ggufs, a.threads, a.answers))
         return 0
     if a.quality:
         print(quality_table(a.model, names, ggufs))

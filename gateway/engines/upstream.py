@@ -302,6 +302,7 @@ class UpstreamClient(EngineClient):
         self.flavor = ""  # the models list's ``owned_by``: "vllm", "sglang", "llamacpp", "chatserve", ...
         self._http: httpx.AsyncClient | None = None
         self._streams: dict[str, asyncio.Task[None]] = {}
+        self._aborting: set[str] = set()  # replies whose stream task was cancelled
         self._probe_now = asyncio.Event()
         self.counters = {"requests_total": 0, "aborted_total": 0, "prompt_tokens_total": 0,
                          "cached_tokens_total": 0, "completion_tokens_total": 0}
@@ -432,8 +433,7 @@ class UpstreamClient(EngineClient):
         self.counters["requests_total"] += 1
         task = asyncio.create_task(self._stream(req, body), name=f"upstream {request_id}")
         self._streams[request_id] = task
-        task.add_done_callback(lambda t: self._streams.pop(request_id, None) if self._streams.get(
-            request_id) is t else None)
+        task.add_done_callback(lambda t: self._ended(request_id, t))
         return req
 
     async def _stream(self, req: EngineRequest, body: dict[str, Any]) -> None:
@@ -476,6 +476,11 @@ class UpstreamClient(EngineClient):
         except (httpx.HTTPError, OSError) as e:
             self._suspect()
             put(ErrorFrame("engine_unavailable", f"the upstream could not be reached ({type(e).__name__})", rid))
+
+    def _ended(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self._streams.get(request_id) is task:
+            del self._streams[request_id]
+            self._aborting.discard(request_id)
 
     def _event(self, rid: str, data: str, reply: _Reply, put: Callable[[ReplyItem], None]) -> ErrorFrame | None:
         """Take one ``data:`` event: its text becomes a ``DeltaFrame``; its finish reason,
@@ -543,7 +548,12 @@ class UpstreamClient(EngineClient):
     def abort_soon(self, request_id: str) -> None:
         """``abort`` from synchronous code (cancelling the stream's task needs no wait)."""
         task = self._streams.get(request_id)
-        if task is not None:
+        # once only: the reply task re-sends an abort until the reply ends, and a second
+        # cancel landing while the first one's exit closes the HTTP stream interrupts that
+        # close, leaving the upstream's request running (llama-server generated on to
+        # max_tokens into a socket nobody read)
+        if task is not None and request_id not in self._aborting:
+            self._aborting.add(request_id)
             task.cancel()
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:

@@ -83,3 +83,16 @@ def test_prefill_bench_reports_tokens_per_second_per_prompt_size(tiny_model_dir,
     assert r["256"]["prompt_tokens"] > r["64"]["prompt_tokens"] > 40 and all(x["tok_s"] > 0 for x in r.values())
     fake = {"ours": {64: {"tok_s": 100.0, "ms": 640.0}}, "llama.cpp": {64: {"tok_s": 50.0, "ms": 1280.0}}}
     assert "| 64 | 100 (640 ms) | 50 (1280 ms) | 0.50x |" in prefill.table(fake, [64])
+
+
+def test_decode_step_agreement_scores_greedy_answers_against_the_exact_format(tiny_model_dir):
+    """--quality --agreement: the exact format teacher-forced along its own greedy answers
+    picks those same tokens, and the table has a row per format."""
+    from bench import decode_step
+
+    ids = [[1, 2, 3, 4], [5, 6]]
+    own = decode_step.greedy_tokens(str(tiny_model_dir), decode_step.FORMATS["exact"], ids, 5)
+    assert [len(t) for t in own] == [5, 5]
+    assert decode_step.greedy_tokens(str(tiny_model_dir), decode_step.FORMATS["exact"], ids, 5, forced=own) == own
+    table = decode_step.agreement_table(str(tiny_model_dir), ["int8"], [], 2)
+    assert "| int8 |" in table and f"{len(decode_step.AGREEMENT_PROMPTS)} chat prompts" in table

@@ -204,3 +204,28 @@ def test_default_cpu_format_scores_text_like_float32_and_answers_like_it(smollm2
     nll = [-torch.log_softmax(x[:-1], -1).gather(1, target).mean().item() for x in (ref, ours)]
     assert abs(nll[0] - nll[1]) < 0.03
     assert (ref.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.85
+
+
+@pytest.mark.slow
+def test_default_cpu_format_gives_greedy_answers_like_float32(smollm2_dir):
+    """The real model on short chat prompts (``bench/decode_step.py --quality --agreement``'s
+    set): scored along the exact model's own greedy answers, the default format picks the
+    same top-1 token at 93% or more of the positions and stays within a mean KL of 0.02 nats
+    of its distributions. A mean log-likelihood bar alone let a default through whose
+    answers drifted (e.g. "What is the capital of France?" answered in French)."""
+    from transformers import AutoTokenizer
+
+    from bench.decode_step import AGREEMENT_PROMPTS, greedy_tokens
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False))
+               for q in AGREEMENT_PROMPTS[:16]]
+    ref_lp: list[torch.Tensor] = []
+    lp: list[torch.Tensor] = []
+    ref = greedy_tokens(str(smollm2_dir), {"dtype": "float32", "quantization": "none"}, prompts, 16, logprobs=ref_lp)
+    ours = greedy_tokens(str(smollm2_dir), {}, prompts, 16, forced=ref, logprobs=lp)
+    same = sum(a == b for o, r in zip(ours, ref) for a, b in zip(o, r)) / (len(ref) * 16)
+    kl = torch.stack([(r.exp() * (r - q)).sum(-1) for r, q in zip(ref_lp, lp)]).mean().item()
+    assert same >= 0.93, f"same top-1 as float32 at {same:.1%} of the positions"
+    assert kl < 0.02, f"mean KL {kl:.4f} nats"
