@@ -176,6 +176,12 @@ class AsyncEngine:
         """
         self._loop()
 
+    def request_stop(self) -> None:
+        """Ask the step loop to stop after its current step (live requests then end with
+        finish_reason "abort", as on ``shutdown``). Safe in a signal handler: it only sets a
+        flag (no lock, no wake-up); an idle loop sees it within its idle wait (0.5 s)."""
+        self._stop = True
+
     def shutdown(self) -> None:
         """Stop the step loop (its thread, or ``run_step_loop``'s caller returns); live
         requests end with finish_reason "abort"."""
@@ -449,7 +455,11 @@ class AsyncEngine:
             self._steps()
         finally:  # also on KeyboardInterrupt in run_step_loop: every caller hears back
             for rid in list(self.core.requests):
-                out = self.core.abort(rid)
+                try:
+                    out = self.core.abort(rid)
+                except Exception:  # a step cut short mid-way (a second Ctrl-C): still answer
+                    log.exception("abort at stop")
+                    out = _aborted_before_start(rid, [], False, time.monotonic())
                 if out is not None:
                     self._deliver(out, rid)
             with self._lock:

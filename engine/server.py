@@ -250,7 +250,12 @@ class EngineServer:
             stats, age_s = self.engine.snapshot()
             out.send(encode(StatsFrame(stats, round(age_s * 1000, 3))))
         elif isinstance(frame, AbortFrame):
-            self.engine.abort(f"{conn}:{frame.request_id}")
+            # not at once: a generate read in the same batch of frames has a task that has
+            # not run yet, so the engine would not know the request and the abort would be
+            # lost (the gateway re-sends it 0.2 s later, hundreds of tokens on). Callbacks run
+            # in the order they are scheduled, so this runs after that task's first step,
+            # which registers the request with the engine.
+            asyncio.get_running_loop().call_soon(self.engine.abort, f"{conn}:{frame.request_id}")
         elif isinstance(frame, KvFetchFrame):
             if any(k.startswith(FETCH_KEY) for k in tasks):
                 out.send(encode(KvFetchDoneFrame(frame.request_id, 0, "one kv_fetch at a time per connection")))
@@ -390,16 +395,12 @@ async def run_server(engine: AsyncEngine, host: str, port: int, ready: asyncio.E
                 log.warning("some final frames were not sent within %.0f s of shutting down", DRAIN_S)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    """A signal handler that stops the step loop as Ctrl-C does."""
-    raise KeyboardInterrupt
-
-
 def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
     """Serve forever: the step loop on the calling (main) thread, the WebSocket server's
     asyncio loop on a second thread (``AsyncEngine.run_step_loop`` says why that way
-    round). Returns when the server thread ends. On Ctrl-C or SIGTERM the live requests end with
-    an ``abort`` done frame, the server closes, and KeyboardInterrupt is re-raised.
+    round). Returns when the server thread ends. On Ctrl-C or SIGTERM the step loop stops
+    after its current step, the live requests end with an ``abort`` done frame, the server
+    closes, and then KeyboardInterrupt is raised; a second Ctrl-C interrupts at once.
 
     Raises:
         OSError: the server could not start (e.g. the address is taken), raised here
@@ -408,6 +409,16 @@ def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
     failure: list[BaseException] = []
     started = threading.Event()
     control: dict[str, Any] = {}
+    interrupted: list[int] = []
+
+    def stop_on_signal(signum: int, frame: Any) -> None:
+        # The first Ctrl-C or SIGTERM stops the step loop between steps, so every live
+        # request is aborted on a consistent scheduler; a KeyboardInterrupt raised inside
+        # a step had left some requests without their final frame. A second one stops now.
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted.append(signum)
+        engine.request_stop()
 
     async def main() -> None:
         control["loop"], control["stop"] = asyncio.get_running_loop(), asyncio.Event()
@@ -424,13 +435,13 @@ def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
             engine.shutdown()  # ends run_step_loop
 
     if threading.current_thread() is threading.main_thread():
-        # A shell's background job starts with SIGINT ignored, and Python then installs no
-        # KeyboardInterrupt handler: Ctrl-C or a supervisor's SIGINT must still end the live
-        # requests with their abort frames (uvicorn, serving the gateway, does the same).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        # SIGTERM (docker stop, a supervisor) stops as Ctrl-C does: the live requests end with
-        # their abort frames and the KV tiers write what they keep at a stop (docs/kv_tiers.md)
-        signal.signal(signal.SIGTERM, _interrupt)
+        # Installed even where SIGINT was ignored (a shell's background job starts so, and
+        # Python then installs no handler): Ctrl-C or a supervisor's SIGINT must still end
+        # the live requests with their abort frames (uvicorn, serving the gateway, does the
+        # same). SIGTERM (docker stop, a supervisor) stops as Ctrl-C does, and the KV tiers
+        # write what they keep at a stop (docs/kv_tiers.md).
+        signal.signal(signal.SIGINT, stop_on_signal)
+        signal.signal(signal.SIGTERM, stop_on_signal)
     t = threading.Thread(target=server_thread, name="engine-server", daemon=True)
     t.start()
     try:
@@ -446,3 +457,5 @@ def serve_forever(engine: AsyncEngine, host: str, port: int) -> None:
         t.join(timeout=5)
     if failure:
         raise failure[0]
+    if interrupted:
+        raise KeyboardInterrupt

@@ -321,3 +321,42 @@ def test_an_engine_without_a_secret_warns_unless_only_loopback_reaches_it(caplog
             warn_without_secret(host)
     assert [r.levelno for r in caplog.records] == [logging.WARNING] * 4
     assert all("ENGINE_SECRET" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_abort_read_together_with_its_generate_stops_the_request_before_it_runs(tiny_model_dir):
+    """A ``generate`` and its ``abort`` that reach the engine in one read (sent while it was
+    stopped) end the request with ``abort`` and no token: the abort is not lost for
+    arriving before the request was registered."""
+    with _serve_process(tiny_model_dir, 0) as proc:  # its pipes are closed on the way out
+        try:
+            await _abort_read_with_its_generate(proc)
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+async def _abort_read_with_its_generate(proc: subprocess.Popen) -> None:
+    import signal
+
+    url = None
+    while url is None:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        assert line, proc.stderr.read()
+        if line.startswith("ENGINE READY"):
+            url = line.split()[-1]
+    async with connect(url) as ws:
+        json.loads(await ws.recv())  # hello
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            await ws.send(json.dumps({"type": "generate", "request_id": "r", "prompt_token_ids": [5, 6, 7],
+                                      "params": {"max_tokens": 1000, "ignore_eos": True}}))
+            await ws.send(json.dumps({"type": "abort", "request_id": "r"}))
+            await asyncio.sleep(0.2)  # both frames wait in the stopped engine's socket
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        done = None
+        while done is None:
+            f = await _recv(ws)
+            if f["type"] == "done":
+                done = f
+    assert done["finish_reason"] == "abort" and done["usage"]["completion_tokens"] == 0, done
