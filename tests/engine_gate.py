@@ -248,8 +248,10 @@ class EngineGate:
 
     async def _relay(self, down: ServerConnection) -> None:
         try:
-            async with connect(self.upstream, max_size=None, compression=None, ping_interval=None,
-                               open_timeout=10) as up:
+            # max_queue=None: frames are read off the socket even while a halt holds them
+            # here, so an engine that dies meanwhile is seen to close
+            async with connect(self.upstream, max_size=None, max_queue=None, compression=None,
+                               ping_interval=None, open_timeout=10) as up:
                 pumps = [asyncio.create_task(self._pump_from_engine(up, down)),
                          asyncio.create_task(self._pump_to_engine(down, up))]
                 _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
@@ -293,29 +295,19 @@ class EngineGate:
                 senders.append(asyncio.create_task(lane(lanes[rid])))
             lanes[rid].put_nowait(message)
 
-        inbox: asyncio.Queue[Any] = asyncio.Queue()
-        gone = asyncio.Event()  # the engine's side closed: what it sent passes, unheld
-
-        async def read() -> None:
-            try:
-                async for message in up:
-                    inbox.put_nowait(message)
-            except ConnectionClosed:
-                pass
-            finally:
-                gone.set()
-                inbox.put_nowait(None)
-
         async def held(hold: asyncio.Event) -> None:
-            waits = [asyncio.ensure_future(hold.wait()), asyncio.ensure_future(gone.wait())]
+            # until resume, or until the engine's side closes (a test killed the stopped
+            # engine): what it sent before then passes, as frames in transit would
+            waits = [asyncio.ensure_future(hold.wait()), asyncio.ensure_future(up.wait_closed())]
             _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in pending:
                 w.cancel()
 
-        reader = asyncio.create_task(read())
-        senders.append(reader)
         try:
-            while (message := await inbox.get()) is not None:
+            # one frame at a time: the engine is stopped the moment its frame is read, and
+            # while a halt holds, what it sent after waits unread (and is matched against
+            # the next pause_on once resumed)
+            async for message in up:
                 frame = _parse(message)
                 if frame.get("type") != "step":
                     hold = self._on_engine_frame(frame)
