@@ -356,9 +356,7 @@ class OpenAIApi:
                     prompt_token_ids=p.get("prompt_token_ids"), routing=key)
                 sources += started.sources
         except BaseException:
-            started_all = ChoiceSet(sources)
-            await started_all.abort()
-            started_all.close()
+            await ChoiceSet(sources).discard()
             raise
         return ChoiceSet(sources)
 
@@ -660,9 +658,7 @@ class OpenAIApi:
                 await source.start()
                 sources.append(source)
         except BaseException:
-            choices = ChoiceSet(sources)
-            await choices.abort()
-            choices.close()
+            await ChoiceSet(sources).discard()
             raise
         return ChoiceSet(sources)
 
@@ -703,10 +699,7 @@ class OpenAIApi:
     async def _abandon(self, choices: ChoiceSet, watcher: DisconnectWatcher) -> None:
         """The client left (or the server is stopping, or the request failed): abort the reply."""
         watcher.close()
-        try:
-            await choices.abort()
-        finally:
-            choices.close()
+        await choices.discard()
 
     async def _collect(self, choices: ChoiceSet, watcher: DisconnectWatcher, events: list[tuple[int, ReplyEvent]],
                        writer: Writer, headers: dict[str, str],

@@ -84,6 +84,14 @@ class ChoiceSet:
         self._cancel_pending()
         await asyncio.gather(*(s.abort() for s in self.sources), return_exceptions=True)
 
+    async def discard(self) -> None:
+        """``abort``, then ``close``, whatever the abort raises (a request that failed or
+        whose client left)."""
+        try:
+            await self.abort()
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Release every choice's engine request."""
         self._cancel_pending()
