@@ -167,6 +167,18 @@ class TierCounters:
     restores: int = 0
     restore_ms: float = 0.0
 
+    def stats(self, tier: str) -> dict[str, int]:
+        """The totals every tier counts, named ``kv_{tier}_..._total`` for engine stats."""
+        return {
+            f"kv_{tier}_pages_written_total": self.pages_written,
+            f"kv_{tier}_bytes_written_total": self.bytes_written,
+            f"kv_{tier}_pages_read_total": self.pages_read,
+            f"kv_{tier}_bytes_read_total": self.bytes_read,
+            f"kv_{tier}_hits_total": self.hits,
+            f"kv_{tier}_misses_total": self.misses,
+            f"kv_{tier}_pages_dropped_total": self.dropped,
+        }
+
 
 @dataclass(eq=False)
 class LoadJob:
@@ -690,13 +702,7 @@ class KVTiers:
             "kv_disk_enabled": self.disk_active,
             "kv_disk_pages": store.num_pages if store else 0,
             "kv_disk_bytes": store.num_bytes if store else 0,
-            "kv_disk_pages_written_total": c.pages_written,
-            "kv_disk_bytes_written_total": c.bytes_written,
-            "kv_disk_pages_read_total": c.pages_read,
-            "kv_disk_bytes_read_total": c.bytes_read,
-            "kv_disk_hits_total": c.hits,
-            "kv_disk_misses_total": c.misses,
-            "kv_disk_pages_dropped_total": c.dropped,
+            **c.stats("disk"),
             "kv_disk_pages_corrupt_total": c.corrupt,
             "kv_disk_pages_evicted_total": store.evicted if store else 0,
             "kv_disk_restores_total": c.restores,
@@ -713,13 +719,7 @@ class KVTiers:
             "kv_host_pages": host.num_pages if host else 0,
             "kv_host_bytes": host.num_bytes if host else 0,
             "kv_host_capacity_pages": host.capacity if host else 0,
-            "kv_host_pages_written_total": c.pages_written,
-            "kv_host_bytes_written_total": c.bytes_written,
-            "kv_host_pages_read_total": c.pages_read,
-            "kv_host_bytes_read_total": c.bytes_read,
-            "kv_host_hits_total": c.hits,
-            "kv_host_misses_total": c.misses,
-            "kv_host_pages_dropped_total": c.dropped,
+            **c.stats("host"),
             "kv_host_pages_evicted_total": host.evicted if host else 0,
             "kv_host_copies_in_flight": len(self._outbound),
         }
