@@ -162,6 +162,19 @@ def test_cli_reports_unknown_model_path_clearly(tmp_path):
     assert "error" in r.stderr and "Traceback" not in r.stderr
 
 
+async def _ready_url(proc: subprocess.Popen) -> str:
+    """The ``ws://`` URL a ``_serve_process`` engine prints once it listens.
+
+    Raises:
+        AssertionError: it exited first (its stderr is the message).
+    """
+    while True:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        assert line, proc.stderr.read()
+        if line.startswith("ENGINE READY"):
+            return line.split()[-1]
+
+
 def _serve_process(model_dir, port: int) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     # one token a step (no speculation) and room for one 1500-token reply at a time: the
@@ -195,13 +208,7 @@ async def _ctrl_c_aborts_live_requests(proc: subprocess.Popen) -> None:
     import signal
 
     try:
-        url = None
-        while url is None:
-            line = await asyncio.to_thread(proc.stdout.readline)
-            assert line, proc.stderr.read()
-            if line.startswith("ENGINE READY"):
-                url = line.split()[-1]
-        async with connect(url) as ws:
+        async with connect(await _ready_url(proc)) as ws:
             json.loads(await ws.recv())  # hello
             # eight 1500-token replies: 128 blocks hold one at a time, so they run in turn
             # and some are still live long after the first delta, however fast the engine
@@ -338,13 +345,7 @@ async def test_an_abort_read_together_with_its_generate_stops_the_request_before
 async def _abort_read_with_its_generate(proc: subprocess.Popen) -> None:
     import signal
 
-    url = None
-    while url is None:
-        line = await asyncio.to_thread(proc.stdout.readline)
-        assert line, proc.stderr.read()
-        if line.startswith("ENGINE READY"):
-            url = line.split()[-1]
-    async with connect(url) as ws:
+    async with connect(await _ready_url(proc)) as ws:
         json.loads(await ws.recv())  # hello
         proc.send_signal(signal.SIGSTOP)
         try:
