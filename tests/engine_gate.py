@@ -11,7 +11,7 @@ can pause the engine the moment it sends a chosen frame (``pause_on``; the items
 them one by one). The matching frame reaches the gateways and nothing after it does
 until ``resume``: the relay stops reading the engine there. A busy machine can run the
 engine many steps ahead of the relay before the stop lands (a test process's threads
-share one interpreter), so what the engine already sent waits in the socket, and the
+share one interpreter), so what the engine already sent waits unrelayed in the connection's queue, and the
 gateways see a halt exactly at the chosen frame however far ahead the engine got; on
 ``resume(pause_on=...)`` the waiting frames are read first, and the relay halts again at
 the first of them that matches. The gate can also wait until the gateway has sent the engine a
