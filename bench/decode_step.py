@@ -5,6 +5,7 @@ same run; paged decode attention against SDPA; and where one step's time goes.
                                 [--context 300] [--steps 20] [--threads 2] [--model PATH] [--json]
     python bench/decode_step.py --attention [--contexts 64,256,1024,2048,4096,8192] [--batches 1,16]
     python bench/decode_step.py --profile [--formats default] [--batches 1]
+    python bench/decode_step.py --ops [--formats default] [--batches 1,16] [--context 300]
     python bench/decode_step.py --prefill-chunk [--prefixes 0,1024,2048,4096,6000]
     python bench/decode_step.py --quality [--formats default,int8+bf16] [--gguf Q4_0.gguf,...]
     python bench/decode_step.py --quality --agreement [--formats default,int8] [--gguf Q4_0.gguf] [--answers]
@@ -28,7 +29,9 @@ threads); the table prints both and the ratio.
 ``--attention`` times one layer's attention call alone (SmolLM2's 9 query and 3 KV
 heads of 64) at each context: the CPU kernels' paged attention over a bfloat16 cache and
 over a float32 one, against the torch backend (gather through the block tables, then
-SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps.
+SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps; ``--ops``
+the time of each op of the fused CPU-kernel layers (``ops_table``) in decode steps and a
+512-token prefill.
 ``--prefill-chunk`` times one 512-token prefill step after a cached prefix of each size.
 ``--quality`` prints each format's mean log-likelihood of a fixed English text and its
 shift against ``exact`` (nats per token), the quality bar of the serving formats; each
@@ -229,6 +232,80 @@ def attention_table(contexts: list[int], batches: list[int], threads: int) -> st
                 timings.append((time.perf_counter() - t0) / n * 1e6)
             rows.append(f"| {b} | {ctx} | {timings[0]:.0f} | {timings[1]:.0f} | {timings[2]:.0f} | "
                         f"{timings[2] / timings[0]:.1f}x |")
+    return "\n".join(rows)
+
+
+OP_NAMES = ("norm 1", "qkv proj", "rope", "attention", "o proj", "norm 2", "gate_up proj", "silu*mul", "down proj")
+
+
+def ops_table(model: str | None, overrides: dict[str, Any], batches: list[int], context: int, steps: int,
+              prefill: int = 512) -> str:
+    """Markdown: where a step's time goes, per op of the fused decoder layer (summed over
+    the layers; ``cs_op_times_enable`` in kernels.c), and the rest of ``EngineCore.step``
+    (embedding, final norm, LM head, sampling, scheduling): for a decode step at each batch
+    size (``context``-token prompts; mean of ``steps`` steps) and for one ``prefill``-token
+    prompt's prefill step (median of 3).
+
+    Raises:
+        RuntimeError: the format does not run on the fused CPU-kernel layers.
+    """
+    import ctypes
+
+    from engine.cpu.fused import FusedLayers
+    from engine.cpu.ops import cpu_kernels
+
+    core, fmt = build_core(model, overrides, batches, max(context, prefill), steps)
+    kernels = cpu_kernels(overrides.get("cpu_isa", "auto"))
+    if kernels is None or not isinstance(core.runner.layers, FusedLayers):
+        raise RuntimeError(f"{fmt}: not the fused CPU-kernel layers")
+    fn = kernels.lib.cs_op_times_enable
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_int
+    buf = (ctypes.c_int64 * len(OP_NAMES))()
+
+    def timed(run: Any) -> tuple[float, list[float]]:
+        fn(1, None)
+        t0 = time.perf_counter()
+        run()
+        wall = (time.perf_counter() - t0) * 1e3
+        fn(0, buf)
+        return wall, [v / 1e6 for v in buf]
+
+    cols: dict[str, tuple[float, list[float]]] = {}
+    for b in batches:
+        prompt = [100 + (i * 37) % 20000 for i in range(context)]
+        for i in range(b):
+            core.add_request(f"o{b}.{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
+                                                                 ignore_eos=True))
+        while core.scheduler.waiting or any(r.num_computed_tokens < context for r in core.scheduler.running):
+            core.step()
+        core.step()
+
+        def run_steps() -> None:
+            for _ in range(steps):
+                core.step()
+
+        wall, ops = timed(run_steps)
+        cols[f"decode, batch {b}"] = (wall / steps, [o / steps for o in ops])
+        for i in range(b):
+            core.abort(f"o{b}.{i}")
+    runs = []
+    for r in range(3):
+        rng = [(7919 * (i + 1) + 131 * r) % 40000 + 100 for i in range(prefill)]
+        core.add_request(f"pf{r}", rng, SamplingParams(max_tokens=1, temperature=0.0))
+        runs.append(timed(core.step))
+        while core.has_work():
+            core.step()
+    cols[f"prefill of {prefill}"] = sorted(runs)[1]
+    names = list(cols)
+    rows = [f"{fmt}; threads {torch.get_num_threads()}; decode at a {context}-token context; "
+            f"load average {os.getloadavg()[0]:.2f}", "",
+            "| op (all layers) | " + " | ".join(f"{n} (ms)" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for k, op in enumerate(OP_NAMES):
+        rows.append(f"| {op} | " + " | ".join(f"{cols[n][1][k]:.2f} ({cols[n][1][k] / cols[n][0]:.0%})"
+                                                for n in names) + " |")
+    rows.append("| rest of the step (embedding, final norm, LM head, sampling, scheduling) | " + " | ".join(
+        f"{cols[n][0] - sum(cols[n][1]):.2f} ({1 - sum(cols[n][1]) / cols[n][0]:.0%})" for n in names) + " |")
+    rows.append("| step | " + " | ".join(f"{cols[n][0]:.2f}" for n in names) + " |")
     return "\n".join(rows)
 
 
@@ -553,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", action="store_true", help="time decode attention alone over --contexts")
     p.add_argument("--contexts", default="64,256,1024,2048,4096,8192")
     p.add_argument("--profile", action="store_true", help="cProfile table of 50 decode steps")
+    p.add_argument("--ops", action="store_true",
+                   help="per-op times of the fused CPU layers: decode at --batches, and a 512-token prefill")
     p.add_argument("--prefill-chunk", action="store_true",
                    help="time a 512-token prefill chunk after cached prefixes of --prefixes tokens")
     p.add_argument("--prefixes", default="0,1024,2048,4096,6000")
@@ -594,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.llama_bench:
         peers = ggufs or [str(g) for g in PEER_GGUFS if g.is_file()]
         print(llama_bench_table(a.model, names, peers, a.threads, a.steps))
+        return 0
+    if a.ops:
+        print(ops_table(a.model, FORMATS[names[0]], batches, a.context, a.steps))
         return 0
     if a.profile:
         print(profile_table(a.model, FORMATS[names[0]], batches[0], a.context))

@@ -11,10 +11,12 @@
  * bfloat16 (kv_bf16 = 1), slot = block_table[i / block_size] * block_size + i % block_size.
  * `nt` is the number of OpenMP threads a kernel may use (torch's thread count).
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime (the per-op timers) under -std=c11 */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -497,6 +499,7 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
  * |15 * 127 * 2| stay below 2^15, so they add in int16 before one widening). */
 #define CS_Q4_TILE 8
 #define CS_Q4_NC 4 /* most independent int sums per activation row (one or two rows) */
+#define CS_Q4_MB 48 /* activation rows per cache block (a multiple of every CS_Q4_MR) */
 #define CS_Q4_REC(has_min) ((has_min) ? 160 : 144)
 
 #if CS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -509,9 +512,12 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
 #define CS_Q4_DOT 0
 #endif
 /* activation rows per register tile: each needs an int and a float accumulator (32 ymm
- * registers with AVX-512VL, 16 otherwise) */
+ * registers with AVX-512VL; 16 otherwise: 6 rows on AVX2, whose tile keeps the rest to
+ * 4 registers, 4 with AVX-VNNI) */
 #if CS_AVX2 && defined(__AVX512VL__)
 #define CS_Q4_MR 8
+#elif CS_AVX2 && !CS_Q4_DOT
+#define CS_Q4_MR 6
 #else
 #define CS_Q4_MR 4
 #endif
@@ -519,57 +525,110 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
 /* 2: VNNI byte products (AVX-512 VNNI or AVX-VNNI), 1: AVX2 maddubs, 0: portable C */
 CS_EXPORT int cs_q4_level(void) { return CS_Q4_DOT ? 2 : CS_AVX2 ? 1 : 0; }
 
-/* Row-wise int8 quantization of M rows of K floats (K a multiple of 32), see above:
+/* Row-wise int8 quantization of row m of x (K floats, K a multiple of 32), see above:
  * xq [M, K] int8, xd [M, K / 32] scales e, xs [M, K / 32] e * sum(a). */
-static void quantize_rows_q8(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
-                             int nt) {
+static void quantize_row_q8(const float *x, int64_t ldx, int64_t m, int64_t K, int8_t *xq, float *xd, float *xs) {
     const int64_t nb = K / 32;
-#pragma omp parallel for num_threads(nt) schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *src = x + m * ldx + b * 32;
-            int8_t *dst = xq + m * K + b * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[i]));
-            const float e = amax / 127.f, ie = e > 0.f ? 1.f / e : 0.f;
-            int sum = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *src = x + m * ldx + b * 32;
+        int8_t *dst = xq + m * K + b * 32;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[i]));
+        const float e = amax / 127.f, ie = e > 0.f ? 1.f / e : 0.f;
+        int sum = 0;
 #if CS_AVX2
-            __m256i v[4];
-            for (int i = 0; i < 4; i++) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i),
-                                                                               _mm256_set1_ps(ie)));
-            __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-            sum = _mm_cvtsi128_si32(s);
-            /* int32 -> int16 -> int8, then undo the lane interleaving of the packs */
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)dst, p);
+        __m256i v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i),
+                                                                           _mm256_set1_ps(ie)));
+        __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+        sum = _mm_cvtsi128_si32(s);
+        /* int32 -> int16 -> int8, then undo the lane interleaving of the packs */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)dst, p);
 #else
-            for (int i = 0; i < 32; i++) {
-                dst[i] = (int8_t)lrintf(src[i] * ie);
-                sum += dst[i];
-            }
-#endif
-            xd[m * nb + b] = e;
-            xs[m * nb + b] = e * (float)sum;
+        for (int i = 0; i < 32; i++) {
+            dst[i] = (int8_t)lrintf(src[i] * ie);
+            sum += dst[i];
         }
+#endif
+        xd[m * nb + b] = e;
+        xs[m * nb + b] = e * (float)sum;
     }
 }
 
-#if CS_AVX2
-/* MR activation rows x one tile of 8 weight rows: acc[i] lane j = sum over k of
- * w[j, k] x[i, k] (before the bias). MR and HAS_MIN are constants after inlining. */
+#if CS_AVX2 && !CS_Q4_DOT
+/* Keep v in a register at this point. Without it gcc regroups a row's int16 sums into a
+ * tree (integer adds reassociate), computes all 32 products of a record first and spills
+ * most of them to the stack: stores, not arithmetic, then bound the AVX2 tile. */
+#define CS_PIN(v) __asm__("" : "+x"(v))
+/* MR (up to 6) activation rows x one tile of 8 weight rows on AVX2: acc[i] lane j = sum
+ * over k of w[j, k] x[i, k] (before the bias). Registers: MR int16 sums, MR float sums,
+ * the codes' two nibble vectors, the nibble mask and one broadcast activation word. The
+ * integer sums are exact (their order does not matter) and the float steps are those of
+ * every other build, so the results are bit-identical to them. MR and HAS_MIN are
+ * constants after inlining. */
+static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, const float *xd, const float *xs,
+                                                          int64_t K, const int MR, const uint8_t *w,
+                                                          const int HAS_MIN, __m256 out[CS_Q4_MR]) {
+    const int64_t nb = K / 32, rec = CS_Q4_REC(HAS_MIN);
+    const int NC = MR == 1 ? 4 : MR == 2 ? 2 : 1; /* independent int sums per row */
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[CS_Q4_MR];
+    for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * rec;
+        _mm_prefetch((const char *)(wb + 8 * rec), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 8 * rec + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 8 * rec + 128), _MM_HINT_T0);
+        __m256i s[CS_Q4_MR][CS_Q4_NC];
+        for (int p = 0; p < 4; p++) {
+            const __m256i r = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
+            __m256i lo = _mm256_and_si256(r, low4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
+            CS_PIN(lo);
+            CS_PIN(hi);
+            for (int i = 0; i < MR; i++) {
+                const int8_t *a = xq + i * K + b * 32 + 4 * p;
+                int32_t a0, a1;
+                memcpy(&a0, a, 4);
+                memcpy(&a1, a + 16, 4);
+                const int c0 = (2 * p) % NC, c1 = (2 * p + 1) % NC;
+                /* |15 * 127 * 2| per pair, 8 pairs a group: below 2^15 */
+                const __m256i t0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0));
+                s[i][c0] = 2 * p < NC ? t0 : _mm256_add_epi16(s[i][c0], t0);
+                CS_PIN(s[i][c0]);
+                const __m256i t1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1));
+                s[i][c1] = 2 * p + 1 < NC ? t1 : _mm256_add_epi16(s[i][c1], t1);
+                CS_PIN(s[i][c1]);
+            }
+        }
+        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 128)));
+        const __m256 mw = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 144)))
+                                  : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+        for (int i = 0; i < MR; i++) {
+            __m256i si = _mm256_madd_epi16(s[i][0], ones);
+            for (int c = 1; c < NC; c++) si = _mm256_add_epi32(si, _mm256_madd_epi16(s[i][c], ones));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])),
+                                     acc[i]);
+            acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MR; i++) out[i] = acc[i];
+}
+#elif CS_AVX2
+/* The VNNI builds' tile (AVX-512 VNNI or AVX-VNNI): MR activation rows x one tile of 8
+ * weight rows, vpdpbusd accumulating in int32: acc[i] lane j = sum over k of w[j, k] x[i, k]
+ * (before the bias). MR and HAS_MIN are constants after inlining. */
 static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, const float *xd, const float *xs,
                                                           int64_t K, const int MR, const uint8_t *w,
                                                           const int HAS_MIN, __m256 acc[CS_Q4_MR]) {
     const int64_t nb = K / 32, rec = CS_Q4_REC(HAS_MIN);
     const int NC = MR == 1 ? 4 : MR == 2 ? 2 : 1; /* independent int sums per row */
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-#if !CS_Q4_DOT
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * rec;
@@ -593,23 +652,13 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
                 memcpy(&a0, a, 4);
                 memcpy(&a1, a + 16, 4);
                 const int c0 = (2 * p) % NC, c1 = (2 * p + 1) % NC;
-#if CS_Q4_DOT
                 s[i][c0] = CS_DPBUSD(s[i][c0], lo, _mm256_set1_epi32(a0));
                 s[i][c1] = CS_DPBUSD(s[i][c1], hi, _mm256_set1_epi32(a1));
-#else
-                s[i][c0] = _mm256_add_epi16(s[i][c0], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)));
-                s[i][c1] = _mm256_add_epi16(s[i][c1], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
-#endif
             }
         }
         for (int i = 0; i < MR; i++) {
-#if CS_Q4_DOT
             __m256i si = s[i][0];
             for (int c = 1; c < NC; c++) si = _mm256_add_epi32(si, s[i][c]);
-#else
-            __m256i si = _mm256_madd_epi16(s[i][0], ones); /* each chain's int16 sums stay below 2^15 */
-            for (int c = 1; c < NC; c++) si = _mm256_add_epi32(si, _mm256_madd_epi16(s[i][c], ones));
-#endif
             /* the same float steps whatever MR: a row's result does not depend on its group */
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])),
                                      acc[i]);
@@ -618,6 +667,9 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
     }
 }
 
+#endif
+
+#if CS_AVX2
 static void q4_rows(const int8_t *xq, const float *xd, const float *xs, int64_t K, int64_t mm, const uint8_t *w,
                     int has_min, __m256 acc[CS_Q4_MR]) {
 #define CS_Q4_CASE(R)                                                 \
@@ -629,9 +681,11 @@ static void q4_rows(const int8_t *xq, const float *xd, const float *xs, int64_t 
         CS_Q4_CASE(1)
         CS_Q4_CASE(2)
         CS_Q4_CASE(3)
-#if CS_Q4_MR == 8
+#if CS_Q4_MR >= 6
         CS_Q4_CASE(4)
         CS_Q4_CASE(5)
+#endif
+#if CS_Q4_MR == 8
         CS_Q4_CASE(6)
         CS_Q4_CASE(7)
 #endif
@@ -713,49 +767,63 @@ static inline __attribute__((always_inline)) void tile_q4x16(const int8_t *xq, c
 /* y[m, n] = sum_k w[n, k] x[m, k] (+ bias[n]) over a 4-bit weight packed by cs_pack_q4x8
  * (has_min: with offsets), x quantized first to int8 blocks into the caller's scratch xq
  * [M, K] int8, xd and xs [M, K / 32] float32. K a multiple of 32; M rows of x ldx floats
- * apart, of y ldy apart. Each thread takes whole tiles of 8 output rows and runs every
- * activation row through them CS_Q4_MR at a time, so each weight record is loaded and
- * unpacked once per CS_Q4_MR rows (a tile of K = 1536 is 7 KB: it stays in L1 while the
- * rows go by). Every row is computed alone: its result does not depend on M. */
+ * apart, of y ldy apart. Each thread takes whole tiles of 8 output rows and runs the
+ * activation rows through them CS_Q4_MR at a time, so each weight record is loaded and
+ * unpacked once per CS_Q4_MR rows (a tile of K = 1536 is 7.5 KB: it stays in L1 while the
+ * rows go by), one block of CS_Q4_MB rows after another (a block's int8 rows, at most 72 KB,
+ * stay in L2 while the thread's tiles go by). Every row is computed alone: its result does
+ * not depend on M. */
 CS_EXPORT void cs_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *packed, int has_min,
                             const float *bias, int64_t N, float *y, int64_t ldy, int8_t *xq, float *xd, float *xs,
                             int nt) {
-    quantize_rows_q8(x, ldx, M, K, xq, xd, xs, nt);
     const int64_t nb = K / 32, ntiles = (N + CS_Q4_TILE - 1) / CS_Q4_TILE, rec = CS_Q4_REC(has_min);
 #if CS_AVX2
     /* work items: pairs of tiles (the AVX-512 path runs both at once on full row groups) */
     const int64_t npairs = (ntiles + 1) / 2;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t pair = 0; pair < npairs; pair++) {
-        const int64_t t0 = 2 * pair, t1 = t0 + 1 < ntiles ? t0 + 1 : t0;
-        for (int64_t m0 = 0; m0 < M; m0 += CS_Q4_MR) {
-            const int64_t mm = (M - m0) < CS_Q4_MR ? (M - m0) : CS_Q4_MR;
+    /* One parallel region: the rows are quantized, then (after the barrier) each thread
+     * runs its tiles over blocks of CS_Q4_MB rows, the block's int8 rows staying in L1/L2
+     * while the thread's tiles go by (the same static split for every block). */
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row_q8(x, ldx, m, K, xq, xd, xs);
+        for (int64_t mb = 0; mb < M; mb += CS_Q4_MB) {
+            const int64_t me = (M - mb) < CS_Q4_MB ? M : mb + CS_Q4_MB;
+#pragma omp for schedule(static) nowait
+            for (int64_t pair = 0; pair < npairs; pair++) {
+                const int64_t t0 = 2 * pair, t1 = t0 + 1 < ntiles ? t0 + 1 : t0;
+                for (int64_t m0 = mb; m0 < me; m0 += CS_Q4_MR) {
+                    const int64_t mm = (me - m0) < CS_Q4_MR ? (me - m0) : CS_Q4_MR;
 #if CS_Q4_ZMM
-            if (mm == CS_Q4_MR && t1 != t0) {
-                __m512 acc[8];
-                const uint8_t *w0 = packed + t0 * nb * rec, *w1 = packed + t1 * nb * rec;
-                if (has_min) tile_q4x16(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, w0, w1, 1, acc);
-                else tile_q4x16(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, w0, w1, 0, acc);
-                const int64_t n0 = t0 * CS_Q4_TILE, n1 = t1 * CS_Q4_TILE;
-                const int64_t nn1 = (N - n1) < CS_Q4_TILE ? (N - n1) : CS_Q4_TILE;
-                for (int64_t i = 0; i < mm; i++) {
-                    float *yr = y + (m0 + i) * ldy;
-                    q4_store8(yr + n0, _mm512_castps512_ps256(acc[i]), bias, n0, CS_Q4_TILE);
-                    q4_store8(yr + n1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)), bias,
-                              n1, nn1);
-                }
-                continue;
-            }
+                    if (mm == CS_Q4_MR && t1 != t0) {
+                        __m512 acc[8];
+                        const uint8_t *w0 = packed + t0 * nb * rec, *w1 = packed + t1 * nb * rec;
+                        if (has_min) tile_q4x16(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, w0, w1, 1, acc);
+                        else tile_q4x16(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, w0, w1, 0, acc);
+                        const int64_t n0 = t0 * CS_Q4_TILE, n1 = t1 * CS_Q4_TILE;
+                        const int64_t nn1 = (N - n1) < CS_Q4_TILE ? (N - n1) : CS_Q4_TILE;
+                        for (int64_t i = 0; i < mm; i++) {
+                            float *yr = y + (m0 + i) * ldy;
+                            q4_store8(yr + n0, _mm512_castps512_ps256(acc[i]), bias, n0, CS_Q4_TILE);
+                            q4_store8(yr + n1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)),
+                                      bias, n1, nn1);
+                        }
+                        continue;
+                    }
 #endif
-            for (int64_t tile = t0; tile <= t1; tile++) {
-                const int64_t n0 = tile * CS_Q4_TILE, nn = (N - n0) < CS_Q4_TILE ? (N - n0) : CS_Q4_TILE;
-                __m256 acc[CS_Q4_MR];
-                q4_rows(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, mm, packed + tile * nb * rec, has_min, acc);
-                for (int64_t i = 0; i < mm; i++) q4_store8(y + (m0 + i) * ldy + n0, acc[i], bias, n0, nn);
+                    for (int64_t tile = t0; tile <= t1; tile++) {
+                        const int64_t n0 = tile * CS_Q4_TILE, nn = (N - n0) < CS_Q4_TILE ? (N - n0) : CS_Q4_TILE;
+                        __m256 acc[CS_Q4_MR];
+                        q4_rows(xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, mm, packed + tile * nb * rec, has_min,
+                                acc);
+                        for (int64_t i = 0; i < mm; i++) q4_store8(y + (m0 + i) * ldy + n0, acc[i], bias, n0, nn);
+                    }
+                }
             }
         }
     }
 #else
+    for (int64_t m = 0; m < M; m++) quantize_row_q8(x, ldx, m, K, xq, xd, xs);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t tile = 0; tile < ntiles; tile++) {
         const int64_t n0 = tile * CS_Q4_TILE, nn = (N - n0) < CS_Q4_TILE ? (N - n0) : CS_Q4_TILE;
@@ -1373,6 +1441,35 @@ static void layer_linear(const cs_layer *L, const cs_step *S, const float *x, in
                      S->nt);
 }
 
+/* Per-op wall time of cs_decoder_layer, for bench/decode_step.py --ops: off unless
+ * cs_op_times_enable(1); then each op's nanoseconds add up in cs_op_ns (the order of
+ * CS_OP_NAMES in engine/cpu/ops.py) until cs_op_times_enable(0) reads and clears them.
+ * Not thread-safe: one engine step at a time, as the engine runs them. */
+#define CS_NOPS 9
+static int cs_op_on = 0;
+static int64_t cs_op_ns[CS_NOPS];
+static inline int64_t cs_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+/* Turn the counters on (1) or off (0); copies the totals so far into out[CS_NOPS] (if not
+ * NULL) and clears them. Returns CS_NOPS. */
+CS_EXPORT int cs_op_times_enable(int on, int64_t *out) {
+    if (out) memcpy(out, cs_op_ns, sizeof(cs_op_ns));
+    memset(cs_op_ns, 0, sizeof(cs_op_ns));
+    cs_op_on = on;
+    return CS_NOPS;
+}
+#define CS_TICK(i)                                       \
+    do {                                                 \
+        if (cs_op_on) {                                  \
+            const int64_t t_ = cs_now_ns();              \
+            cs_op_ns[(i)] += t_ - t_prev;                \
+            t_prev = t_;                                 \
+        }                                                \
+    } while (0)
+
 /* One decoder layer, the same equations as engine/models/llama.py's DecoderLayer:
  *   residual += x;  n = RMSNorm(residual)
  *   q, k, v = RoPE(W_qkv n)            (K and V stored in the cache)
@@ -1382,6 +1479,7 @@ static void layer_linear(const cs_layer *L, const cs_step *S, const float *x, in
 CS_EXPORT int cs_decoder_layer(const cs_layer *L, cs_step *S) {
     const int64_t T = S->T, hid = L->hidden, qd = L->heads * L->head_dim, kvd = L->kv_heads * L->head_dim;
     const int64_t qkv_n = qd + 2 * kvd;
+    int64_t t_prev = cs_op_on ? cs_now_ns() : 0;
     if (S->first) {
         memcpy(S->residual, S->x, (size_t)(T * hid) * 4);
         cs_add_rms_norm(S->residual, NULL, L->attn_norm, L->eps, T, hid, S->normed, S->nt);
@@ -1389,17 +1487,26 @@ CS_EXPORT int cs_decoder_layer(const cs_layer *L, cs_step *S) {
     } else {
         cs_add_rms_norm(S->residual, S->x, L->attn_norm, L->eps, T, hid, S->normed, S->nt);
     }
+    CS_TICK(0);
     layer_linear(L, S, S->normed, hid, L->qkv_w, L->qkv_s, L->qkv_b, qkv_n, S->qkv);
+    CS_TICK(1);
     cs_rope(S->qkv, qkv_n, T, L->heads + L->kv_heads, L->head_dim, S->rope, S->positions, S->nt);
+    CS_TICK(2);
     int rc = cs_paged_attention(S->qkv, qkv_n, S->qkv + qd, qkv_n, S->qkv + qd + kvd, qkv_n, S->slots, T,
                                 L->k_cache, L->v_cache, S->kv_bf16, S->block_tables, S->max_blocks, S->seq_lens,
                                 S->query_start, S->B, L->heads, L->kv_heads, L->head_dim, S->block_size, L->scale,
                                 S->attn, S->nt);
     if (rc != 0) return rc;
+    CS_TICK(3);
     layer_linear(L, S, S->attn, qd, L->o_w, L->o_s, NULL, hid, S->x);
+    CS_TICK(4);
     cs_add_rms_norm(S->residual, S->x, L->mlp_norm, L->eps, T, hid, S->normed, S->nt);
+    CS_TICK(5);
     layer_linear(L, S, S->normed, hid, L->gate_up_w, L->gate_up_s, NULL, 2 * L->inter, S->gate_up);
+    CS_TICK(6);
     cs_silu_mul(S->gate_up, T, L->inter, S->act, S->nt);
+    CS_TICK(7);
     layer_linear(L, S, S->act, L->inter, L->down_w, L->down_s, NULL, hid, S->x);
+    CS_TICK(8);
     return 0;
 }
