@@ -1132,6 +1132,18 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
             const int64_t slot = (int64_t)table[pos / bs] * bs + off;
             for (int64_t i = 0; i < run; i++, j++) slots[j] = slot + i;
         }
+        /* The next block's keys and values are fetched while this one is computed: a decode
+         * step's cache rows come from memory (the weights streamed through the caches since
+         * the last step), and the block's pages are too short and scattered for the
+         * hardware prefetchers. */
+        for (int64_t pos = j0 + CS_KEYS; pos < kend && pos < j0 + 2 * CS_KEYS; pos++) {
+            const int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;
+            const char *kr = kv_row(a->k_cache, slot, g, a), *vr = kv_row(a->v_cache, slot, g, a);
+            for (int64_t o = 0; o < D * (a->kv_bf16 ? 2 : 4); o += 64) {
+                __builtin_prefetch(kr + o, 0, 3);
+                __builtin_prefetch(vr + o, 0, 3);
+            }
+        }
         load_kv_block(a, g, slots, n, kT, vf);
         /* rows of tokens that see none of these keys come first (rows go by token) */
         int64_t r0 = 0;
