@@ -38,6 +38,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from gateway.api.auth import COOKIE_NAME
+from gateway.api.state import GatewayState
 from gateway.config import GatewayConfig
 from gateway.server.app import new_secret
 from gateway.server.extensions import create_app_with_extras
@@ -150,8 +151,9 @@ def smollm2_engine_url() -> Iterator[str]:
 class RunningGateway:
     """A gateway serving on ``base_url`` (HTTP) and ``ws_url`` (WebSocket).
 
-    ``app.state`` holds its parts (``store``, ``streams``, ``router``, ``generations``,
-    ``ws_stats``); ``run(coro)`` runs a coroutine on the gateway's own event loop.
+    ``state`` holds its running parts (a ``GatewayState``: ``store``, ``streams``,
+    ``router``, ``generations``, ``ws_stats``, ...); ``run(coro)`` runs a coroutine on the
+    gateway's own event loop.
     """
 
     config: GatewayConfig
@@ -170,8 +172,13 @@ class RunningGateway:
 
     @property
     def app(self) -> Any:
-        """The Starlette app (its ``state`` holds the gateway's parts)."""
+        """The Starlette app."""
         return self.server.app
+
+    @property
+    def state(self) -> GatewayState:
+        """The gateway's running parts (its lifespan state)."""
+        return self.server.gateway
 
     @property
     def origin(self) -> str:
@@ -235,7 +242,7 @@ def gateway_factory(request: pytest.FixtureRequest, redis_url: str, key_prefix: 
         gw = RunningGateway(config, server, f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/ws")
         running.append(gw)
         deadline = time.monotonic() + 60
-        while wait_for_engine and urls and not gw.app.state.router.healthy and time.monotonic() < deadline:
+        while wait_for_engine and urls and not gw.state.router.healthy and time.monotonic() < deadline:
             time.sleep(0.05)  # wait for the engine connection so a first chat is not refused
         return gw
 

@@ -125,7 +125,7 @@ async def stored(gw: Any, cookie: str, sid: str) -> dict:
 
 def token_messages(gw: Any, owner: str, sid: str) -> list[dict]:
     """The stored messages with their token segments, read on the gateway's own loop."""
-    return gw.run(gw.app.state.store.messages(owner, sid, with_tokens=True))
+    return gw.run(gw.state.store.messages(owner, sid, with_tokens=True))
 
 
 def uid_of(gw: Any, cookie: str) -> str:

@@ -27,9 +27,10 @@ from bench.serving_lib.tap import EngineTap
 
 def tap_routes(tap: EngineTap) -> list[Route]:
     """The two ``/_bench/tap`` routes (see module doc)."""
+    from gateway.api.state import gateway_state
 
     async def install(request: Request) -> JSONResponse:
-        return JSONResponse({"installed": tap.install(request.app.state.router)})
+        return JSONResponse({"installed": tap.install(gateway_state(request).router)})
 
     async def read(request: Request) -> JSONResponse:
         return JSONResponse(tap.snapshot())

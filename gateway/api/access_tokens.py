@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.auth import header
+from gateway.api.state import gateway_state
 from gateway.errors import GatewayError
 from gateway.store.keys import Keys
 from gateway.store.sessions import dumps, redis_errors
@@ -207,7 +208,7 @@ class TokenAuthMiddleware:
     to ``"token"`` (``UserCookieMiddleware``, inside this one, then leaves the request
     alone: no cookie is created for it). Requests without a token pass through. A bad
     token answers 401 (HTTP and WebSocket handshakes alike), Redis down 503.
-    The store is ``app.state.tokens`` (set by the app's lifespan).
+    The store is the lifespan state's ``GatewayState.tokens``.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -221,11 +222,8 @@ class TokenAuthMiddleware:
         if token is None:
             await self.app(scope, receive, send)
             return
-        store: TokenStore | None = scope["app"].state.tokens  # None until the lifespan ran
         try:
-            if store is None:
-                raise GatewayError("store_unavailable", "starting up")
-            uid, info = await store.resolve(token)
+            uid, info = await gateway_state(scope).tokens.resolve(token)
         except InvalidToken:
             await _refuse(scope, send, 401, INVALID_TOKEN_BODY, [WWW_AUTHENTICATE])
             return

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api.http import api
+from gateway.api.state import gateway_state
 from gateway.attachments import ATTACHMENT_LIMITS, estimate_tokens, extract, prompt_content
 from gateway.errors import GatewayError
 
@@ -74,7 +75,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 @api
 async def upload_attachment(request: Request) -> Response:
     """POST /api/attachments?name=FILE: the file's text and token count (nothing stored)."""
-    state = request.app.state
+    state = gateway_state(request)
     name = request.query_params.get("name", "")
     if not name:
         raise GatewayError("invalid_request", "name the file: ?name=report.pdf")

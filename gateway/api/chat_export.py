@@ -32,10 +32,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api.http import PUBLIC_MESSAGE_FIELDS, _sid, _uid, api
+from gateway.api.state import gateway_state
 from gateway.chat_import import EXPORT_FORMAT, read_upload
 from gateway.errors import GatewayError
 from gateway.reasoning import DEFAULT_MARKERS, ThinkMarkers, split_reasoning, thought_for
-from gateway.store.imports import ChatTransfer
 from gateway.store.sessions import SessionInfo, redis_errors
 
 SEARCH_LIMIT = 50
@@ -133,12 +133,6 @@ def chat_markdown(info: SessionInfo, messages: list[dict[str, Any]], versions: V
     return "\n".join(lines).rstrip() + "\n"
 
 
-def chat_transfer(state: Any) -> ChatTransfer:
-    """The app's ``ChatTransfer`` (``app.state.chat_transfer``, made by the app's lifespan)."""
-    transfer: ChatTransfer = state.chat_transfer
-    return transfer
-
-
 def _filename(info: SessionInfo, ext: str) -> str:
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", info.title or "chat").strip("-.")[:60] or "chat"
     return f"{base}.{ext}"
@@ -147,11 +141,11 @@ def _filename(info: SessionInfo, ext: str) -> str:
 @api
 async def export_session(request: Request) -> Response:
     """GET /api/sessions/{id}/export?format=md|json: the chat as a download."""
-    state, uid, sid = request.app.state, _uid(request), _sid(request)
+    state, uid, sid = gateway_state(request), _uid(request), _sid(request)
     fmt = request.query_params.get("format", "md")
     if fmt not in ("md", "json"):
         raise GatewayError("invalid_request", "format must be md or json")
-    info, messages, versions = await chat_transfer(state).whole_chat(uid, sid)
+    info, messages, versions = await state.chat_transfer.whole_chat(uid, sid)
     if fmt == "json":
         body = json.dumps(chat_json(info, messages, versions), ensure_ascii=False, indent=2).encode("utf-8", "replace")
         media = "application/json"
@@ -170,11 +164,11 @@ MAX_IMPORT_BYTES = 64 << 20  # an upload to POST /api/import (a ChatGPT zip of y
 @api
 async def export_all(request: Request) -> Response:
     """GET /api/export?format=json|md: every chat of the user, with every version."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     fmt = request.query_params.get("format", "json")
     if fmt not in ("md", "json"):
         raise GatewayError("invalid_request", "format must be md or json")
-    transfer = chat_transfer(state)
+    transfer = state.chat_transfer
     chats = []
     for info in await state.store.list_sessions(uid):
         try:
@@ -200,7 +194,7 @@ async def export_all(request: Request) -> Response:
 async def import_chats(request: Request) -> Response:
     """POST /api/import: store the chats of an export file; a chat already imported (or,
     for our own export, still held by this user) is skipped."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > MAX_IMPORT_BYTES:
         raise GatewayError("frame_too_large", f"the file is over the {MAX_IMPORT_BYTES >> 20} MiB import limit")
@@ -210,7 +204,7 @@ async def import_chats(request: Request) -> Response:
         if len(data) > MAX_IMPORT_BYTES:
             raise GatewayError("frame_too_large", f"the file is over the {MAX_IMPORT_BYTES >> 20} MiB import limit")
     chats = await asyncio.to_thread(read_upload, bytes(data), 4 * MAX_IMPORT_BYTES)
-    transfer = chat_transfer(state)
+    transfer = state.chat_transfer
     imported: list[dict[str, str]] = []
     skipped = 0
     stopped: dict[str, str] | None = None
@@ -279,7 +273,7 @@ def match_chats(query: str, chats: list[tuple[SessionInfo, list[str]]],
 @api
 async def search(request: Request) -> Response:
     """GET /api/search?q=: the user's chats whose title or messages contain ``q``."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     query = request.query_params.get("q", "").strip()
     if not query or len(query) > MAX_QUERY_CHARS:
         raise GatewayError("invalid_request", f"q must be 1-{MAX_QUERY_CHARS} characters")

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from gateway.api.auth import request_user
 from gateway.api.socket_frames import MAX_MODEL_CHARS, is_valid_id
+from gateway.api.state import GatewayState, gateway_state
 from gateway.api.validation import BadJson, check_text, loads_json, printable, sampling_ranges
 from gateway.attachments import ATTACHMENT_LIMITS
 from gateway.config import GatewayConfig
@@ -142,13 +143,14 @@ def config_body(config: GatewayConfig, router: EngineRouter) -> dict[str, Any]:
 @api
 async def get_config(request: Request) -> Response:
     """GET /api/config."""
-    return JSONResponse(config_body(request.app.state.config, request.app.state.router))
+    state = gateway_state(request)
+    return JSONResponse(config_body(state.config, state.router))
 
 
 @api
 async def list_sessions(request: Request) -> Response:
     """GET /api/sessions: the user's chats, newest first."""
-    rows = await request.app.state.store.list_sessions(_uid(request))
+    rows = await gateway_state(request).store.list_sessions(_uid(request))
     return JSONResponse({"sessions": [{"id": s.id, "title": s.title, "created_at": s.created_at,
                                        "updated_at": s.updated_at} for s in rows]})
 
@@ -156,7 +158,7 @@ async def list_sessions(request: Request) -> Response:
 @api
 async def create_session(request: Request) -> Response:
     """POST /api/sessions -> 201 and the new chat."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     fields = _session_fields(await _json_body(request, state.config), state.config)
     _check_model(state, fields.get("model"))
     # what the request leaves out comes from the user's defaults for new chats (gateway.store.user_defaults)
@@ -167,7 +169,7 @@ async def create_session(request: Request) -> Response:
     return JSONResponse({**info.public(), "messages": [], "active": None}, status_code=201)
 
 
-def _check_model(state: Any, model: str | None) -> None:
+def _check_model(state: GatewayState, model: str | None) -> None:
     """Raises ``model_not_found`` for a model name no engine serves (None or "": none)."""
     if model:
         state.generations.check_model(model)
@@ -179,7 +181,7 @@ PUBLIC_MESSAGE_FIELDS = ("id", "role", "content", "attachments", "status", "fini
 
 
 async def _session_detail(request: Request, sid: str) -> dict[str, Any]:
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     info = await state.store.get_session(uid, sid)
     stored = await state.store.messages(uid, sid)
     active = None
@@ -201,7 +203,7 @@ async def get_session(request: Request) -> Response:
 @api
 async def patch_session(request: Request) -> Response:
     """PATCH /api/sessions/{id}: change title, system prompt or params."""
-    state, sid = request.app.state, _sid(request)
+    state, sid = gateway_state(request), _sid(request)
     fields = _session_fields(await _json_body(request, state.config), state.config)
     _check_model(state, fields.get("model"))
     await state.store.update_session(_uid(request), sid, **fields)
@@ -213,7 +215,7 @@ async def switch_version(request: Request) -> Response:
     """POST /api/sessions/{id}/versions ``{"message_id", "index"}``: show version
     ``index`` (0-based) of the chat from that user message on (the shown branch is kept);
     answers the chat as GET does."""
-    state, sid = request.app.state, _sid(request)
+    state, sid = gateway_state(request), _sid(request)
     body = await _json_body(request, state.config)
     mid, index = body.get("message_id"), body.get("index")
     if not is_valid_id(mid) or not isinstance(index, int) or isinstance(index, bool) or index < 0:
@@ -225,7 +227,7 @@ async def switch_version(request: Request) -> Response:
 @api
 async def delete_session(request: Request) -> Response:
     """DELETE /api/sessions/{id} -> 204; a reply in progress is stopped."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     active = await state.store.delete_session(uid, _sid(request))
     if active:
         try:
@@ -237,9 +239,11 @@ async def delete_session(request: Request) -> Response:
 
 def _is_operator(request: Request) -> bool:
     """True when the request carries the configured API key (``Authorization: Bearer``)."""
-    key = request.app.state.config.api_key
+    key = gateway_state(request).config.api_key
+    if not key:
+        return False
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return bool(key) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 @api
@@ -249,7 +253,7 @@ async def engine_stats(request: Request) -> Response:
     checks that a cancel frees blocks); its ``url`` only with the API key."""
     out = []
     operator = _is_operator(request)
-    for i, c in enumerate(request.app.state.router.clients):
+    for i, c in enumerate(gateway_state(request).router.clients):
         entry: dict[str, Any] = {"name": f"engine-{i + 1}", "healthy": c.healthy, "stats": None}
         if operator:  # internal addresses only for whoever holds the API key
             entry["url"] = c.url

@@ -85,6 +85,7 @@ from gateway.api.responses_api import ResponsesWriter, new_response_id, parse_re
 from gateway.api.revocation import Revocations
 from gateway.api.socket_frames import is_valid_id
 from gateway.api.sse import SSE_HEADERS, SSEResponse, json_bytes
+from gateway.api.state import gateway_state
 from gateway.api.tokenize_api import detokenize_body, parse_tokenize, served_tokenizer, tokenize_body
 from gateway.api.validation import BadJson, loads_json
 from gateway.config import BIG_FRAME_CHARS, GatewayConfig
@@ -141,6 +142,12 @@ def resolve_model(router: EngineRouter, requested: str | None, aliases: tuple[st
                           f"{', '.join(sorted(served)) or 'no model yet'}", "invalid_request_error", "model",
                           "model_not_found")
     return requested
+
+
+def requested_model(request: Request, requested: str | None) -> str | None:
+    """``resolve_model`` with the running gateway's router and model aliases (same errors)."""
+    state = gateway_state(request)
+    return resolve_model(state.router, requested, state.config.model_aliases)
 
 
 class Writer(Protocol):
@@ -228,7 +235,7 @@ class OpenAIApi:
         state = request.scope.get("state", {})
         token_uid = request_user(request.scope) if state.get("auth") == "token" else None
         if self.api_key is not None:
-            secret, ids = self._secret_ids(request.app.state.config)
+            secret, ids = self._secret_ids(gateway_state(request).config)
             if token_uid is not None:  # a personal token names the user; the key only admits
                 key_uid = key_user_id(secret, self.api_key)
                 return [token_uid] + ([key_uid] if key_uid != token_uid else [])
@@ -252,7 +259,7 @@ class OpenAIApi:
             return owners[0], None
         for uid in owners:
             try:
-                return uid, await request.app.state.store.get_session(uid, sid)
+                return uid, await gateway_state(request).store.get_session(uid, sid)
             except GatewayError as e:
                 if e.code != "not_found":
                     raise
@@ -267,7 +274,7 @@ class OpenAIApi:
         except OpenAIError as e:
             return error_response(e)
         seen: dict[str, Any] = {}
-        for c in request.app.state.router.clients:
+        for c in gateway_state(request).router.clients:
             if c.info is not None and c.info.model not in seen:
                 seen[c.info.model] = {"id": c.info.model, "object": "model", "created": self.created,
                                       "owned_by": "chatserve", "max_model_len": c.info.max_model_len,
@@ -289,7 +296,7 @@ class OpenAIApi:
         out = [{"id": i, "model": c.info.model if c.info else None,
                 "n_ctx": c.info.max_model_len if c.info else 0, "healthy": c.healthy,
                 "is_processing": c.in_flight > 0, "n_processing": c.in_flight}
-               for i, c in enumerate(request.app.state.router.clients)]
+               for i, c in enumerate(gateway_state(request).router.clients)]
         return json_response(out)
 
     # ---- POST /v1/chat/completions --------------------------------------------------------
@@ -302,7 +309,7 @@ class OpenAIApi:
             src = choices.first
             extra = {"session_id": src.session_id} if isinstance(src, SessionReply) else {}
             headers = {"x-chat-session": src.session_id} if isinstance(src, SessionReply) else {}
-            markers = request.app.state.config.think_markers  # reasoning_content
+            markers = gateway_state(request).config.think_markers  # reasoning_content
             return (choices, ChatWriter(creq, _completion_id(src), src.model_name, extra, markers), creq.stream,
                     headers)
         return await self.serve(request, start)
@@ -313,7 +320,7 @@ class OpenAIApi:
         ``count_tokens`` (the engine renders the chat, tools included, as for its reply)."""
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             creq = parse_chat_request(await self._read_json(request))
-            model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
+            model = requested_model(request, creq.model)
             params = {k: v for k, v in creq.params.items() if k not in ("logprobs", "max_tokens")}
             choices = await self.start_engine_choices(request, creq.messages, {**params, "max_tokens": 1}, 1, model,
                                                       extra=creq.extra)
@@ -336,7 +343,7 @@ class OpenAIApi:
             body = await self._read_json(request)
             tokenize = None
             if needs_tokenizer(body):
-                tok = await served_tokenizer(request.app.state)
+                tok = await served_tokenizer(gateway_state(request))
                 tokenize = partial(tok.encode, add_special_tokens=False)
             creq, return_tokens = parse_llama_completion(body, tokenize)
             choices = await self._start_prompts(request, creq)
@@ -345,7 +352,7 @@ class OpenAIApi:
 
     async def _start_prompts(self, request: Request, creq: CompletionRequest) -> ChoiceSet:
         """Start ``creq.n`` choices of each raw prompt (all aborted if one cannot start)."""
-        model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
+        model = requested_model(request, creq.model)
         sources: list[ReplySource] = []
         try:
             for p in creq.prompts:
@@ -367,7 +374,7 @@ class OpenAIApi:
         try:
             self.authorize(request)
             treq = parse_tokenize(await self._read_json(request))
-            return json_response(await tokenize_body(request.app.state, treq))
+            return json_response(await tokenize_body(gateway_state(request), treq))
         except OpenAIError as e:
             return error_response(e)
 
@@ -375,7 +382,7 @@ class OpenAIApi:
         """``POST /detokenize``: the text of token ids (``gateway/api/tokenize_api.py``)."""
         try:
             self.authorize(request)
-            return json_response(await detokenize_body(request.app.state, await self._read_json(request)))
+            return json_response(await detokenize_body(gateway_state(request), await self._read_json(request)))
         except OpenAIError as e:
             return error_response(e)
 
@@ -386,7 +393,7 @@ class OpenAIApi:
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             mreq = parse_messages_request(await self._read_json(request))
             choices = await self.start_engine_choices(request, mreq.messages, mreq.params, 1,
-                                                      resolve_any_model(request.app.state.router, mreq.model),
+                                                      resolve_any_model(gateway_state(request).router, mreq.model),
                                                       extra=mreq.extra)
             return choices, MessagesWriter(new_message_id(), choices.model_name), mreq.stream, {}
         return await self.serve(request, start, anthropic_error_response)
@@ -396,7 +403,7 @@ class OpenAIApi:
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             mreq = parse_messages_request(await self._read_json(request), count_only=True)
             choices = await self.start_engine_choices(request, mreq.messages, {**mreq.params, "max_tokens": 1}, 1,
-                                                      resolve_any_model(request.app.state.router, mreq.model),
+                                                      resolve_any_model(gateway_state(request).router, mreq.model),
                                                       extra=mreq.extra)
             return choices, CountWriter("", choices.model_name), False, {}
         return await self.serve(request, start, anthropic_error_response)
@@ -406,8 +413,7 @@ class OpenAIApi:
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
             rreq = parse_responses_request(await self._read_json(request))
             choices = await self.start_engine_choices(request, rreq.messages, rreq.params, 1,
-                                                      resolve_model(request.app.state.router, rreq.model,
-                                                                    request.app.state.config.model_aliases),
+                                                      requested_model(request, rreq.model),
                                                       extra=rreq.extra, progress=rreq.progress)
             return choices, ResponsesWriter(rreq, new_response_id(), choices.model_name), rreq.stream, {}
         return await self.serve(request, start)
@@ -468,7 +474,7 @@ class OpenAIApi:
         state = request.scope.get("state", {})
         token = state.get("token") if state.get("auth") == "token" else None
         uid = request_user(request.scope) or ""
-        revocations: Revocations = request.app.state.revocations
+        revocations: Revocations = gateway_state(request).revocations
         close = watcher.revoke if isinstance(watcher, DisconnectWatcher) else watcher
         return revocations.hold(uid, close, token.id if token else None, token.digest if token else None)
 
@@ -482,7 +488,7 @@ class OpenAIApi:
 
     def _resumable_streams(self, request: Request) -> ResumableStreams:
         if self._resumable is None:
-            state = request.app.state
+            state = gateway_state(request)
             self._resumable = ResumableStreams(state.streams, state.config.cancel_grace_s)
         return self._resumable
 
@@ -566,7 +572,7 @@ class OpenAIApi:
             if not raw.isdigit():
                 raise bad("'from' must be a byte offset (a non-negative integer)", "from")
             resumable = self._resumable_streams(request)
-            if await request.app.state.streams.head(rid) is None:
+            if await gateway_state(request).streams.head(rid) is None:
                 raise OpenAIError(404, "no stream for this conversation", "invalid_request_error", "conv_id",
                                   "not_found")
         except OpenAIError as e:
@@ -593,7 +599,7 @@ class OpenAIApi:
         return conversation_rid(self._stream_scope(request), conv or "")
 
     async def _read_json(self, request: Request) -> Any:
-        limit = request.app.state.config.limits.max_frame_bytes
+        limit = gateway_state(request).config.limits.max_frame_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise openai_error_from("frame_too_large", f"request body over {limit} bytes")
@@ -609,7 +615,7 @@ class OpenAIApi:
             raise bad(f"the request body is {e}" if "nests" not in str(e) else f"the request body {e}") from None
 
     async def _start(self, request: Request, creq: ChatRequest) -> ChoiceSet:
-        model = resolve_model(request.app.state.router, creq.model, request.app.state.config.model_aliases)
+        model = requested_model(request, creq.model)
         sid = session_link(request, creq)
         if sid is not None:
             last = creq.messages[-1]
@@ -637,7 +643,7 @@ class OpenAIApi:
         Raises:
             GatewayError: ``engine_unavailable`` (the started choices are closed).
         """
-        state = request.app.state
+        state = gateway_state(request)
         events: GenerationEvents = state.generations.events
         params = {"max_tokens": state.config.defaults.max_tokens, **params}
         if state.config.api_seed is not None and params.get("seed") is None:
@@ -667,7 +673,7 @@ class OpenAIApi:
         """Append the request's last (user) message to chat ``sid`` and start its reply.
         ``model`` (the request's, when it names a served one) becomes the chat's model, as
         the page's model picker would make it; None keeps the chat's."""
-        state = request.app.state
+        state = gateway_state(request)
         last = creq.messages[-1]
         if last["role"] != "user" or not last["content"].strip():
             raise bad("with a session link, the last message must be a non-empty user message "
@@ -766,7 +772,7 @@ async def _delete_quietly(request: Request, owner: str, sid: str) -> None:
     """Remove a chat this request created for a first turn that was refused (so no empty
     chat is left behind); best effort."""
     try:
-        await request.app.state.store.delete_session(owner, sid)
+        await gateway_state(request).store.delete_session(owner, sid)
     except GatewayError:
         pass
 

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
 from gateway.api.http import _json_body, _sid, _uid, api, script_safe_json
+from gateway.api.state import GatewayState, gateway_state
 from gateway.errors import GatewayError, not_found
 from gateway.reasoning import DEFAULT_MARKERS, ThinkMarkers, split_reasoning
 from gateway.store.sessions import redis_errors
@@ -68,7 +69,7 @@ def snapshot(title: str, messages: list[dict[str, Any]], now: float,
     return {"title": title or "Shared chat", "shared_at": now, "messages": out}
 
 
-def _keys(state: Any, uid: str) -> tuple[str, str]:
+def _keys(state: GatewayState, uid: str) -> tuple[str, str]:
     keys = state.store.keys
     return keys.share(""), keys.user_shares(uid)
 
@@ -81,7 +82,7 @@ def _link(share_id: str, sid: str, title: str, now: float, expires_at: float | N
 @api
 async def create_share(request: Request) -> Response:
     """POST /api/sessions/{id}/shares: a link to a snapshot of the chat as it is now."""
-    state, uid, sid = request.app.state, _uid(request), _sid(request)
+    state, uid, sid = gateway_state(request), _uid(request), _sid(request)
     body = await _json_body(request, state.config)
     ttl = body.get("expires_in_s")
     if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)
@@ -110,10 +111,10 @@ async def create_share(request: Request) -> Response:
     return JSONResponse(link, status_code=201)
 
 
-async def _drop_expired(state: Any, uid: str) -> list[dict[str, Any]]:
+async def _drop_expired(state: GatewayState, uid: str) -> list[dict[str, Any]]:
     """The user's live links (newest first); entries of expired ones are dropped."""
     _, index = _keys(state, uid)
-    raw: dict[str, str] = await state.redis.hgetall(index)
+    raw: dict[str, str] = await state.redis.hgetall(index)  # type: ignore[assignment]  # decode_responses
     now = time.time()
     live: list[dict[str, Any]] = []
     gone: list[str] = []
@@ -131,7 +132,7 @@ async def _drop_expired(state: Any, uid: str) -> list[dict[str, Any]]:
 @api
 async def list_shares(request: Request) -> Response:
     """GET /api/shares[?session_id=]: the user's live links."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     async with redis_errors():
         links = await _drop_expired(state, uid)
     sid = request.query_params.get("session_id")
@@ -143,7 +144,7 @@ async def list_shares(request: Request) -> Response:
 @api
 async def revoke_share(request: Request) -> Response:
     """DELETE /api/shares/{id}: the link stops working now."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     share_id = request.path_params["share_id"]
     snap_prefix, index = _keys(state, uid)
     async with redis_errors():
@@ -161,7 +162,7 @@ _templates: dict[str, Jinja2Templates] = {}
 
 async def share_page(request: Request) -> Response:
     """GET /s/{id}: the shared snapshot, read-only (404 page when gone)."""
-    state = request.app.state
+    state = gateway_state(request)
     share_id = request.path_params["share_id"]
     raw = None
     if isinstance(share_id, str) and _ID_RE.match(share_id):

@@ -53,6 +53,7 @@ from gateway.api.socket_frames import (
     error_from,
     parse_client_frame,
 )
+from gateway.api.state import gateway_state
 from gateway.config import BIG_FRAME_CHARS, GatewayConfig
 from gateway.errors import GatewayError, not_found
 from gateway.replies.manager import GenerationManager, StartedTurn
@@ -435,7 +436,7 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     needs no ``Origin``: browsers cannot set that header, so it cannot be a cross-site
     page riding on someone's cookie.
     """
-    state = websocket.app.state
+    state = gateway_state(websocket)
     config: GatewayConfig = state.config
     uid = request_user(websocket.scope)
     by_token = websocket.scope.get("state", {}).get("auth") == "token"

@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, TypedDict, cast
+from typing import Any, Literal, NamedTuple, TypedDict, TypeGuard, cast
 
 from engine.text_checks import text_error
 from gateway.api import api_to_engine as a2e
@@ -127,7 +127,7 @@ ClientFrame = (ChatFrame | CancelFrame | RegenerateFrame | ResumeFrame | PingFra
                | EventsFrame)
 
 
-def is_valid_id(value: Any) -> bool:
+def is_valid_id(value: Any) -> TypeGuard[str]:
     """True for a session/request id: 1-64 characters of ``[A-Za-z0-9_-]``."""
     return isinstance(value, str) and bool(_ID_RE.match(value))
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.api.openai_request import OpenAIError, bad, check_body, check_text
+from gateway.api.state import GatewayState
 
 TOKENIZE_FIELDS = frozenset({"content", "prompt", "add_special", "add_special_tokens", "with_pieces", "model"})
 DETOKENIZE_FIELDS = frozenset({"tokens", "model"})
@@ -78,7 +79,7 @@ def parse_detokenize(body: Any, vocab_size: int) -> list[int]:
     return tokens
 
 
-async def served_tokenizer(state: Any) -> Any:
+async def served_tokenizer(state: GatewayState) -> Any:
     """The served model's Hugging Face tokenizer (loaded once, shared with attachment
     counting).
 
@@ -101,7 +102,7 @@ def _tokenize(tok: Any, req: TokenizeRequest) -> list[Any]:
     return [{"id": t, "piece": tok.decode([t], skip_special_tokens=False)} for t in ids]
 
 
-async def tokenize_body(state: Any, req: TokenizeRequest) -> dict[str, Any]:
+async def tokenize_body(state: GatewayState, req: TokenizeRequest) -> dict[str, Any]:
     """The tokenize answer (see module doc).
 
     Raises:
@@ -113,7 +114,7 @@ async def tokenize_body(state: Any, req: TokenizeRequest) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
 
 
-async def detokenize_body(state: Any, body: Any) -> dict[str, Any]:
+async def detokenize_body(state: GatewayState, body: Any) -> dict[str, Any]:
     """The detokenize answer (see module doc).
 
     Raises:

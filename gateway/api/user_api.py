@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api.http import _json_body, _session_fields, _uid, api
+from gateway.api.state import gateway_state
 from gateway.errors import GatewayError, not_found
 
 _TOKEN_ID_RE = re.compile(r"^[0-9a-f]{12}$")
@@ -42,19 +43,19 @@ async def identity(request: Request) -> Response:
 @api
 async def list_tokens(request: Request) -> Response:
     """GET /api/tokens: the user's live tokens (never the tokens themselves)."""
-    rows = await request.app.state.tokens.list(_uid(request))
+    rows = await gateway_state(request).tokens.list(_uid(request))
     return JSONResponse({"tokens": [t.public() for t in rows]})
 
 
 @api
 async def create_token(request: Request) -> Response:
     """POST /api/tokens -> 201 with the new token, shown this once."""
-    body = await _json_body(request, request.app.state.config)
+    body = await _json_body(request, gateway_state(request).config)
     name = body.get("name", "")
     if not isinstance(name, str):
         raise GatewayError("invalid_request", "'name' must be a string")
     try:
-        token, info = await request.app.state.tokens.create(_uid(request), name)
+        token, info = await gateway_state(request).tokens.create(_uid(request), name)
     except ValueError as e:
         raise GatewayError("invalid_request", str(e)) from None
     return JSONResponse({**info.public(), "token": token}, status_code=201)
@@ -68,9 +69,9 @@ async def revoke_token(request: Request) -> Response:
     if not isinstance(tid, str) or not _TOKEN_ID_RE.match(tid):
         raise not_found("token")
     uid = _uid(request)
-    if not await request.app.state.tokens.revoke(uid, tid):
+    if not await gateway_state(request).tokens.revoke(uid, tid):
         raise not_found("token")
-    await request.app.state.revocations.revoke_token(uid, tid)
+    await gateway_state(request).revocations.revoke_token(uid, tid)
     return Response(status_code=204)
 
 
@@ -79,7 +80,7 @@ async def delete_user(request: Request) -> Response:
     """DELETE /api/user -> 204: delete all of this user's data (every chat, stopping its
     reply in progress, every access token, the defaults for new chats) and close every
     socket and stream of the user, on every gateway replica."""
-    state, uid = request.app.state, _uid(request)
+    state, uid = gateway_state(request), _uid(request)
     await state.tokens.revoke_all(uid)
     await state.user_defaults.delete(uid)
     seen: set[str] = set()
@@ -105,7 +106,7 @@ async def delete_user(request: Request) -> Response:
 
 
 async def _defaults_body(request: Request) -> dict[str, object]:
-    state = request.app.state
+    state = gateway_state(request)
     system_prompt, params = await state.user_defaults.for_new_chat(_uid(request),
                                                                    state.config.defaults.system_prompt)
     return {"system_prompt": system_prompt, "params": {**state.config.defaults.sampling(), **params}}
@@ -120,7 +121,7 @@ async def get_defaults(request: Request) -> Response:
 @api
 async def put_defaults(request: Request) -> Response:
     """PUT /api/defaults: replace the user's defaults for new chats (validated)."""
-    state = request.app.state
+    state = gateway_state(request)
     body = await _json_body(request, state.config)
     fields = _session_fields({k: v for k, v in body.items() if k in ("system_prompt", "params")}, state.config)
     await state.user_defaults.put(_uid(request), fields)

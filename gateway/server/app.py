@@ -1,4 +1,5 @@
-"""The Starlette application factory (no globals: everything hangs off ``app.state``).
+"""The Starlette application factory (no globals: the lifespan yields the running parts
+as one typed ``GatewayState``, see ``gateway.api.state``).
 
 Routes: ``GET /`` (the chat page from ``web/index.html``), ``/static``, ``/sw.js`` and
 ``/manifest.webmanifest`` (the page's service worker and manifest, from ``static/``), ``WS /ws``,
@@ -35,6 +36,7 @@ from gateway.api.http import api_routes, config_body, script_safe_json
 from gateway.api.revocation import Revocations
 from gateway.api.shares import share_routes
 from gateway.api.socket import TAIL_BLOCK_MS, WsStats, websocket_endpoint, websocket_not_found
+from gateway.api.state import GatewayState, LifespanState, gateway_state
 from gateway.api.user_api import user_routes
 from gateway.config import GatewayConfig
 from gateway.engines.cache_scope import CacheIsolation
@@ -44,6 +46,7 @@ from gateway.engines.upstream import engine_client
 from gateway.replies.hooks import GenerationEvents
 from gateway.replies.manager import GenerationManager
 from gateway.server.disconnects import ClientDisconnects, DisconnectMiddleware
+from gateway.server.http_limits import ConnectionStats
 from gateway.store.connection import resilience_options
 from gateway.store.imports import ChatTransfer
 from gateway.store.keys import Keys
@@ -101,19 +104,42 @@ class RevalidatedStaticFiles(StaticFiles):
         return response
 
 
+class GatewayApp(Starlette):
+    """The gateway's Starlette app: ``connections`` (the server's connection counters,
+    handed to uvicorn's protocols by ``gateway.server.serving.uvicorn_config``) and,
+    once the lifespan started, ``gateway`` (the ``GatewayState`` every request reads
+    through ``gateway_state``; for tests and benchmarks outside a request)."""
+
+    def __init__(self, connections: ConnectionStats, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.connections = connections
+        self.started: GatewayState | None = None
+
+    @property
+    def gateway(self) -> GatewayState:
+        """The running gateway's parts.
+
+        Raises:
+            RuntimeError: the lifespan has not started (or has ended).
+        """
+        if self.started is None:
+            raise RuntimeError("the gateway's lifespan has not started")
+        return self.started
+
+
 FALLBACK_PAGE = """<!doctype html><meta charset="utf-8"><title>chat</title>
 <p>The chat UI (web/index.html) is not installed. The API is at /api and the socket at /ws.</p>"""
 
 
 def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
-               events: Sequence[GenerationEvents] = ()) -> Starlette:
+               events: Sequence[GenerationEvents] = ()) -> GatewayApp:
     """Build the gateway application.
 
     Args:
         config: settings (``engine_urls`` must name at least one engine for replies: our
             engines' ``ws://`` urls and OpenAI-compatible ``http(s)://`` upstreams).
         extra_routes: more routes (e.g. ``/v1/...``, ``/metrics``); they see the same
-            ``app.state`` (config, store, streams, router, generations, ws_stats).
+            lifespan state (``gateway_state(request)``: a ``GatewayState``).
         events: hooks called on every reply (see ``gateway.replies.hooks``).
     Raises:
         OSError: the cookie secret cannot be read or created under ``data_dir``.
@@ -122,9 +148,11 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     ids = UserIds(secret)
     isolation = CacheIsolation.of(secret, (config.defaults.system_prompt, *config.shared_prompts))
     templates = Jinja2Templates(directory=str(config.web_dir))
+    disconnects = ClientDisconnects()  # a client that hangs up is counted, not logged (disconnects.py)
+    connections = ConnectionStats()
 
     @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: GatewayApp) -> AsyncIterator[LifespanState]:
         """Open Redis and the engine connections; close them (stopping replies) at exit."""
         # a bounded pool whose callers wait for a free connection (redis-py's default pool
         # raises MaxConnectionsError at once when all are busy, a 503 under mere latency);
@@ -147,22 +175,24 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         router = EngineRouter((engine_client(u, config) for u in config.engine_urls),
                               config.routing, Placements(redis, config.key_prefix, config.session_ttl_s))
         gens = GenerationManager(config, store, streams, router, redis, list(events), isolation)
-        s = app.state
-        s.config, s.redis, s.store, s.streams, s.router, s.generations = config, redis, store, streams, router, gens
-        s.ws_stats = WsStats()
-        s.tokens = TokenStore(redis, config.key_prefix)
-        s.user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
-        s.live = LiveHub(redis, keys)
-        s.token_counter = TokenCounter()  # the engines' tokenizers, loaded on first use
-        s.chat_transfer = ChatTransfer(redis, store, keys, config.session_ttl_s, lim.max_sessions_per_user)
-        s.revocations = Revocations(redis, s.tokens, config.key_prefix)
+        user_defaults = gens.user_defaults = UserDefaultsStore(redis, config.key_prefix)
+        tokens = TokenStore(redis, config.key_prefix)
+        s = GatewayState(
+            config=config, redis=redis, store=store, streams=streams, router=router, generations=gens,
+            ws_stats=WsStats(), tokens=tokens, user_defaults=user_defaults, live=LiveHub(redis, keys),
+            token_counter=TokenCounter(),  # the engines' tokenizers, loaded on first use
+            chat_transfer=ChatTransfer(redis, store, keys, config.session_ttl_s, lim.max_sessions_per_user),
+            revocations=Revocations(redis, tokens, config.key_prefix), disconnects=disconnects,
+            connections=app.connections)
         await router.start()
         await gens.start()
         await s.live.start()
         await s.revocations.start()
+        app.started = s
         try:
-            yield
+            yield {"gateway": s}  # gateway.api.state.STATE_KEY
         finally:
+            app.started = None
             await s.revocations.close()
             await s.live.close()
             await gens.close()
@@ -174,7 +204,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
 
     async def index(request: Request) -> Response:
         """GET /: the chat page (web/index.html with model_name, model_format, config_json, static_url)."""
-        body = config_body(config, request.app.state.router)
+        body = config_body(config, gateway_state(request).router)
         if not (config.web_dir / "index.html").exists():
             return HTMLResponse(FALLBACK_PAGE)
         return templates.TemplateResponse(request, "index.html", {
@@ -196,7 +226,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
 
     async def readyz(request: Request) -> Response:
         """GET /readyz: 200 when Redis answers and an engine is connected, else 503."""
-        state = request.app.state
+        state = gateway_state(request)
         try:
             redis_ok = bool(await asyncio.wait_for(state.redis.ping(), 2.0))
         except Exception:
@@ -228,22 +258,13 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
     # outermost first: hosts (a request for another host name, DNS rebinding, gets 400
     # before anything else), then headers; a personal token names the user before the
     # cookie is looked at
-    # a client that hangs up is counted, not logged as an error (gateway/server/disconnects.py)
-    disconnects = ClientDisconnects()
     middleware = [Middleware(DisconnectMiddleware, stats=disconnects),
                   Middleware(TrustedHostMiddleware, allowed_hosts=config.trusted_hosts(), www_redirect=False),
                   # a browser page of an allowed origin may call /v1 (preflight answered here)
                   *([Middleware(ApiCorsMiddleware, origins=config.cors_origins)] if config.cors_origins else []),
                   Middleware(SecurityHeadersMiddleware), Middleware(TokenAuthMiddleware),
                   Middleware(UserCookieMiddleware, ids=ids)]
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
-    # set before the lifespan runs, so that every reader finds them: the counters of
-    # hung-up clients, the token store (None until the lifespan opens Redis: a token is
-    # refused as "starting up"), uvicorn's connection counters (set by uvicorn_config)
-    app.state.disconnects = disconnects
-    app.state.tokens = None
-    app.state.connection_stats = None
-    return app
+    return GatewayApp(connections, routes=routes, middleware=middleware, lifespan=lifespan)
 
 
 def new_secret() -> str:

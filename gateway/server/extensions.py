@@ -17,14 +17,13 @@ environment variable of ``GatewayConfig``); None or "" leaves the API open.
 
 from __future__ import annotations
 
-from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from gateway.api.openai_api import openai_routes
 from gateway.config import GatewayConfig
 from gateway.replies.hooks import GenerationEvents
-from gateway.server.app import create_app
+from gateway.server.app import GatewayApp, create_app
 from gateway.server.metrics import GatewayMetrics, MetricsEvents, MetricsMiddleware, metrics_routes
 
 
@@ -41,7 +40,7 @@ def default_extras(config: GatewayConfig, api_key: str | None = None,
 
 
 def create_app_with_extras(config: GatewayConfig, api_key: str | None = None,
-                           metrics: GatewayMetrics | None = None) -> Starlette:
+                           metrics: GatewayMetrics | None = None) -> GatewayApp:
     """``create_app`` with ``default_extras`` wired in (see module doc)."""
     routes, events, middleware = default_extras(config, api_key, metrics)
     app = create_app(config, extra_routes=routes, events=events)

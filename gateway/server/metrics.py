@@ -12,7 +12,7 @@ Three feeds (metric names in docs/protocol.md section 4):
   once from the snapshot it took at the end of its last step, and concurrent scrapes
   share one round trip), then reports KV blocks, running / waiting requests,
   preemptions and token totals labelled ``engine=<url>``, the age of that snapshot,
-  plus the gateway's open WebSockets (``app.state.ws_stats``). ``engine_up`` is the
+  plus the gateway's open WebSockets (``GatewayState.ws_stats``). ``engine_up`` is the
   link's state (open and greeted), not whether the last stats answer came in time.
 """
 
@@ -33,9 +33,13 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from engine.protocol import Timings
+from gateway.api.socket import WsStats
+from gateway.api.state import GatewayState, gateway_state
 from gateway.errors import GatewayError
 from gateway.replies.hooks import GenerationEvents
 from gateway.replies.reply_end import ReplyEnd
+from gateway.server.disconnects import ClientDisconnects
+from gateway.server.http_limits import ConnectionStats
 
 # seconds; TTFT spans a cached short prompt (ms) to a long CPU prefill (tens of s)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -109,12 +113,13 @@ class StateCollector(Collector):
 
     def __init__(self) -> None:
         self.engines: list[EngineSnapshot] = []
-        self.ws_stats: Any = None
-        self.disconnects: Any = None  # gateway.server.disconnects.ClientDisconnects
-        self.connections: Any = None  # gateway.server.http_limits.ConnectionStats
+        # zero counters until the first refresh takes the running gateway's
+        self.ws_stats = WsStats()
+        self.disconnects = ClientDisconnects()
+        self.connections = ConnectionStats()
         self.in_progress: set[str] = set()
 
-    async def refresh(self, state: Any, timeout_s: float) -> None:
+    async def refresh(self, state: GatewayState, timeout_s: float) -> None:
         """Ask every connected engine of ``state.router`` for ``stats`` (``timeout_s``
         seconds each, in parallel) and take ``state.ws_stats``."""
         clients = list(state.router.clients)
@@ -133,7 +138,7 @@ class StateCollector(Collector):
         self.engines = list(await asyncio.gather(*(one(c) for c in clients)))
         self.ws_stats = state.ws_stats
         self.disconnects = state.disconnects
-        self.connections = state.connection_stats  # None unless served through uvicorn_config
+        self.connections = state.connections
 
     def collect(self) -> Iterable[Metric]:
         up = GaugeMetricFamily("engine_up", "1 while the link to the engine is open and its hello arrived.",
@@ -163,34 +168,34 @@ class StateCollector(Collector):
                                 value=len(self.in_progress))
         ws = self.ws_stats
         yield GaugeMetricFamily("gateway_websockets_open", "Browser WebSockets open now.",
-                                value=getattr(ws, "sockets_open", 0))
+                                value=ws.sockets_open)
         for attr, name, doc in (
                 ("frames_sent_total", "gateway_websocket_frames_sent", "Frames sent to browser sockets."),
                 ("stalled_closed_total", "gateway_websockets_stalled_closed", "Sockets closed as stalled readers."),
                 ("bad_frames_total", "gateway_websocket_bad_frames", "Malformed frames received."),
                 ("frames_too_large_total", "gateway_websocket_frames_too_large", "Frames refused as too large.")):
-            extra = getattr(self.connections, "ws_frames_too_large_total", 0) if attr == "frames_too_large_total" else 0
-            yield CounterMetricFamily(name, doc, value=getattr(ws, attr, 0) + extra)
+            extra = self.connections.ws_frames_too_large_total if attr == "frames_too_large_total" else 0
+            yield CounterMetricFamily(name, doc, value=getattr(ws, attr) + extra)
         gone = CounterMetricFamily("gateway_client_disconnects", "HTTP requests whose client left before the "
                                    "answer was complete (not errors), by route and stage (body, body_timeout, "
                                    "response).", labels=["route", "stage"])
-        for (route, stage), n in sorted(getattr(self.disconnects, "counts", {}).items()):
+        for (route, stage), n in sorted(self.disconnects.counts.items()):
             gone.add_metric([route, stage], n)
         yield gone
         conns = self.connections
         refused = CounterMetricFamily("gateway_connections_refused", "Connections refused at once by the caps "
                                       "(per_address: 429, total: 503).", labels=["reason"])
-        for reason, n in sorted(getattr(conns, "refused_total", {}).items()):
+        for reason, n in sorted(conns.refused_total.items()):
             refused.add_metric([reason], n)
         yield refused
         yield CounterMetricFamily("gateway_http_body_timeouts", "Requests whose body did not arrive in time (408).",
-                                  value=getattr(conns, "body_timeouts_total", 0))
+                                  value=conns.body_timeouts_total)
         yield CounterMetricFamily("gateway_websockets_stalled_aborted", "WebSocket connections aborted because the "
                                   "client stopped reading (writes paused too long).",
-                                  value=getattr(conns, "ws_stalled_aborted_total", 0))
+                                  value=conns.ws_stalled_aborted_total)
         yield GaugeMetricFamily("gateway_websocket_max_outbox_bytes",
                                 "Most bytes ever queued for one socket (bounded by the outbox).",
-                                value=getattr(ws, "max_outbox_bytes", 0))
+                                value=ws.max_outbox_bytes)
 
 
 class GatewayMetrics:
@@ -287,7 +292,7 @@ def metrics_routes(metrics: GatewayMetrics, stats_timeout_s: float = 1.0) -> lis
     """``GET /metrics`` (Prometheus text format), refreshing engine stats first."""
 
     async def scrape(request: Request) -> Response:
-        await metrics.state.refresh(request.app.state, stats_timeout_s)
+        await metrics.state.refresh(gateway_state(request), stats_timeout_s)
         return Response(metrics.render(), headers={"content-type": CONTENT_TYPE_LATEST})
 
     return [Route("/metrics", scrape, methods=["GET"])]

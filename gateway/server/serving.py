@@ -5,7 +5,7 @@
   does not read its pongs stops being read (``gateway/server/ws_protocol.py``).
 * Request heads are bounded in size, field count and time, bodies in time, connections
   per address and in total (``gateway/server/http_limits.py``): 431, 408, 429 or 503, then the
-  connection is closed. The counters of both are ``app.state.connection_stats``.
+  connection is closed. The counters of both are the app's ``GatewayApp.connections``.
 * The listening socket is ours, with ``SO_SNDBUF`` set (``limits.ws_socket_sndbuf_bytes``):
   Linux copies it to every accepted connection, bounding the kernel's share of a slow
   reader's outbound bytes (autotuning would allow several MiB per connection).
@@ -26,7 +26,9 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
+from gateway.api.state import GatewayState
 from gateway.config import GatewayConfig
+from gateway.server.app import GatewayApp
 from gateway.server.http_limits import ConnectionStats, bounded_http_protocol
 from gateway.server.ws_protocol import bounded_ws_protocol
 
@@ -65,11 +67,11 @@ _DENIED_FILTER = DeniedHandshakeFilter()
 
 def uvicorn_config(app: Starlette, config: GatewayConfig, log_level: str = "info") -> uvicorn.Config:
     """The uvicorn settings for ``app`` under ``config`` (see module doc); the connection
-    counters go to ``app.state.connection_stats`` (for ``/metrics``)."""
+    counters go to a gateway app's ``connections`` (for ``/metrics``; any other app,
+    a test's fake upstream, gets counters of its own)."""
     logging.getLogger("uvicorn.error").addFilter(_DENIED_FILTER)  # the same object: added once
     lim = config.limits
-    stats = ConnectionStats()
-    app.state.connection_stats = stats
+    stats = app.connections if isinstance(app, GatewayApp) else ConnectionStats()
     return uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="on", log_level=log_level,
         # a socket whose writes stay paused is aborted after twice the app's stall timeout
@@ -129,6 +131,18 @@ class ThreadedServer:
             raise RuntimeError(f"gateway did not start: {self.error!r}")
         port: int = self.sock.getsockname()[1]
         return port
+
+    @property
+    def gateway(self) -> GatewayState:
+        """The running parts of the gateway it serves (``GatewayApp.gateway``).
+
+        Raises:
+            TypeError: it serves another app.
+            RuntimeError: the app's lifespan has not started.
+        """
+        if not isinstance(self.app, GatewayApp):
+            raise TypeError(f"{type(self.app).__name__} is not a gateway app")
+        return self.app.gateway
 
     def run_coro(self, coro: Any, timeout: float = 30.0) -> Any:
         """Run a coroutine on the server's loop and return its result."""

@@ -84,7 +84,7 @@ def test_tap_records_engine_frames_by_request_and_passes_them_on():
 def test_a_tiny_load_through_a_real_gateway_loses_nothing(gateway_factory):
     gw = gateway_factory(limits={"max_messages_per_minute": 10_000})
     tap = EngineTap()
-    assert tap.install(gw.app.state.router) == 1
+    assert tap.install(gw.state.router) == 1
 
     async def fetch():
         return tap.snapshot()

@@ -238,7 +238,7 @@ def test_serving_measures_our_gateway_end_to_end(engine_url, redis_url, key_pref
     port = server.start()
     try:
         deadline = time.monotonic() + 60
-        while not server.app.state.router.healthy and time.monotonic() < deadline:
+        while not server.gateway.router.healthy and time.monotonic() < deadline:
             time.sleep(0.05)
         rc = serving.main(["--systems", "ours", "--ours-url", f"http://127.0.0.1:{port}",
                            "--model", str(tiny_model_dir), "--workloads", "chat,single", "--levels", "2",

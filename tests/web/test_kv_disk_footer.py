@@ -54,7 +54,7 @@ def test_after_an_engine_restart_the_footer_says_how_much_came_from_disk(
     disk_engine.stop()  # its pages are on disk (the engine writes them out as it stops)
     disk_engine.start(timeout_s=600)  # same port, same folder, an empty pool
     deadline = time.monotonic() + 60
-    while not gateway.app.state.router.healthy and time.monotonic() < deadline:
+    while not gateway.state.router.healthy and time.monotonic() < deadline:
         time.sleep(0.05)  # the gateway reconnects
 
     old_id = page.locator(".msg.assistant").get_attribute("data-message-id")

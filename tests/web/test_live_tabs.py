@@ -34,10 +34,10 @@ def wait_listening(gw: Any, page: Page) -> None:
     """Wait until the page's gateway is subscribed to its user's events."""
     page.wait_for_function("() => document.body.dataset.connection === 'open'", timeout=WAIT_MS)
     deadline_ms = WAIT_MS
-    while not gw.app.state.live.subscribed and deadline_ms > 0:
+    while not gw.state.live.subscribed and deadline_ms > 0:
         page.wait_for_timeout(50)
         deadline_ms -= 50
-    assert gw.app.state.live.subscribed
+    assert gw.state.live.subscribed
 
 
 def test_what_one_tab_does_shows_in_the_other_tab_on_another_replica(

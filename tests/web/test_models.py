@@ -28,7 +28,7 @@ def gateway(gateway_factory: Callable[..., Any], engine_gate: EngineGate, thinke
 
 
 def names(gw: Any) -> tuple[str, str]:
-    clients = gw.app.state.router.clients
+    clients = gw.state.router.clients
     return clients[0].info.model, clients[1].info.model
 
 
@@ -100,7 +100,7 @@ def test_a_chat_whose_model_is_gone_says_so_and_keeps_the_message(new_page: Call
     page = new_page()
     page.goto("/")
     uid = user_of(page, gateway)
-    store = gateway.app.state.store
+    store = gateway.state.store
 
     async def seed() -> str:
         chat = await store.create_session(uid, title="Old model", model="retired-model")

@@ -65,7 +65,7 @@ def stored_reply_with_reasoning(page: Page, gw: Any) -> str:
     returns its id."""
     page.goto("/")
     uid = user_of(page, gw)
-    store = gw.app.state.store
+    store = gw.state.store
 
     async def seed() -> str:
         chat = await store.create_session(uid, title="Rainbows")

@@ -104,7 +104,7 @@ async def test_a_message_with_attachments_is_stored_shown_and_prompted_with_thei
     assert [m["role"] for m in s["messages"]] == ["user", "assistant"]
     assert s["messages"][0]["attachments"] == files and s["messages"][0]["content"] == ""
     uid = UserIds(gw.config.secret_key).verify(cookie)
-    history = gw.run(gw.app.state.store.history(uid, sid, ""))
+    history = gw.run(gw.state.store.history(uid, sid, ""))
     assert history.messages[0]["content"] == '<file name="facts.txt">\nThe sky is green.\n</file>'
     # the prompt holds the file: more tokens than an empty message would take
     assert one.done["usage"]["prompt_tokens"] >= att["tokens"]

@@ -55,7 +55,7 @@ def test_token_prompts_and_text_prompts_give_the_same_completion(api_gateway):
     oa = client(gw)
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(gw.app.state.router.clients[0].info.tokenizer_dir).encode(
+    ids = AutoTokenizer.from_pretrained(gw.state.router.clients[0].info.tokenizer_dir).encode(
         PROMPT, add_special_tokens=False)
     by_text = complete(oa)
     by_ids = complete(oa, prompt=ids)

@@ -103,7 +103,7 @@ async def test_search_and_the_markdown_export_show_a_replys_reasoning_as_the_pag
     cookie = gw.new_cookie()
     uid = UserIds(gw.config.secret_key).verify(cookie)
     assert uid is not None
-    store = gw.app.state.store
+    store = gw.state.store
 
     async def seed(title: str, reply: str, reasoning_ms: float | None) -> str:
         chat = await store.create_session(uid, title=title)

@@ -221,9 +221,9 @@ def _assert_whole_chats(gw, cookie: str) -> None:
     empty chat, nothing in progress."""
     async def check() -> None:
         deadline = asyncio.get_running_loop().time() + 120
-        while gw.app.state.generations.running and asyncio.get_running_loop().time() < deadline:
+        while gw.state.generations.running and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
-        assert not gw.app.state.generations.running
+        assert not gw.state.generations.running
     gw.run(check(), timeout=150)
     with httpx.Client(base_url=gw.base_url, cookies={"chat_uid": cookie}, timeout=30) as c:
         for s in c.get("/api/sessions").json()["sessions"]:

@@ -115,7 +115,7 @@ async def test_a_browser_chat_continues_from_the_client_and_the_api_with_a_token
     # a token request sets no cookie of its own
     assert "set-cookie" not in httpx.get(f"{gw.base_url}/api/sessions", headers={"X-Chat-Token": token}).headers
     # Redis holds the hash only
-    raw = gw.run(gw.app.state.redis.hgetall(f"{gw.config.key_prefix}chat:token:{token_hash(token)}"))
+    raw = gw.run(gw.state.redis.hgetall(f"{gw.config.key_prefix}chat:token:{token_hash(token)}"))
     assert raw["id"] == tok["id"] and token not in json.dumps(raw)
 
 

@@ -132,7 +132,7 @@ async def test_a_lone_surrogate_on_the_socket_leaves_no_chat_and_the_socket_work
 
 async def test_a_refused_first_turn_of_a_new_chat_leaves_no_chat(gateway_factory):
     gw = gateway_factory()
-    max_len = gw.app.state.router.info().max_model_len
+    max_len = gw.state.router.info().max_model_len
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as ws:
         await send(ws, {"type": "chat", "content": "word " * (2 * max_len), "params": {"max_tokens": 4}})

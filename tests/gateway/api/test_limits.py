@@ -118,7 +118,7 @@ async def test_a_client_that_stops_reading_is_bounded_closed_and_its_reply_still
     pending = 16
     gw = gateway_factory(limits={"ws_send_timeout_s": 1.0, "ws_max_pending_frames": pending,
                                  "ws_socket_sndbuf_bytes": 4096})
-    stats = gw.app.state.ws_stats
+    stats = gw.state.ws_stats
     cookie = gw.new_cookie()
     host, port = "127.0.0.1", int(gw.base_url.rsplit(":", 1)[1])
     sock = handshake(host, port, f"{COOKIE_NAME}={cookie}", gw.origin, rcvbuf=4096)

@@ -83,8 +83,8 @@ def test_slots_shows_an_engine_busy_while_it_serves_a_request_and_idle_after_a_d
         api_gateway, engine_gate):
     gw = api_gateway(engine_urls=[engine_gate.url])
     slots = lambda: httpx.get(f"{gw.base_url}/slots", timeout=30).json()  # noqa: E731
-    assert slots() == [{"id": 0, "model": gw.app.state.router.clients[0].info.model,
-                        "n_ctx": gw.app.state.router.clients[0].info.max_model_len, "healthy": True,
+    assert slots() == [{"id": 0, "model": gw.state.router.clients[0].info.model,
+                        "n_ctx": gw.state.router.clients[0].info.max_model_len, "healthy": True,
                         "is_processing": False, "n_processing": 0}]
     engine_gate.pause_on(text_delta())
     body = {"messages": QUESTION, "max_tokens": 1900, "ignore_eos": True}

@@ -59,7 +59,7 @@ def test_models_lists_the_served_model_and_it_is_accepted_by_name(api_gateway):
     gw = api_gateway()
     oa = client(gw)
     models = oa.models.list().data
-    info = gw.app.state.router.info()
+    info = gw.state.router.info()
     assert [m.id for m in models] == [info.model]
     assert info.format and models[0].model_extra["format"] == info.format  # the serving format, as the engine said
     # the chat page and its config say it too
@@ -408,9 +408,9 @@ def test_an_api_key_user_creates_and_continues_its_own_chats(api_gateway):
                                         messages=[{"role": "user", "content": "Where is the treasure?"}],
                                         extra_headers={"X-Chat-Session": sid})
     owner = key_user_id(gw.config.secret_key, key)
-    info = gw.run(gw.app.state.store.get_session(owner, sid))
+    info = gw.run(gw.state.store.get_session(owner, sid))
     assert info.system_prompt == "You are a pirate."
-    stored = gw.run(gw.app.state.store.messages(owner, sid))
+    stored = gw.run(gw.state.store.messages(owner, sid))
     assert [m["content"] for m in stored] == ["Hi!", first.parse().choices[0].message.content,
                                               "Where is the treasure?", second.choices[0].message.content]
     # the key reaches a browser user's chat only together with that user's cookie

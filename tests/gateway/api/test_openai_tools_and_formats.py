@@ -244,7 +244,7 @@ def test_logit_bias_can_force_and_ban_a_token(api_gateway):
     plain = create(oa, logprobs=True, max_tokens=6)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gw.app.state.router.clients[0].info.tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gw.state.router.clients[0].info.tokenizer_dir)
     forced = tokenizer.encode(" lighthouse", add_special_tokens=False)[0]
     r = create(oa, logit_bias={str(forced): 100}, max_tokens=4)
     assert r.choices[0].message.content == tokenizer.decode([forced] * 4)

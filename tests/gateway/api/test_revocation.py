@@ -72,7 +72,7 @@ async def test_revoking_a_token_closes_its_socket_and_stream_but_not_the_reply_i
     async with httpx.AsyncClient(base_url=gw.base_url, cookies={COOKIE_NAME: cookie}, timeout=30) as c:
         body = (await c.get(f"/api/sessions/{start['session_id']}")).json()
     assert body["messages"][-1]["status"] == "complete" and body["messages"][-1]["content"] == rest.text
-    assert gw.app.state.revocations.closed_total >= 1 and other_gw.app.state.revocations.closed_total >= 1
+    assert gw.state.revocations.closed_total >= 1 and other_gw.state.revocations.closed_total >= 1
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -126,4 +126,4 @@ async def test_deleting_a_users_data_closes_every_socket_of_that_user(gateway_fa
         assert httpx.get(f"{gw.base_url}/api/identity", headers={"X-Chat-Token": tok["token"]}).status_code == 401
         await send(theirs, {"type": "ping"})  # another user is untouched
         assert await recv(theirs) == {"type": "pong"}
-    await wait_for(lambda: gw.app.state.ws_stats.sockets_open == 0)
+    await wait_for(lambda: gw.state.ws_stats.sockets_open == 0)

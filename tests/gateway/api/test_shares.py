@@ -77,7 +77,7 @@ async def test_a_link_with_an_expiry_lives_in_redis_under_its_own_expiring_key(g
         link = c.post(f"/api/sessions/{sid}/shares", json={"expires_in_s": 3600}).json()
         assert 3590 < link["expires_at"] - link["created_at"] <= 3600
     key = f"{gw.config.key_prefix}chat:share:{link['id']}"
-    redis = gw.app.state.redis
+    redis = gw.state.redis
     ttl = gw.run(redis.ttl(key))
     assert 3590 < ttl <= 3600
     # an hour later: Redis has dropped the snapshot, and the list drops the link

@@ -13,7 +13,7 @@ def _post(gw, path: str, body: object) -> httpx.Response:
 def _hf_tokenizer(gw):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(gw.app.state.router.clients[0].info.tokenizer_dir)
+    return AutoTokenizer.from_pretrained(gw.state.router.clients[0].info.tokenizer_dir)
 
 
 def test_tokenize_gives_the_engine_tokenizers_ids_and_detokenize_reverses_them(api_gateway):

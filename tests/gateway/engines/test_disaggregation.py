@@ -62,7 +62,7 @@ async def test_a_chat_through_prefill_and_decode_engines_streams_one_engines_rep
     assert want.done is not None and want2.done is not None and want3.done is not None, (want.error, want2.error)
 
     gw = gateway_factory(engine_urls=[p.url, d.url])
-    router = gw.app.state.router
+    router = gw.state.router
     await wait_for(lambda: len(router.healthy) == 2, 30)
     before_p, before_d = await _stats(p.url), await _stats(d.url)
     cookie = gw.new_cookie()
@@ -118,7 +118,7 @@ async def test_the_openai_api_through_prefill_and_decode_engines_answers_as_one_
     one = gateway_factory()
     want = _completion(one.base_url, doc)
     gw = gateway_factory(engine_urls=[p.url, d.url])
-    await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+    await wait_for(lambda: len(gw.state.router.healthy) == 2, 30)
     before = await _stats(d.url)
     got = _completion(gw.base_url, doc)
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
@@ -132,9 +132,9 @@ async def test_with_the_prefill_engine_down_the_decode_engine_prefills_itself(ga
         one = gateway_factory()
         want = _completion(one.base_url, doc)
         gw = gateway_factory(engine_urls=[p.url, d.url])
-        await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+        await wait_for(lambda: len(gw.state.router.healthy) == 2, 30)
         p.stop()
-        await wait_for(lambda: len(gw.app.state.router.healthy) == 1, 30)
+        await wait_for(lambda: len(gw.state.router.healthy) == 1, 30)
         got = _completion(gw.base_url, doc)
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         assert (await _stats(d.url))["kv_pulls_total"] == 0
@@ -179,7 +179,7 @@ async def test_stop_during_the_prefill_phase_ends_the_turn_and_frees_both_engine
     gate = gate_in_front_of(p)
     try:
         gw = gateway_factory(engine_urls=[gate.url, d.url])
-        await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+        await wait_for(lambda: len(gw.state.router.healthy) == 2, 30)
         gate.pause()  # the prefill engine holds still: the turn is in its prefill phase
         async with gw.connect(gw.new_cookie()) as ws:
             await send(ws, {"type": "chat", "content": _document(), "params": {"max_tokens": 64, "temperature": 0}})

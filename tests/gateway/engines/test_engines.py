@@ -143,10 +143,10 @@ async def test_gateway_reconnects_when_the_engine_comes_back(gateway_factory, ti
     try:
         gw = gateway_factory(engine_urls=[url])
         engine.stop()
-        await wait_for(lambda: not gw.app.state.router.healthy, 30)
+        await wait_for(lambda: not gw.state.router.healthy, 30)
         engine = LocalEngine(model=str(tiny_model_dir), extra_args=ENGINE_ARGS + ["--threads", "1"], port=port)
         engine.start(timeout_s=600)
-        await wait_for(lambda: bool(gw.app.state.router.healthy), 30)
+        await wait_for(lambda: bool(gw.state.router.healthy), 30)
         async with gw.connect(gw.new_cookie()) as ws:
             await send(ws, {"type": "chat", "content": "back?", "params": {"max_tokens": 3}})
             r = await read_reply(ws)

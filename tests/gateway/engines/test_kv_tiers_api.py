@@ -35,7 +35,7 @@ def test_after_an_engine_restart_the_chat_comes_back_from_disk_and_usage_says_so
         engine.stop()
         engine.start(timeout_s=600)  # a restart: same port, same directory, an empty pool
         deadline = time.monotonic() + 60
-        while not gw.app.state.router.healthy and time.monotonic() < deadline:
+        while not gw.state.router.healthy and time.monotonic() < deadline:
             time.sleep(0.05)  # the gateway reconnects
         back = _turn(gw)
         details = back.usage.prompt_tokens_details
@@ -58,7 +58,7 @@ def test_with_write_idle_a_sigterm_writes_the_cache_and_the_restarted_engine_res
         assert any("pages of the cache at stop, 0 left unwritten" in ln for ln in engine.output_tail)
         engine.start(timeout_s=600)
         deadline = time.monotonic() + 60
-        while not gw.app.state.router.healthy and time.monotonic() < deadline:
+        while not gw.state.router.healthy and time.monotonic() < deadline:
             time.sleep(0.05)
         back = _turn(gw)
         details = back.usage.prompt_tokens_details

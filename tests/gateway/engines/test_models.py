@@ -22,7 +22,7 @@ from tests.gateway_helpers import chat, read_reply, recv, send
 def both_up(gw: Any, timeout_s: float = 60.0) -> Any:
     """``gw`` once every engine of it said hello (the factory waits for one)."""
     deadline = time.monotonic() + timeout_s
-    while not all(c.info is not None and c.healthy for c in gw.app.state.router.clients):
+    while not all(c.info is not None and c.healthy for c in gw.state.router.clients):
         assert time.monotonic() < deadline, "an engine did not connect"
         time.sleep(0.05)
     return gw
@@ -35,7 +35,7 @@ def generates(gate: EngineGate) -> list[dict]:
 @pytest.fixture
 def two_models(gateway_factory, engine_gate: EngineGate, thinker_gate: EngineGate):
     gw = both_up(gateway_factory(engine_urls=[engine_gate.url, thinker_gate.url]))
-    models = {c.info.model: c.url for c in gw.app.state.router.clients if c.info is not None}
+    models = {c.info.model: c.url for c in gw.state.router.clients if c.info is not None}
     assert len(models) == 2
     plain = next(m for m, u in models.items() if u == engine_gate.url)
     thinker = next(m for m, u in models.items() if u == thinker_gate.url)

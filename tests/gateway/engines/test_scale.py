@@ -36,7 +36,7 @@ async def test_engine_lost_before_the_first_delta_the_next_engine_takes_the_requ
         urls = [doomed.url, engine_gate.url]
         # rendezvous alone: the chat's first turn goes to its home, whatever the engines cached
         gw = gateway_factory(engine_urls=urls, routing={"policy": "hash"})
-        await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+        await wait_for(lambda: len(gw.state.router.healthy) == 2, 30)
         cookie = gw.new_cookie()
         async with gw.http(cookie) as c:
             sid = await chat_homed_on(c, doomed.url, urls)
@@ -75,7 +75,7 @@ async def test_a_busy_home_engine_sheds_a_chat_to_the_idle_one_which_keeps_it(ga
         urls = [busy_gate.url, idle_gate.url]
         gw = gateway_factory(engine_urls=urls, limits={"max_generations_per_user": 16},
                              routing={"policy": "sticky", "abs_threshold": 4, "rel_threshold": 1.5})
-        await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+        await wait_for(lambda: len(gw.state.router.healthy) == 2, 30)
         cookie = gw.new_cookie()
         async with gw.http(cookie) as c:
             held = [await chat_homed_on(c, busy_gate.url, urls) for _ in range(5)]
@@ -96,7 +96,7 @@ async def test_a_busy_home_engine_sheds_a_chat_to_the_idle_one_which_keeps_it(ga
             finally:
                 await client.aclose()
             busy_gate.resume()
-            await wait_for(lambda: not gw.app.state.generations.running, 60)
+            await wait_for(lambda: not gw.state.generations.running, 60)
             r2 = await chat(ws, "Still there?", late, max_tokens=4)
         assert r2.done is not None, r2.error
         assert generates(idle_gate, r2.request_id) == 1  # the chat kept its new engine
@@ -115,14 +115,14 @@ async def test_two_gateways_on_one_redis_serve_one_chat_as_one(gateway_factory, 
         secret = "one-secret-for-both-gateways"
         gw_a = gateway_factory(engine_urls=urls, secret_key=secret)
         gw_b = gateway_factory(engine_urls=urls, secret_key=secret)
-        await wait_for(lambda: len(gw_a.app.state.router.healthy) == len(gw_b.app.state.router.healthy) == 2, 30)
+        await wait_for(lambda: len(gw_a.state.router.healthy) == len(gw_b.state.router.healthy) == 2, 30)
         cookie = gw_a.new_cookie()
         async with gw_a.http(cookie) as c:
             sids = [(await c.post("/api/sessions", json={})).json()["id"] for _ in range(12)]
             sid = await chat_homed_on(c, engine_gate.url, urls)
         for s in sids:
-            on_a = gw_a.run(gw_a.app.state.router.choose(s)).url
-            on_b = gw_b.run(gw_b.app.state.router.choose(s)).url
+            on_a = gw_a.run(gw_a.state.router.choose(s)).url
+            on_b = gw_b.run(gw_b.state.router.choose(s)).url
             assert on_a == on_b, s
         assert len({max(urls, key=lambda u: rendezvous_rank(s, u)) for s in sids}) == 2  # both engines chosen
 
@@ -172,7 +172,7 @@ async def test_a_new_chat_opening_with_a_cached_document_goes_to_the_engine_that
     try:
         urls = [engine_gate.url, other.url]
         gw = gateway_factory(engine_urls=urls)
-        router = gw.app.state.router
+        router = gw.state.router
         await wait_for(lambda: len(router.healthy) == 2, 30)
         words = uuid.uuid4().hex  # a document no engine has seen in an earlier test
         doc = "Shared notes " + " ".join(f"{words[i % 32]}{i}" for i in range(120))
@@ -200,7 +200,7 @@ async def test_an_engine_that_drops_leaves_the_prefix_index(gateway_factory, eng
     other = gate_in_front_of(spare_engine)
     try:
         gw = gateway_factory(engine_urls=[engine_gate.url, other.url])
-        router = gw.app.state.router
+        router = gw.state.router
         await wait_for(lambda: len(router.healthy) == 2, 30)
         cookie = gw.new_cookie()
         async with gw.connect(cookie) as ws:

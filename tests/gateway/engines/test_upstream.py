@@ -112,9 +112,9 @@ async def test_a_chat_through_an_upstream_streams_stores_and_sends_the_whole_his
         gateway_factory, engine_gate):
     up = gateway_factory(engine_urls=[engine_gate.url])
     front = gateway_factory(engine_urls=[v1(up)])
-    client = front.app.state.router.clients[0]
-    assert isinstance(client, UpstreamClient) and client.info.max_model_len == up.app.state.router.info().max_model_len
-    assert client.info.model == up.app.state.router.info().model and client.flavor == "chatserve"
+    client = front.state.router.clients[0]
+    assert isinstance(client, UpstreamClient) and client.info.max_model_len == up.state.router.info().max_model_len
+    assert client.info.model == up.state.router.info().model and client.flavor == "chatserve"
     cookie = front.new_cookie()
     replies = []
     async with front.connect(cookie) as ws:
@@ -140,7 +140,7 @@ async def test_a_chat_through_an_upstream_streams_stores_and_sends_the_whole_his
         assert [m["content"] for m in body["messages"][1::2]] == [r.text for r in replies]
         assert [m["usage"] for m in body["messages"][1::2]] == [r.done["usage"] for r in replies]
         assert all(m["status"] == "complete" for m in body["messages"])
-        msgs = front.run(front.app.state.store.messages(uid_of(front, cookie), sid, with_tokens=True))
+        msgs = front.run(front.state.store.messages(uid_of(front, cookie), sid, with_tokens=True))
         assert all(m["token_ids"] is None for m in msgs)  # no ids were invented
         # a reply cut at max tokens cannot be continued without ids: a clear refusal
         cut = await chat(ws, "Count to fifty.", sid, max_tokens=2, ignore_eos=True)
@@ -212,7 +212,7 @@ async def test_an_upstream_that_is_down_or_goes_away_answers_engine_unavailable(
         assert r.error is not None and r.error["code"] == "engine_unavailable", r
     body = await stored(front, cookie, sid)
     assert [m["content"] for m in body["messages"]] == ["Hello.", first.text]  # the failed turn was undone
-    await wait_for(lambda: not front.app.state.router.healthy, 30)
+    await wait_for(lambda: not front.state.router.healthy, 30)
 
 
 async def test_the_upstream_api_key_is_sent_as_a_bearer_token(gateway_factory):
@@ -250,7 +250,7 @@ async def test_a_mixed_engine_list_refreshes_stats_and_sends_token_id_prompts_to
         gateway_factory, engine_url):
     up = gateway_factory()
     front = gateway_factory(engine_urls=[engine_url, v1(up)])
-    ours, upstream = front.app.state.router.clients
+    ours, upstream = front.state.router.clients
     await wait_for(lambda: ours.healthy and upstream.healthy, 30)
     await wait_for(lambda: upstream.last_stats is not None and ours.last_stats is not None, 30)  # the 1 s refresh
     assert upstream.last_stats["upstream"] is True
@@ -300,7 +300,7 @@ def llama_server():
 async def test_llama_server_as_the_upstream_streams_stores_reports_its_cache_and_stops(gateway_factory,
                                                                                        llama_server):
     front = gateway_factory(engine_urls=[f"{llama_server}/v1"])
-    client = front.app.state.router.clients[0]
+    client = front.state.router.clients[0]
     async with httpx.AsyncClient(timeout=10) as c:
         n_ctx = (await c.get(f"{llama_server}/props")).json()["default_generation_settings"]["n_ctx"]
     assert client.flavor == "llamacpp" and client.info.max_model_len == n_ctx > 0  # a slot's context

@@ -379,7 +379,7 @@ async def test_one_dead_engine_among_three_is_routed_around_by_hashing(gateway_f
     try:
         urls = [dead] + [g.url for g in gates]
         gw = gateway_factory(engine_urls=urls)
-        await wait_for(lambda: len(gw.app.state.router.healthy) == 2, 30)
+        await wait_for(lambda: len(gw.state.router.healthy) == 2, 30)
         cookie = gw.new_cookie()
         wanted = {(dead, gates[0].url), (dead, gates[1].url), (gates[0].url, None), (gates[1].url, None)}
         cases: dict[tuple[str, str | None], str] = {}
@@ -434,7 +434,7 @@ async def test_a_reply_can_be_watched_and_stopped_from_another_gateway_replica(g
                        "params": {"max_tokens": 1800, "temperature": 0, "ignore_eos": True}})
         start = await recv(a)
         rid = start["request_id"]
-        assert rid in gw_a.app.state.generations.running and not gw_b.app.state.generations.running
+        assert rid in gw_a.state.generations.running and not gw_b.state.generations.running
         await send(b, {"type": "resume", "request_id": rid, "last_seq": 0})
 
         async def cancel_from_b(f, r):
@@ -487,7 +487,7 @@ async def test_repeated_stops_leave_no_engine_blocks_locks_or_tasks_behind(gatew
     after = await idle(gw)
     assert after["blocks_held_by_requests"] == 0
     assert after["blocks_used"] - after["blocks_evictable"] <= before["blocks_used"] - before["blocks_evictable"]
-    assert gw.app.state.generations.running == {}
+    assert gw.state.generations.running == {}
     client = aioredis.from_url(redis_url, decode_responses=True)
     try:
         assert [k async for k in client.scan_iter(match=key_prefix + "*:lock")] == []

@@ -62,7 +62,7 @@ async def test_a_long_prompt_sends_progress_frames_before_the_first_delta_and_no
     # every progress frame comes before the first delta
     assert seen.index("delta") > max(i for i, k in enumerate(seen) if k == "progress")
     # transient: after its start entry the reply stream holds deltas and the done only
-    entries = gw.run(gw.app.state.streams.read(r.request_id, 0, 1000, 1))
+    entries = gw.run(gw.state.streams.read(r.request_id, 0, 1000, 1))
     assert {e.kind for e in entries} == {"delta", "done"}
     assert not any("progress" in json.dumps(e.fields) for e in entries)
 

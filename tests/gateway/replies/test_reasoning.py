@@ -79,7 +79,7 @@ def test_the_engine_declares_the_markers_of_a_template_that_thinks(tiny_thinker_
 
 async def test_reasoning_is_stored_whole_timed_and_left_out_of_the_next_prompt(gateway_factory, thinker_gate):
     gw = gateway_factory(engine_urls=[thinker_gate.url])
-    info = gw.app.state.router.info()
+    info = gw.state.router.info()
     assert info.think_markers == ["<think>", "</think>"] and info.think_in_prompt
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as ws:
@@ -106,7 +106,7 @@ async def test_reasoning_is_stored_whole_timed_and_left_out_of_the_next_prompt(g
 def test_the_openai_api_returns_reasoning_content_streamed_and_whole(gateway_factory, thinker_engine):
     gw = gateway_factory(engine_urls=[thinker_engine.url])
     client = openai_client(gw)
-    model = gw.app.state.router.info().model
+    model = gw.state.router.info().model
     whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     message = whole.choices[0].message

@@ -74,7 +74,7 @@ async def test_a_reply_finished_while_redis_is_down_is_stored_after_it_returns(g
         await engine_gate.sent(of_type("generate", start["request_id"]))  # the chat was read from Redis
         private_redis.kill()
         engine_gate.resume()
-        gens = gw.app.state.generations
+        gens = gw.state.generations
         turn = gens.running[start["request_id"]]
         # the engine finishes the reply while Redis is down; the task takes it all and waits to store it
         await wait_for(lambda: any(of_type("done", start["request_id"])(f) for f in engine_gate.from_engine)
@@ -92,7 +92,7 @@ async def test_a_reply_finished_while_redis_is_down_is_stored_after_it_returns(g
 
 async def test_a_high_max_tokens_is_clamped_to_the_context_left_in_the_browser_chat(gateway_factory):
     gw = gateway_factory()
-    max_len = gw.app.state.router.info().max_model_len
+    max_len = gw.state.router.info().max_model_len
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as ws:
         r = await chat(ws, "Hi there, a short question.", max_tokens=max_len)
@@ -109,7 +109,7 @@ async def test_a_high_max_tokens_is_clamped_to_the_context_left_in_the_browser_c
 
 async def test_the_openai_api_keeps_the_strict_max_tokens_check_on_linked_chats(gateway_factory):
     gw = gateway_factory()
-    max_len = gw.app.state.router.info().max_model_len
+    max_len = gw.state.router.info().max_model_len
     cookie = gw.new_cookie()
     async with gw.http(cookie) as c:
         r = await c.post("/v1/chat/completions", json={
@@ -119,7 +119,7 @@ async def test_the_openai_api_keeps_the_strict_max_tokens_check_on_linked_chats(
 
 async def test_a_refused_first_message_leaves_no_title_from_the_rejected_text(gateway_factory):
     gw = gateway_factory()
-    max_len = gw.app.state.router.info().max_model_len
+    max_len = gw.state.router.info().max_model_len
     cookie = gw.new_cookie()
     async with gw.http(cookie) as c:  # the page creates the chat first, then sends into it
         sid = (await c.post("/api/sessions", json={})).json()["id"]

@@ -23,7 +23,7 @@ async def test_smollm2_answers_and_reuses_the_first_turn_in_the_second(gateway_f
     u1, u2 = one.done["usage"], two.done["usage"]
     assert u2["cached_tokens"] >= u1["prompt_tokens"] + u1["completion_tokens"] - 16
     uid = UserIds(gw.config.secret_key).verify(cookie)
-    msgs = gw.run(gw.app.state.store.messages(uid, sid, with_tokens=True))
+    msgs = gw.run(gw.state.store.messages(uid, sid, with_tokens=True))
     assert [m["role"] for m in msgs] == ["user", "assistant"] * 2
     assert not any(m["tokens_base"] for m in msgs[1:])  # turn 2 extended turn 1's exact ids
     assert sum(len(m["token_ids"]) for m in msgs[:3]) == u2["prompt_tokens"]

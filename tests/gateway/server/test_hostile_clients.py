@@ -197,7 +197,7 @@ async def test_sockets_per_user_are_capped_and_a_closed_one_frees_its_place(gate
     async with gw.connect(cookie) as again:
         await send(again, {"type": "ping"})
         assert await recv(again) == {"type": "pong"}
-    await wait_for(lambda: gw.app.state.ws_stats.by_user == {})  # the server saw every close
+    await wait_for(lambda: gw.state.ws_stats.by_user == {})  # the server saw every close
 
 
 async def test_sockets_per_address_are_capped(gateway_factory):
@@ -327,7 +327,7 @@ def test_a_ping_flood_that_never_reads_is_not_read_either_and_is_aborted(gateway
     from bench.raw_ws import client_frame
 
     gw = gateway_factory(wait_for_engine=False, limits={"ws_send_timeout_s": 1.0})
-    stats = gw.app.state.connection_stats
+    stats = gw.state.connections
     sock = _ws_handshake(_port(gw), gw.new_cookie(), gw.origin, sndbuf=65536)
     chunk = client_frame(b"p" * 125, opcode=0x9) * 8000  # about 1 MiB of pings
     pushed, cap = 0, 64 << 20
@@ -362,7 +362,7 @@ def test_a_frame_over_the_limit_is_refused_from_its_header_without_its_payload(g
     assert answer[0] == 0x81 and b'"frame_too_large"' in answer and str(limit).encode() in answer, answer[:200]
     close = answer[answer.index(b"\x88"):]  # the close frame: its code is 1009
     assert int.from_bytes(close[2:4], "big") == 1009 and len(close) > 4
-    assert gw.app.state.connection_stats.ws_frames_too_large_total == 1
+    assert gw.state.connections.ws_frames_too_large_total == 1
 
 
 def test_a_slow_body_gets_408_and_connections_are_capped_per_address_and_in_total(gateway_factory):
@@ -382,7 +382,7 @@ def test_a_slow_body_gets_408_and_connections_are_capped_per_address_and_in_tota
         for s in held:
             s.close()
     deadline = time.monotonic() + 30  # the server saw the closes
-    while gw.app.state.connection_stats.http_by_address and time.monotonic() < deadline:
+    while gw.state.connections.http_by_address and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(gw.base_url + "/healthz", timeout=10).status_code == 200
 
@@ -395,5 +395,5 @@ def test_a_slow_body_gets_408_and_connections_are_capped_per_address_and_in_tota
     finally:
         for s in held:
             s.close()
-    stats = total.app.state.connection_stats
-    assert stats.refused_total.get("total") == 1 and gw.app.state.connection_stats.refused_total["per_address"] == 1
+    stats = total.state.connections
+    assert stats.refused_total.get("total") == 1 and gw.state.connections.refused_total["per_address"] == 1

@@ -237,7 +237,7 @@ async def test_a_killed_local_engine_is_restarted_on_the_same_port_and_chats_wor
             assert wait_until(lambda: engine.restarts == 1, 120), said
             assert engine.url == url and engine.process.pid != first_pid
             assert any("restarting it on port" in line for line in said), said
-            assert wait_until(lambda: bool(gw.app.state.router.healthy), 60)  # the client reconnected
+            assert wait_until(lambda: bool(gw.state.router.healthy), 60)  # the client reconnected
             again = await chat(ws, "Are you back?", cut.start["session_id"], max_tokens=6)
             assert again.error is None and again.done["finish_reason"] in ("stop", "length"), again.error
         async with gw.http(cookie) as c:

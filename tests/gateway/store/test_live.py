@@ -37,7 +37,7 @@ async def test_changes_in_one_tab_reach_the_users_other_tabs_on_another_replica(
     async with gw1.connect(cookie) as a, gw2.connect(cookie) as b, gw2.connect(stranger) as c:
         for ws in (a, b, c):
             await send(ws, {"type": "events"})
-        await wait_for(lambda: uid in gw2.app.state.live.subscribed and uid in gw1.app.state.live.subscribed)
+        await wait_for(lambda: uid in gw2.state.live.subscribed and uid in gw1.state.live.subscribed)
         r = await chat(a, "Hello there.", max_tokens=6)
         sid = r.start["session_id"]
         started = await next_event(b, {"started"})
@@ -54,7 +54,7 @@ async def test_changes_in_one_tab_reach_the_users_other_tabs_on_another_replica(
         # the tab that made the changes hears them too (it ignores its own in the page)
         assert (await next_event(a, {"deleted"}))["session_id"] == created
         assert [f for f in await frames_until_pong(c) if f["type"] == "event"] == []
-    await wait_for(lambda: uid not in gw2.app.state.live.subscribed)  # the last socket left: unsubscribed
+    await wait_for(lambda: uid not in gw2.state.live.subscribed)  # the last socket left: unsubscribed
 
 
 async def test_a_socket_gets_no_event_frames_unless_it_asks(gateway_factory):
@@ -62,11 +62,11 @@ async def test_a_socket_gets_no_event_frames_unless_it_asks(gateway_factory):
     cookie = gw.new_cookie()
     async with gw.connect(cookie) as quiet, gw.connect(cookie) as watching:
         await send(watching, {"type": "events"})
-        await wait_for(lambda: gw.app.state.live.subscribed)
+        await wait_for(lambda: gw.state.live.subscribed)
         r = await chat(quiet, "Hello there.", max_tokens=4)
         assert r.error is None and not [f for f in r.others if f["type"] == "event"]
         assert (await next_event(watching, {"finished"}))["session_id"] == r.start["session_id"]
         await send(watching, {"type": "events", "on": False})
-        await wait_for(lambda: not gw.app.state.live.subscribed)
+        await wait_for(lambda: not gw.state.live.subscribed)
         await send(watching, {"type": "events", "on": "yes"})
         assert (await recv(watching))["code"] == "bad_frame"
