@@ -96,3 +96,16 @@ def test_decode_step_agreement_scores_greedy_answers_against_the_exact_format(ti
     assert decode_step.greedy_tokens(str(tiny_model_dir), decode_step.FORMATS["exact"], ids, 5, forced=own) == own
     table = decode_step.agreement_table(str(tiny_model_dir), ["int8"], [], 2)
     assert "| int8 |" in table and f"{len(decode_step.AGREEMENT_PROMPTS)} chat prompts" in table
+
+
+def test_decode_step_ops_table_times_every_op_of_the_fused_layers(tiny_model_dir, capsys):
+    """``--ops`` reads the fused layers' per-op counters: one row per op, every column."""
+    from bench import decode_step
+
+    assert decode_step.main(["--model", str(tiny_model_dir), "--ops", "--formats", "int4", "--batches", "1,2",
+                             "--steps", "2", "--context", "20"]) == 0
+    out = capsys.readouterr().out
+    for op in decode_step.OP_NAMES:
+        row = next(line for line in out.splitlines() if line.startswith(f"| {op} |"))
+        assert row.count("|") == 5  # decode at 1, decode at 2, the prefill
+    assert "decode, batch 2 (ms)" in out and "prefill of 512 (ms)" in out
