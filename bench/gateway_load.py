@@ -19,7 +19,9 @@ gateway), and the clients record ``time.monotonic_ns()`` when each browser ``del
 arrives. CLOCK_MONOTONIC is shared by all processes of a machine, so the difference is
 the time spent in the gateway (engine socket -> reply task -> Redis Stream -> socket
 tail -> browser socket), plus the client's own scheduling delay (so it is an upper
-bound). The gateway may coalesce engine frames that waited into one browser delta; an
+bound; the client process freezes its start-up objects out of its garbage collector's
+reach while the replies run, as the gateway does, so that its own full collections are
+not counted). The gateway may coalesce engine frames that waited into one browser delta; an
 engine frame is matched to the first browser delta whose cumulative text covers it.
 
 Nothing may be lost: every reply's concatenated deltas must equal the message stored in
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -233,11 +236,19 @@ async def run_load(base_url: str, cfg: LoadConfig,
             finally:
                 await ws.close()
 
+        # the clients' own full collections would walk everything imported so far (tens
+        # of ms, counted as the gateway's): out of the collector's reach while the replies
+        # run (see module doc); done before any socket opens, so it delays no reply
+        gc.collect()
+        gc.freeze()
         tasks = [asyncio.create_task(client(c)) for c in cookies]
         await opened.wait()
         cpu0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
         t0 = time.perf_counter()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            gc.unfreeze()  # a caller's process (a test) collects them again
         wall = time.perf_counter() - t0
         cpu = cpu_seconds(gateway_pid) - cpu0 if gateway_pid else None
         errors += [f"client failed: {e!r}" for e in results if isinstance(e, BaseException)]

@@ -302,9 +302,16 @@ class EngineRun:
             await self.request.abort()
 
     def close(self) -> None:
-        """Release the request id (aborting it in the engine if it has not ended)."""
+        """Release the request id (aborting it in the engine if it has not ended) and drop
+        ``stream_to``'s callbacks: they refer back to the reply (its turn, its writer),
+        and the request refers to this run through its sink, so left in place the whole
+        reply (its text, entries and frames) would wait for a full garbage collection, a
+        stall of the loop (docs/benchmarks.md, "Where the tail comes from"), instead of
+        being freed when its last owner drops it."""
         if self.request is not None:
+            self.request.sink = None
             self.request.close()
+        self._accepts = self._take = None
 
 
 def estimate_tokens(chars: int) -> int:

@@ -13,11 +13,16 @@
   denial response); uvicorn's sans-I/O protocol then logs "ASGI callable returned
   without completing handshake." at ERROR although the answer was sent. That one line
   is filtered out (``DeniedHandshakeFilter``).
+* Once serving (``serve_and_announce``), everything alive after start-up (the modules,
+  the app, its connections) is moved out of the garbage collector's reach
+  (``freeze_startup_objects``), so a full collection no longer walks it in the middle of
+  a step's replies (docs/benchmarks.md, "Where the tail comes from").
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import threading
@@ -157,12 +162,23 @@ class ThreadedServer:
         self.sock.close()
 
 
+def freeze_startup_objects() -> None:
+    """Collect the start-up garbage, then move every object alive now to the collector's
+    permanent generation (``gc.freeze``): later collections, full ones included, walk
+    only the objects made since. For a process that serves one app until it exits (not
+    for tests, which start many): what is frozen is never collected."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_and_announce(server: uvicorn.Server, sock: socket.socket, ready_line: str) -> None:
-    """Serve ``server`` on ``sock`` until it stops; print ``ready_line`` (flushed) once it
-    accepts connections, so a parent process or a user knows when to connect."""
+    """Serve ``server`` on ``sock`` until it stops; once it accepts connections, freeze
+    the start-up objects (``freeze_startup_objects``) and print ``ready_line`` (flushed),
+    so a parent process or a user knows when to connect."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
+        freeze_startup_objects()
         print(ready_line, flush=True)
     await task

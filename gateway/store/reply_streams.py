@@ -202,7 +202,9 @@ class ReplyStreams:
                 try:
                     out.append(await conn.read_response())
                 except rexc.ResponseError as e:
-                    out.append(e)
+                    # without its traceback: the traceback's frames refer back to it (a
+                    # cycle only a full garbage collection would free)
+                    out.append(e.with_traceback(None))
             return out
 
         async def broken(_err: Exception) -> None:

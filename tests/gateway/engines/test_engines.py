@@ -4,11 +4,16 @@ user sees when the engine dies mid-reply. Real engines only."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from engine.protocol import to_dict
-from gateway.engines.client import EngineClient, EngineRouter
+from gateway.engines.client import EngineClient, EngineRequest, EngineRouter
+from gateway.engines.run import EngineRun
 from gateway.server.local import LocalEngine
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import ENGINE_ARGS, gate_in_front_of
@@ -153,3 +158,32 @@ async def test_gateway_reconnects_when_the_engine_comes_back(gateway_factory, ti
         assert r.done is not None and r.done["usage"]["completion_tokens"] >= 1
     finally:
         engine.stop()
+
+
+def test_a_closed_engine_run_leaves_no_cycle_back_to_its_reply():
+    # the reply holds its run, and the run's stream_to callbacks are the reply's: once
+    # closed, reference counting alone frees the reply (no wait for a full collection)
+    class Reply:
+        def __init__(self) -> None:
+            self.batches: list[Any] = []
+            self.run = EngineRun(cast(Any, None), "r1", "k", [])
+
+        def accepts(self) -> bool:
+            return True
+
+        def take(self, batch: Any) -> None:
+            self.batches.append(batch)
+
+    reply = Reply()
+    run = reply.run
+    run.request = EngineRequest(cast(Any, SimpleNamespace(_requests={})), "r1")
+    run.stream_to(reply.accepts, reply.take)
+    assert run.request.sink is not None
+    gone = weakref.ref(reply)
+    gc.disable()
+    try:
+        run.close()
+        del reply, run
+        assert gone() is None
+    finally:
+        gc.enable()
