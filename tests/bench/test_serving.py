@@ -258,3 +258,16 @@ def test_serving_measures_our_gateway_end_to_end(engine_url, redis_url, key_pref
     single = report["results"]["ours"]["single"]["1"]
     assert single["output_tokens"] == 4 and single["errors"] == 0
     assert report["systems"]["ours"]["bytes_per_step"] > 0
+
+
+def test_the_bytes_a_decode_step_reads_follow_the_serving_format(tiny_model_dir):
+    from bench.serving_lib.systems import count_params, weight_read_bytes
+
+    params = count_params(tiny_model_dir)
+    f32 = weight_read_bytes(tiny_model_dir, None, "float32")
+    i8 = weight_read_bytes(tiny_model_dir, "int8", "float32")
+    i4 = weight_read_bytes(tiny_model_dir, "int4", "float32")
+    sym = weight_read_bytes(tiny_model_dir, "int4-sym", "float32")
+    assert f32 == 4 * params
+    assert params < i8 < 1.1 * params  # a byte a weight, the norms in float32
+    assert sym < i4 < i8  # the layers' projections at 18 or 20 bytes per 32 weights

@@ -135,7 +135,7 @@ REPLY = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city"
          '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": [2, "]"]}}\n</tool_call>')
 
 
-def _stream(fmt, text: str, step: int):
+def _stream(fmt, text: str, step: int, cut: bool = False):
     ids = iter(f"id{i}" for i in range(10))
     s = ToolCallStream(fmt, make_id=lambda: next(ids))
     content, deltas = "", []
@@ -143,7 +143,7 @@ def _stream(fmt, text: str, step: int):
         c, d = s.feed(text[i:i + step])
         content += c
         deltas += d
-    c, d = s.finish()
+    c, d = s.finish(cut=cut)
     return s, content + c, deltas + d
 
 
@@ -167,6 +167,24 @@ def test_text_that_only_looks_like_a_marker_is_content_and_a_cut_call_keeps_what
     assert content == "a <tool_ is not <b>it</b>" and not deltas
     s, content, deltas = _stream(GENERIC, 'x<tool_call>\n{"name": "add", "arguments": {"x": 1', 4)
     assert content == "x" and s.calls[0].arguments == '{"x": 1' and not s.calls[0].complete
+
+
+@pytest.mark.parametrize("tail", ['<tool_call>\n{"name": "add", "argu', "<tool_call>", "<tool_"])
+def test_a_reply_cut_inside_a_calls_opening_shows_no_call_markup(tail):
+    # after a whole call, max_tokens cuts the next one's opening: no markup in the content
+    text = 'x<tool_call>\n{"name": "add", "arguments": {"x": 1}}\n</tool_call>\n' + tail
+    s, content, deltas = _stream(GENERIC, text, 3, cut=True)
+    assert content == "x" and [c.arguments for c in s.calls] == ['{"x": 1}'] and s.calls[0].complete
+    assert "".join(d.arguments for d in deltas) == '{"x": 1}'
+
+
+def test_a_cut_calls_opening_is_dropped_but_a_reply_that_ended_there_keeps_it():
+    opening = 'x<tool_call>\n{"name": "add", "argu'
+    s, content, deltas = _stream(GENERIC, opening, 3, cut=True)
+    assert content == "x" and not s.calls and not deltas
+    # the model itself ended the reply there: a marker that led to no call is content
+    s, content, _ = _stream(GENERIC, opening, 3)
+    assert content == opening and not s.calls
 
 
 def test_llama3_json_calls_open_the_reply_and_text_replies_stay_text():

@@ -94,6 +94,11 @@ async def test_a_browser_chat_continues_from_the_client_and_the_api_with_a_token
     assert done.returncode == 0, done.stderr
     assert f"[chat {sid}]" in done.stderr
 
+    # without the token the client is another user: refused, with what to do about it
+    other = run_client(gw, "--session", sid, "Hello without a token", env={"CHAT_TOKEN": ""})
+    assert other.returncode == 1 and "no such chat" in other.stderr, other.stderr
+    assert "--token" in other.stderr and "CHAT_TOKEN" in other.stderr
+
     # the OpenAI API continues it too, with the token as its bearer
     r = httpx.post(f"{gw.base_url}/v1/chat/completions", timeout=60,
                    headers={"Authorization": f"Bearer {token}", "X-Chat-Session": sid},
