@@ -11,7 +11,7 @@ test:
 test-fast:
 	TESTS_WITHOUT_MODEL=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -m "not model and not browser and not triton" $(ARGS)
 # The lint and type gate (ruff, then mypy; configured in pyproject.toml). scripts/test.sh
-# runs it before the tests, so CI enforces it.
+# runs it beside the tests, so CI enforces it.
 check:
 	bash scripts/check.sh
 bench:
