@@ -80,6 +80,7 @@ async function main(win) {
   // ---- notices, banner, announcements ---------------------------------
   // "The model server is not reachable" clears itself once /readyz says it is back.
   const engineDown = errorText("engine_unavailable");
+  const unreachable = errorText("network");
   let readyPoll = 0;
   const watchEngine = () => {
     clearInterval(readyPoll);
@@ -219,7 +220,9 @@ async function main(win) {
     onFrame: (f) => controller.onFrame(f),
     onStatus: (s) => {
       showConnection(s);
-      if (s.state === "open" && $("notice-text").textContent === OFFLINE_TEXT) notify("");
+      // Back online, the server is reachable: a notice saying otherwise is stale (a fetch
+      // that failed while the browser was offline says "cannot be reached").
+      if (s.state === "open" && [OFFLINE_TEXT, unreachable].includes($("notice-text").textContent)) notify("");
       if (s.state === "open") controller.onOpen();
     },
   });
@@ -434,6 +437,7 @@ async function main(win) {
   $("conn-retry").addEventListener("click", () => socket.reconnectNow());
   win.addEventListener("hashchange", () => controller.openFromLocation());
   win.addEventListener("online", () => socket.reconnectNow());
+  win.addEventListener("offline", () => socket.linkLost());
   doc.addEventListener("visibilitychange", () => {
     if (doc.visibilityState === "visible") socket.reconnectNow();
   });

@@ -101,6 +101,15 @@ export class ChatSocket {
     this.start();
   }
 
+  /**
+   * The browser says it went offline: drop the socket now instead of waiting up to
+   * pingEveryMs + pongTimeoutMs (30 s) for a pong that cannot come, then retry as after
+   * any drop (the owner calls reconnectNow when the browser is back online).
+   */
+  linkLost() {
+    if (this.isOpen) this.abandon();
+  }
+
   /** Close for good (no reconnect). */
   stop() {
     this.stopped = true;

@@ -200,8 +200,9 @@ def test_enter_while_streaming_or_offline_says_why_and_keeps_the_text(
     page.wait_for_selector(".msg.assistant .badge-partial", timeout=WAIT_MS)
 
     page.context.set_offline(True)
-    # the page's socket drops when the network goes away; wait for the page to notice
-    page.wait_for_selector("body[data-connection=closed], body[data-connection=connecting]", timeout=WAIT_MS)
+    # the page drops its socket on the browser's "offline" event; its keep-alive alone would
+    # notice only after a ping and a pong timeout (30 s), so a 10 s wait fails without it
+    page.wait_for_selector("body[data-connection=closed], body[data-connection=connecting]", timeout=10_000)
     send(page, "Offline message")
     page.wait_for_selector("#notice:not([hidden]) >> text=Not connected to the server")
     assert page.input_value("#input") == "Offline message"
