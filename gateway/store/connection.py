@@ -19,6 +19,7 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError, TimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
 RETRIES = 4  # tries after the first; backoff 50 ms doubling, at most 1 s (with jitter)
 BACKOFF_BASE_S = 0.05
@@ -32,6 +33,16 @@ def resilience_options() -> dict[str, Any]:
     return {"retry": Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
             "retry_on_error": [ConnectionError, TimeoutError],
             "health_check_interval": HEALTH_CHECK_INTERVAL_S}
+
+
+def handshake_options() -> dict[str, Any]:
+    """Keyword arguments for ``BlockingConnectionPool.from_url`` that keep a new
+    connection's handshake to what the gateway uses: no ``CLIENT SETINFO`` (library name
+    and version) and no ``CLIENT MAINT_NOTIFICATIONS`` (a managed-cloud feature). redis-py
+    sends all three by default and ignores their errors, so on a Redis that knows none of
+    them (before 7.2) each new connection cost three extra commands, each answered with an
+    error (about one per reply while the pool grows under a burst of new turns)."""
+    return {"driver_info": None, "maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
 
 async def close_quietly(pubsub: PubSub) -> None:
