@@ -9,6 +9,14 @@
 * The listening socket is ours, with ``SO_SNDBUF`` set (``limits.ws_socket_sndbuf_bytes``):
   Linux copies it to every accepted connection, bounding the kernel's share of a slow
   reader's outbound bytes (autotuning would allow several MiB per connection).
+* Every accepted connection has ``TCP_NODELAY`` (Nagle's algorithm off). asyncio sets it
+  only on sockets whose protocol number is TCP, and a socket made with
+  ``socket.socket(family, SOCK_STREAM)`` has protocol 0, as have the connections it
+  accepts: with Nagle on, a small frame written while the previous one is not yet
+  acknowledged waited for that acknowledgement, which a client delays by up to 40 ms
+  (a reply's first delta behind its ``start`` frame took 20-40 ms more;
+  docs/benchmarks.md, "2026-12-02"). The listening socket is made with ``IPPROTO_TCP``
+  and ``TCP_NODELAY`` (which Linux copies to the connections it accepts).
 * A refused WebSocket handshake is answered with a JSON reason (``gateway.api.socket``, the ASGI
   denial response); uvicorn's sans-I/O protocol then logs "ASGI callable returned
   without completing handshake." at ERROR although the answer was sent. That one line
@@ -49,8 +57,10 @@ def make_listen_socket(host: str, port: int, sndbuf_bytes: int | None) -> socket
         OSError: the address is in use or not available.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets that name TCP (module doc)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if sndbuf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
     sock.bind((host, port))
