@@ -1101,6 +1101,247 @@ static inline __attribute__((always_inline)) void pv_tile512(float *const *acc, 
 #endif
 
 
+/* One row's online-softmax step over a block of n keys (Milakov & Gimelshein 2018): sr
+ * holds the row's n raw scores, of which the first `visible` count; they become exp(score *
+ * scale - new max) (0 past `visible`), the row's (max, sum) in ml2 move to the new max, and
+ * corr gets the factor its running output must be scaled by. One function for every path,
+ * so a row's arithmetic is the same whichever path computed its scores. */
+static inline void softmax_row(float *sr, int64_t visible, int64_t n, float scale, int vec, float *ml2,
+                               float *corr) {
+    float mx = -INFINITY, sum = 0.f;
+    const float m = ml2[0];
+#if CS_AVX2
+    if (vec) {
+        const __m256 ninf = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(scale);
+        const __m256i lim = _mm256_set1_epi32((int)visible);
+        __m256 v[4], vm = ninf;
+        for (int i = 0; i < 4; i++) {
+            const __m256i idx = _mm256_setr_epi32(8 * i, 8 * i + 1, 8 * i + 2, 8 * i + 3, 8 * i + 4, 8 * i + 5,
+                                                  8 * i + 6, 8 * i + 7);
+            const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, idx));
+            v[i] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr + 8 * i), sc), keep);
+            vm = _mm256_max_ps(vm, v[i]);
+        }
+        mx = hmax256(vm);
+        const __m256 mn = _mm256_set1_ps(mx > m ? mx : m);
+        __m256 vs = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            const __m256 e = exp256(_mm256_sub_ps(v[i], mn));
+            _mm256_storeu_ps(sr + 8 * i, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        sum = hsum256(vs);
+    }
+#endif
+    if (!vec) {
+        for (int64_t j = 0; j < visible; j++) {
+            sr[j] *= scale;
+            mx = sr[j] > mx ? sr[j] : mx;
+        }
+        const float mn = mx > m ? mx : m;
+        for (int64_t j = 0; j < visible; j++) sum += (sr[j] = expf(sr[j] - mn));
+        for (int64_t j = visible; j < n; j++) sr[j] = 0.f;
+    }
+    const float mnew = mx > m ? mx : m;
+    *corr = expf(m - mnew); /* 0 on the first keys (m = -inf) */
+    ml2[1] = ml2[1] * *corr + sum;
+    ml2[0] = mnew;
+}
+
+#define CS_DEC_R 4 /* most rows (query heads of one KV head) the one-token path takes */
+
+/* Where key positions j0..j0+n-1 of request b's table sit in the cache: slots[0..n). */
+static inline void block_slots(const int32_t *table, int64_t bs, int64_t j0, int64_t n, int64_t *slots) {
+    for (int64_t j = 0; j < n;) { /* one table lookup (and division) per block, not per key */
+        const int64_t pos = j0 + j, off = pos % bs, run = (bs - off) < (n - j) ? (bs - off) : (n - j);
+        const int64_t slot = (int64_t)table[pos / bs] * bs + off;
+        for (int64_t i = 0; i < run; i++, j++) slots[j] = slot + i;
+    }
+}
+
+/* Fetch the key and value rows of positions [p0, p1) of KV heads g0..g0+ng-1 while other
+ * work runs: a decode step's cache rows come from memory (the weights streamed through the
+ * caches since the last step), and a block's pages are too short and scattered for the
+ * hardware prefetchers. (A slot's rows of consecutive heads are contiguous.) */
+static inline void prefetch_kv(const cs_attn_args *a, const int32_t *table, int64_t g0, int64_t ng, int64_t p0,
+                               int64_t p1) {
+    const int64_t bs = a->block_size, bytes = ng * a->D * (a->kv_bf16 ? 2 : 4);
+    for (int64_t pos = p0; pos < p1; pos++) {
+        const int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;
+        const char *kr = kv_row(a->k_cache, slot, g0, a), *vr = kv_row(a->v_cache, slot, g0, a);
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kr + o, 0, 3);
+            __builtin_prefetch(vr + o, 0, 3);
+        }
+    }
+}
+
+#if CS_AVX2
+/* The dimension order of a one-token path's running output: each group of CS_DEC_W
+ * dimensions is kept as its even dimensions, then its odd ones (what the bfloat16 value
+ * rows give without a shuffle). 16 lanes in the AVX-512 build, 8 otherwise. */
+#if CS_ATTN512
+#define CS_DEC_W 32
+#else
+#define CS_DEC_W 16
+#endif
+
+/* attn_partial for one query token (every row sees every key of the chunk, up to its
+ * own position) over a bfloat16 cache, at KV heads g0..g0+ng-1 (head g's R rows: acc
+ * [R, D] at acc + (g - g0) * pstride * R * D, ml [R, 2] at ml + (g - g0) * pstride * R * 2),
+ * for R <= CS_DEC_R rows a head and D a multiple of CS_DEC_W: the same per-lane arithmetic
+ * as attn_partial's tiles, and so the same bits (a score lane is one chain of FMAs over d in
+ * order from zero; an output lane one chain over the keys in order after the scaling by
+ * corr), without the float32 scratch. Keys are transposed in registers (bfloat16 pairs as
+ * 32-bit units, then split) straight into the score products; value rows are widened in
+ * registers inside the weighted sum, their even and odd dimensions in separate lanes (acc is
+ * kept so until the chunk's end, then put back in order). Decode does little work per key
+ * (R rows), so the scratch stores and reloads of attn_partial were most of its cost. The
+ * heads of a block go one after the other while its rows are in cache: a slot's rows of all
+ * KV heads are contiguous, so the unit reads the cache pages in order. Scratch: s [R *
+ * CS_KEYS], corr [R]. */
+static inline __attribute__((always_inline)) void one_token_bf16(const cs_attn_args *a, const int R, int64_t b,
+                                                                 int64_t g0, int64_t ng, int64_t pstride,
+                                                                 int64_t q0, int64_t k0, int64_t k1, float *acc0,
+                                                                 float *ml0, float *s, float *corr) {
+    const int64_t G = a->H / a->Hkv, D = a->D, bs = a->block_size;
+    const int64_t qs = a->query_start[b], qlen = a->query_start[b + 1] - qs;
+    const int64_t prefix = a->seq_lens[b] - qlen;
+    const int32_t *table = a->block_tables + b * a->max_blocks;
+    for (int64_t gi = 0; gi < ng; gi++) {
+        float *ml = ml0 + gi * pstride * R * 2;
+        for (int64_t r = 0; r < R; r++) {
+            ml[2 * r] = -INFINITY;
+            ml[2 * r + 1] = 0.f;
+        }
+        memset(acc0 + gi * pstride * R * D, 0, (size_t)(R * D) * 4);
+    }
+    int64_t kend = prefix + q0 + 1;
+    if (kend > k1) kend = k1;
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    int64_t slots[CS_KEYS];
+    for (int64_t j0 = k0; j0 < kend; j0 += CS_KEYS) {
+        const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
+        block_slots(table, bs, j0, n, slots);
+        prefetch_kv(a, table, g0, ng, j0 + CS_KEYS, kend < j0 + 2 * CS_KEYS ? kend : j0 + 2 * CS_KEYS);
+        for (int64_t gi = 0; gi < ng; gi++) {
+            const int64_t g = g0 + gi;
+            float *acc = acc0 + gi * pstride * R * D, *ml = ml0 + gi * pstride * R * 2;
+            const float *qp[CS_DEC_R];
+            for (int r = 0; r < R; r++) qp[r] = a->q + (qs + q0) * a->ldq + (g * G + r) * D;
+            /* scores, 8 keys at a time */
+            for (int64_t j8 = 0; j8 < n; j8 += 8) {
+                const uint16_t *src[8];
+                for (int i = 0; i < 8; i++)
+                    src[i] = j8 + i < n ? (const uint16_t *)kv_row(a->k_cache, slots[j8 + i], g, a) : NULL;
+                __m256 sc[CS_DEC_R];
+                for (int r = 0; r < R; r++) sc[r] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 16) {
+                    __m256 t[8];
+                    for (int i = 0; i < 8; i++)
+                        t[i] = src[i] ? _mm256_loadu_ps((const float *)(src[i] + d)) : _mm256_setzero_ps();
+                    transpose8(t);
+                    for (int p = 0; p < 8; p++) {
+                        const __m256i u = _mm256_castps_si256(t[p]);
+                        const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)),
+                                     ko = _mm256_castsi256_ps(_mm256_and_si256(u, hi));
+                        for (int r = 0; r < R; r++) {
+                            sc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qp[r] + d + 2 * p), ke, sc[r]);
+                            sc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qp[r] + d + 2 * p + 1), ko, sc[r]);
+                        }
+                    }
+                }
+                for (int r = 0; r < R; r++) _mm256_storeu_ps(s + r * CS_KEYS + j8, sc[r]);
+            }
+            for (int64_t j8 = (n + 7) / 8 * 8; j8 < CS_KEYS; j8 += 8) /* no stale scratch in masked lanes */
+                for (int r = 0; r < R; r++) _mm256_storeu_ps(s + r * CS_KEYS + j8, _mm256_setzero_ps());
+            for (int r = 0; r < R; r++) softmax_row(s + r * CS_KEYS, n, n, a->scale, 1, ml + 2 * r, corr + r);
+            /* acc = acc * corr + p V, CS_DEC_W dimensions at a time */
+            const uint16_t *vr[CS_KEYS];
+            for (int64_t j = 0; j < n; j++) vr[j] = (const uint16_t *)kv_row(a->v_cache, slots[j], g, a);
+            for (int64_t d0 = 0; d0 < D; d0 += CS_DEC_W) {
+#if CS_ATTN512
+                const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+                __m512 oe[CS_DEC_R], oo[CS_DEC_R];
+                for (int r = 0; r < R; r++) {
+                    const __m512 c = _mm512_set1_ps(corr[r]);
+                    oe[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0), c);
+                    oo[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16), c);
+                }
+                for (int64_t j = 0; j < n; j++) {
+                    const __m512i u = _mm512_loadu_si512((const void *)(vr[j] + d0));
+                    const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)),
+                                 vo = _mm512_castsi512_ps(_mm512_and_si512(u, hi16));
+                    for (int r = 0; r < R; r++) {
+                        const __m512 pj = _mm512_set1_ps(s[r * CS_KEYS + j]);
+                        oe[r] = _mm512_fmadd_ps(pj, ve, oe[r]);
+                        oo[r] = _mm512_fmadd_ps(pj, vo, oo[r]);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    _mm512_storeu_ps(acc + r * D + d0, oe[r]);
+                    _mm512_storeu_ps(acc + r * D + d0 + 16, oo[r]);
+                }
+#else
+                __m256 oe[CS_DEC_R], oo[CS_DEC_R];
+                for (int r = 0; r < R; r++) {
+                    const __m256 c = _mm256_set1_ps(corr[r]);
+                    oe[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0), c);
+                    oo[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + 8), c);
+                }
+                for (int64_t j = 0; j < n; j++) {
+                    const __m256i u = _mm256_loadu_si256((const __m256i *)(vr[j] + d0));
+                    const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)),
+                                 vo = _mm256_castsi256_ps(_mm256_and_si256(u, hi));
+                    for (int r = 0; r < R; r++) {
+                        const __m256 pj = _mm256_set1_ps(s[r * CS_KEYS + j]);
+                        oe[r] = _mm256_fmadd_ps(pj, ve, oe[r]);
+                        oo[r] = _mm256_fmadd_ps(pj, vo, oo[r]);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    _mm256_storeu_ps(acc + r * D + d0, oe[r]);
+                    _mm256_storeu_ps(acc + r * D + d0 + 8, oo[r]);
+                }
+#endif
+            }
+        }
+    }
+    /* back to dimension order: a group's even dimensions, then its odd ones -> interleaved */
+    for (int64_t gi = 0; gi < ng; gi++)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t d0 = 0; d0 < D; d0 += CS_DEC_W) {
+                float tmp[CS_DEC_W], *x = acc0 + gi * pstride * R * D + r * D + d0;
+                for (int i = 0; i < CS_DEC_W / 2; i++) {
+                    tmp[2 * i] = x[i];
+                    tmp[2 * i + 1] = x[CS_DEC_W / 2 + i];
+                }
+                memcpy(x, tmp, sizeof(tmp));
+            }
+}
+
+/* one_token_bf16 with R = G = H / Hkv (at most CS_DEC_R). */
+static void attn_one_token_bf16(const cs_attn_args *a, int64_t b, int64_t g0, int64_t ng, int64_t pstride,
+                                int64_t q0, int64_t k0, int64_t k1, float *acc, float *ml, float *s, float *corr) {
+    switch (a->H / a->Hkv) {
+    case 1: one_token_bf16(a, 1, b, g0, ng, pstride, q0, k0, k1, acc, ml, s, corr); break;
+    case 2: one_token_bf16(a, 2, b, g0, ng, pstride, q0, k0, k1, acc, ml, s, corr); break;
+    case 3: one_token_bf16(a, 3, b, g0, ng, pstride, q0, k0, k1, acc, ml, s, corr); break;
+    default: one_token_bf16(a, 4, b, g0, ng, pstride, q0, k0, k1, acc, ml, s, corr); break;
+    }
+}
+
+/* Whether attn_one_token_bf16 takes a one-token unit's rows. */
+static inline int one_token_path(const cs_attn_args *a) {
+    return attn_vec(a->D) && a->kv_bf16 && a->D % CS_DEC_W == 0 && a->H / a->Hkv <= CS_DEC_R;
+}
+#else
+static inline int one_token_path(const cs_attn_args *a) {
+    (void)a;
+    return 0;
+}
+#endif
+
 /* The softmax-weighted sum over keys [k0, k1) of one chunk for the rows of query tokens
  * q0..q0+nq-1 of request b at KV head g (row r: token q0 + r / G, head g * G + r % G),
  * with an online softmax over CS_KEYS keys at a time (Milakov & Gimelshein 2018; the
@@ -1116,6 +1357,12 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
     const int64_t prefix = a->seq_lens[b] - qlen;
     const int32_t *table = a->block_tables + b * a->max_blocks;
     const int vec = attn_vec(D);
+#if CS_AVX2
+    if (nq == 1 && one_token_path(a)) {
+        attn_one_token_bf16(a, b, g, 1, 1, q0, k0, k1, acc, ml, s, corr);
+        return;
+    }
+#endif
     for (int64_t r = 0; r < R; r++) {
         ml[2 * r] = -INFINITY;
         ml[2 * r + 1] = 0.f;
@@ -1127,23 +1374,8 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
     int64_t slots[CS_KEYS];
     for (int64_t j0 = k0; j0 < kend; j0 += CS_KEYS) {
         const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
-        for (int64_t j = 0; j < n;) { /* one table lookup (and division) per block, not per key */
-            const int64_t pos = j0 + j, off = pos % bs, run = (bs - off) < (n - j) ? (bs - off) : (n - j);
-            const int64_t slot = (int64_t)table[pos / bs] * bs + off;
-            for (int64_t i = 0; i < run; i++, j++) slots[j] = slot + i;
-        }
-        /* The next block's keys and values are fetched while this one is computed: a decode
-         * step's cache rows come from memory (the weights streamed through the caches since
-         * the last step), and the block's pages are too short and scattered for the
-         * hardware prefetchers. */
-        for (int64_t pos = j0 + CS_KEYS; pos < kend && pos < j0 + 2 * CS_KEYS; pos++) {
-            const int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;
-            const char *kr = kv_row(a->k_cache, slot, g, a), *vr = kv_row(a->v_cache, slot, g, a);
-            for (int64_t o = 0; o < D * (a->kv_bf16 ? 2 : 4); o += 64) {
-                __builtin_prefetch(kr + o, 0, 3);
-                __builtin_prefetch(vr + o, 0, 3);
-            }
-        }
+        block_slots(table, bs, j0, n, slots);
+        prefetch_kv(a, table, g, 1, j0 + CS_KEYS, kend < j0 + 2 * CS_KEYS ? kend : j0 + 2 * CS_KEYS);
         load_kv_block(a, g, slots, n, kT, vf);
         /* rows of tokens that see none of these keys come first (rows go by token) */
         int64_t r0 = 0;
@@ -1182,45 +1414,7 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
         /* online softmax: s becomes exp(score - new max) (0 for keys a row does not see) */
         for (r = r0; r < R; r++) {
             int64_t visible = prefix + q0 + r / G + 1 - j0; /* keys j < visible are causal for this row */
-            if (visible > n) visible = n;
-            float *sr = s + r * CS_KEYS, mx = -INFINITY, sum = 0.f;
-            const float m = ml[2 * r];
-#if CS_AVX2
-            if (vec) {
-                const __m256 ninf = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(a->scale);
-                const __m256i lim = _mm256_set1_epi32((int)visible);
-                __m256 v[4], vm = ninf;
-                for (int i = 0; i < 4; i++) {
-                    const __m256i idx = _mm256_setr_epi32(8 * i, 8 * i + 1, 8 * i + 2, 8 * i + 3, 8 * i + 4,
-                                                          8 * i + 5, 8 * i + 6, 8 * i + 7);
-                    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, idx));
-                    v[i] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr + 8 * i), sc), keep);
-                    vm = _mm256_max_ps(vm, v[i]);
-                }
-                mx = hmax256(vm);
-                const __m256 mn = _mm256_set1_ps(mx > m ? mx : m);
-                __m256 vs = _mm256_setzero_ps();
-                for (int i = 0; i < 4; i++) {
-                    const __m256 e = exp256(_mm256_sub_ps(v[i], mn));
-                    _mm256_storeu_ps(sr + 8 * i, e);
-                    vs = _mm256_add_ps(vs, e);
-                }
-                sum = hsum256(vs);
-            }
-#endif
-            if (!vec) {
-                for (int64_t j = 0; j < visible; j++) {
-                    sr[j] *= a->scale;
-                    mx = sr[j] > mx ? sr[j] : mx;
-                }
-                const float mn = mx > m ? mx : m;
-                for (int64_t j = 0; j < visible; j++) sum += (sr[j] = expf(sr[j] - mn));
-                for (int64_t j = visible; j < n; j++) sr[j] = 0.f;
-            }
-            const float mnew = mx > m ? mx : m;
-            corr[r] = expf(m - mnew); /* 0 on the first keys (m = -inf) */
-            ml[2 * r + 1] = ml[2 * r + 1] * corr[r] + sum;
-            ml[2 * r] = mnew;
+            softmax_row(s + r * CS_KEYS, visible > n ? n : visible, n, a->scale, vec, ml + 2 * r, corr + r);
         }
         /* acc = acc * corr + p V, over the keys each row sees (p is 0 past them, but a row's
          * sum stops at its own last key so its arithmetic does not depend on its neighbours) */
@@ -1296,10 +1490,30 @@ static void merge_partials(int64_t S, const float *acc, int64_t acc_stride, cons
     scale_f32(out, L > 0.f ? 1.0f / L : 0.f, D);
 }
 
+/* A grow-only scratch buffer per thread and purpose (`which` < 4), kept between calls:
+ * attention runs once a layer, 30 times a step, and a malloc, a free and the first touch of
+ * fresh pages each time cost about what a short decode context's work does. Never freed: the
+ * threads (torch's OpenMP pool, the engine's) live as long as the process. Returns NULL
+ * when memory runs out. */
+static void *thread_scratch(int which, size_t bytes) {
+    static _Thread_local void *buf[4];
+    static _Thread_local size_t cap[4];
+    if (bytes > cap[which]) {
+        free(buf[which]);
+        buf[which] = malloc(bytes);
+        cap[which] = buf[which] ? bytes : 0;
+    }
+    return buf[which];
+}
+
+/* Below this many (query row, key) pairs in a step, attention runs on one thread. */
+#define CS_ATTN_SERIAL 2048
+
 /* One unit of attention work: decode rows (one token) of request b at KV head g over key
  * chunk `chunk`, or (chunk < 0) a prefill tile of nq tokens over all its chunks. */
 typedef struct {
     int64_t b, g, q0, nq, chunk, part; /* part: first partial slot of a decode unit */
+    int64_t ng;                        /* decode: KV heads g..g+ng-1 (their parts `chunks` apart) */
 } cs_unit;
 
 /* Paged attention over a flat varlen batch (decode rows and prefill chunks together).
@@ -1332,37 +1546,52 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
         nparts += qlen == 1 ? Hkv * chunks : 0;
         work += Hkv * G * qlen * len;
     }
-    cs_unit *units = (cs_unit *)malloc(sizeof(cs_unit) * (size_t)(nunits ? nunits : 1));
-    float *part_acc = (float *)malloc(sizeof(float) * (size_t)(nparts * G * D + 1));
-    float *part_ml = (float *)malloc(sizeof(float) * (size_t)(nparts * G * 2 + 1));
-    if (!units || !part_acc || !part_ml) {
-        free(units), free(part_acc), free(part_ml);
-        return -1;
-    }
-    int64_t u = 0, p = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
-        for (int64_t g = 0; g < Hkv; g++) {
-            if (qlen == 1) {
-                for (int64_t c = 0; c * CS_CHUNK < len; c++) units[u++] = (cs_unit){b, g, 0, 1, c, p++};
-            } else {
-                for (int64_t q0 = 0; q0 < qlen; q0 += CS_QT)
-                    units[u++] = (cs_unit){b, g, q0, (qlen - q0) < CS_QT ? (qlen - q0) : CS_QT, -1, -1};
-            }
-        }
-    }
+    const size_t unit_bytes = sizeof(cs_unit) * (size_t)(nunits ? nunits : 1);
+    const size_t acc_floats = (size_t)(nparts * G * D + 1), ml_floats = (size_t)(nparts * G * 2 + 1);
+    char *mem = (char *)thread_scratch(2, unit_bytes + 4 * (acc_floats + ml_floats) + 64);
+    if (!mem) return -1;
+    cs_unit *units = (cs_unit *)mem;
+    float *part_acc = (float *)(mem + (unit_bytes + 63) / 64 * 64), *part_ml = part_acc + acc_floats;
     const cs_attn_args a = {q, ldq, k_cache, v_cache, kv_bf16, block_tables, max_blocks, seq_lens, query_start,
                             H, Hkv, D, block_size, scale};
-    const int64_t maxR = CS_QT * G;
     /* A small step (short contexts, few requests) runs on one thread: forking costs more. */
-    const int threads = work < 8192 ? 1 : nt;
+    const int threads = work < CS_ATTN_SERIAL ? 1 : nt;
+    /* A decode unit takes a chunk of every KV head (one pass over the chunk's cache pages, in
+     * order) where there are enough of them to keep the threads busy, else of one head. */
+    int64_t dchunks = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (query_start[b + 1] - query_start[b] == 1) dchunks += (seq_lens[b] + CS_CHUNK - 1) / CS_CHUNK;
+    const int64_t ng = one_token_path(&a) && dchunks >= 4 * threads ? Hkv : 1;
+    /* Work units, the longest first so that the dynamic schedule ends balanced: prefill
+     * tiles, then decode chunks of CS_CHUNK keys, then each decode request's shorter last
+     * chunk. */
+    int64_t u = 0;
+    for (int pass = 0; pass < 3; pass++)
+        for (int64_t b = 0, p0 = 0; b < B; b++) {
+            const int64_t qlen = query_start[b + 1] - query_start[b], len = seq_lens[b];
+            if (qlen != 1) {
+                for (int64_t g = 0; g < Hkv && pass == 0; g++)
+                    for (int64_t q0 = 0; q0 < qlen; q0 += CS_QT)
+                        units[u++] = (cs_unit){b, g, q0, (qlen - q0) < CS_QT ? (qlen - q0) : CS_QT, -1, -1, 1};
+                continue;
+            }
+            const int64_t chunks = (len + CS_CHUNK - 1) / CS_CHUNK;
+            for (int64_t c = 0; c < chunks; c++) {
+                const int full = (c + 1) * CS_CHUNK <= len;
+                if ((pass == 1 && full) || (pass == 2 && !full))
+                    for (int64_t g = 0; g < Hkv; g += ng) units[u++] = (cs_unit){b, g, 0, 1, c, p0 + g * chunks + c, ng};
+            }
+            p0 += Hkv * chunks;
+        }
+    nunits = u;
+    const int64_t maxR = CS_QT * G;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: kT, vf, s, corr, qp, and a prefill tile's chunk partials */
+        /* per thread: kT, vf, s, corr, and a prefill tile's chunk partials; qp */
         const size_t floats = (size_t)(2 * CS_KEYS * D + maxR * (CS_KEYS + 1) + max_chunks * maxR * (D + 2));
-        float *scratch = (float *)malloc(sizeof(float) * floats);
-        const float **qp = (const float **)malloc(sizeof(float *) * (size_t)maxR);
+        float *scratch = (float *)thread_scratch(0, sizeof(float) * floats);
+        const float **qp = (const float **)thread_scratch(1, sizeof(float *) * (size_t)maxR);
         const int ok = scratch != NULL && qp != NULL;
         if (!ok) {
 #pragma omp atomic write
@@ -1377,8 +1606,17 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
             const cs_unit *un = &units[i];
             const int64_t R = un->nq * G, qs = query_start[un->b];
             if (un->chunk >= 0) { /* decode: one chunk, merged after the loop */
-                attn_partial(&a, un->b, un->g, 0, 1, un->chunk * CS_CHUNK, (un->chunk + 1) * CS_CHUNK,
-                             part_acc + un->part * G * D, part_ml + un->part * G * 2, kT, vf, s, qp, corr);
+                const int64_t k0 = un->chunk * CS_CHUNK;
+#if CS_AVX2
+                if (un->ng > 1) {
+                    const int64_t pstride = (seq_lens[un->b] + CS_CHUNK - 1) / CS_CHUNK;
+                    attn_one_token_bf16(&a, un->b, un->g, un->ng, pstride, 0, k0, k0 + CS_CHUNK,
+                                        part_acc + un->part * G * D, part_ml + un->part * G * 2, s, corr);
+                    continue;
+                }
+#endif
+                attn_partial(&a, un->b, un->g, 0, 1, k0, k0 + CS_CHUNK, part_acc + un->part * G * D,
+                             part_ml + un->part * G * 2, kT, vf, s, qp, corr);
                 continue;
             }
             const int64_t qlen = query_start[un->b + 1] - qs, prefix = seq_lens[un->b] - qlen;
@@ -1397,14 +1635,14 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
             const cs_unit *un = &units[i];
             if (!ok || un->chunk != 0) continue; /* the first chunk's unit stands for its row group */
             const int64_t S = (seq_lens[un->b] + CS_CHUNK - 1) / CS_CHUNK, qs = query_start[un->b];
-            for (int64_t r = 0; r < G; r++)
-                merge_partials(S, part_acc + (un->part * G + r) * D, G * D, part_ml + (un->part * G + r) * 2, G * 2,
-                               D, out + (qs * H + un->g * G + r) * D);
+            for (int64_t gi = 0; gi < un->ng; gi++) {
+                const int64_t part = un->part + gi * S;
+                for (int64_t r = 0; r < G; r++)
+                    merge_partials(S, part_acc + (part * G + r) * D, G * D, part_ml + (part * G + r) * 2, G * 2, D,
+                                   out + (qs * H + (un->g + gi) * G + r) * D);
+            }
         }
-        free(scratch);
-        free(qp);
     }
-    free(units), free(part_acc), free(part_ml);
     return failed ? -1 : 0;
 }
 

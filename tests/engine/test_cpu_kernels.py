@@ -287,3 +287,74 @@ def test_a_rows_attention_does_not_depend_on_how_the_step_is_split(k):
     other = [list(range(blocks, 2 * blocks)), list(range(2 * blocks, 3 * blocks))]
     crowded = run([1, 1, 3], [100, ctx, 500], [other[0], table, other[1]], [5, 39, 6, 7, 8])[1]
     assert torch.equal(chunk, alone) and torch.equal(alone, crowded)
+
+
+# Decode rows whose contexts end on and beside chunk (256) and page (16) boundaries: a
+# first token (one key), a last chunk of one key (257), a context of whole chunks (512),
+# odd lengths. Eight requests give enough decode chunks for units that take a chunk of every
+# KV head; one request alone is split by KV head and chunk.
+SPLIT_PREFIXES = [0, 15, 16, 255, 256, 300, 511, 1201]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("prefixes", [SPLIT_PREFIXES, [300], [16]], ids=["crowd", "one-300", "one-17"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_split_decode_attention_matches_dense_float64_attention(k, threads, prefixes, cache_dtype):
+    """Decode contexts split across threads by KV head and chunk and merged by log-sum-exp
+    (flash-decoding), on one and two threads, through the one-token path that reads
+    bfloat16 rows in registers (float32 caches take the general one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        args, ref = paged_case([1] * len(prefixes), prefixes, heads=9, kv_heads=3, head_dim=64, block_size=16,
+                               cache_dtype=cache_dtype, seed=len(prefixes) + threads)
+        out = k.paged_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 2, 128), (12, 4, 64), (16, 2, 64)])
+def test_split_decode_attention_for_other_head_layouts(k, heads, kv_heads, head_dim):
+    """Groups of 1, 3 and 4 query heads a KV head take the one-token path, 8 the general one."""
+    args, ref = paged_case([1] * 8, SPLIT_PREFIXES, heads, kv_heads, head_dim, 16, torch.bfloat16, seed=heads)
+    assert (k.paged_attention(*args).double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("prefix", [255, 300])
+def test_split_decode_attention_with_fewer_units_than_threads(k, prefix):
+    """One KV head of 8 query heads: a 256-key context is one unit, so one of two threads
+    gets no work (and 301 keys, one full chunk and a short one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args, ref = paged_case([1], [prefix], 8, 1, 64, 16, torch.bfloat16, seed=prefix)
+        out = k.paged_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_a_decode_rows_attention_is_the_same_alone_and_in_a_crowd(k):
+    """A request decoded alone (its chunks split by KV head) and beside seven others (units
+    that take a chunk of every KV head) gets the same bits; so does the AVX2 build."""
+    import ctypes
+
+    from engine.cpu.build import build, cpu_flags
+
+    args, _ = paged_case([1] * 8, SPLIT_PREFIXES, 9, 3, 64, 16, torch.bfloat16, seed=5)
+    q, kn, vn, slots, k_cache, v_cache, tables, seq, starts, scale = args
+    crowd = k.paged_attention(*args)
+    i = SPLIT_PREFIXES.index(1201)
+    alone = k.paged_attention(q[i:i + 1].contiguous(), kn[i:i + 1].contiguous(), vn[i:i + 1].contiguous(),
+                              slots[i:i + 1].contiguous(), k_cache, v_cache, tables[i:i + 1].contiguous(),
+                              seq[i:i + 1].contiguous(), torch.tensor([0, 1], dtype=torch.int32), scale)
+    assert torch.equal(alone[0], crowd[i])
+    if {"avx2", "fma", "f16c"} <= cpu_flags() and k.simd_level >= 2:
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            avx2 = CpuKernels(ctypes.CDLL(str(build(Path(tmp), compile_flags({"avx2", "fma", "f16c"})))))
+            assert torch.equal(avx2.paged_attention(*args), crowd)
