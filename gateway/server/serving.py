@@ -15,8 +15,9 @@
   accepts: with Nagle on, a small frame written while the previous one is not yet
   acknowledged waited for that acknowledgement, which a client delays by up to 40 ms
   (a reply's first delta behind its ``start`` frame took 20-40 ms more;
-  docs/benchmarks.md, "2026-12-02"). The listening socket is made with ``IPPROTO_TCP``
-  and ``TCP_NODELAY`` (which Linux copies to the connections it accepts).
+  docs/benchmarks.md, "Nagle's algorithm and the Redis handshake"). The listening
+  socket is made with ``IPPROTO_TCP`` and ``TCP_NODELAY`` (which Linux copies to the
+  connections it accepts).
 * A refused WebSocket handshake is answered with a JSON reason (``gateway.api.socket``, the ASGI
   denial response); uvicorn's sans-I/O protocol then logs "ASGI callable returned
   without completing handshake." at ERROR although the answer was sent. That one line
