@@ -1492,18 +1492,27 @@ static void merge_partials(int64_t S, const float *acc, int64_t acc_stride, cons
 
 /* A grow-only scratch buffer per thread and purpose (`which` < 4), kept between calls:
  * attention runs once a layer, 30 times a step, and a malloc, a free and the first touch of
- * fresh pages each time cost about what a short decode context's work does. Never freed: the
- * threads (torch's OpenMP pool, the engine's) live as long as the process. Returns NULL
- * when memory runs out. */
+ * fresh pages each time cost about what a short decode context's work does. The threads
+ * (torch's OpenMP pool, the engine's) live as long as the process; a buffer above
+ * CS_SCRATCH_KEEP bytes is given back after the call that needed it (thread_scratch_trim),
+ * so a rare huge step does not hold its memory. Returns NULL when memory runs out. */
+#define CS_SCRATCH_KEEP ((size_t)8 << 20)
+static _Thread_local void *cs_scratch_buf[4];
+static _Thread_local size_t cs_scratch_cap[4];
 static void *thread_scratch(int which, size_t bytes) {
-    static _Thread_local void *buf[4];
-    static _Thread_local size_t cap[4];
-    if (bytes > cap[which]) {
-        free(buf[which]);
-        buf[which] = malloc(bytes);
-        cap[which] = buf[which] ? bytes : 0;
+    if (bytes > cs_scratch_cap[which]) {
+        free(cs_scratch_buf[which]);
+        cs_scratch_buf[which] = malloc(bytes);
+        cs_scratch_cap[which] = cs_scratch_buf[which] ? bytes : 0;
     }
-    return buf[which];
+    return cs_scratch_buf[which];
+}
+static void thread_scratch_trim(int which) {
+    if (cs_scratch_cap[which] > CS_SCRATCH_KEEP) {
+        free(cs_scratch_buf[which]);
+        cs_scratch_buf[which] = NULL;
+        cs_scratch_cap[which] = 0;
+    }
 }
 
 /* Below this many (query row, key) pairs in a step, attention runs on one thread. */
@@ -1642,7 +1651,9 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
                                    out + (qs * H + (un->g + gi) * G + r) * D);
             }
         }
+        thread_scratch_trim(0);
     }
+    thread_scratch_trim(2);
     return failed ? -1 : 0;
 }
 
