@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="use this engine instead of starting one; 'fake': a fake engine that writes "
                         "--fake-rate tokens/s per reply and computes nothing, so the gateway alone is measured")
     p.add_argument("--fake-rate", type=float, default=50.0, help="tokens/s per reply of --engine fake")
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="the gateway's event loop")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop",
+                   help="the gateway's event loop (python -m gateway runs uvloop's when installed)")
     p.add_argument("--model", default=None, help="model folder for the started engine (default: SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="engine torch threads")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))

@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing-policy", default=None, help="routing POLICIES (default: the gateway's)")
     p.add_argument("--routing-load-tokens", type=float, default=None, help="cache_aware's load weight (tokens)")
     p.add_argument("--profile", default=None, metavar="PATH", help="cProfile the gateway; stats to PATH on SIGTERM")
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="the event loop (python -m gateway runs asyncio's)")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop",
+                   help="the event loop (python -m gateway runs uvloop's when installed)")
     a = p.parse_args(argv)
     if a.profile:
         _profile_until_sigterm(a.profile)
