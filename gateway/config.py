@@ -215,6 +215,15 @@ class Defaults:
         return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
                 "frequency_penalty": self.frequency_penalty}
 
+    def stateless_sampling(self) -> dict[str, Any]:
+        """What a stateless API request (OpenAI, Anthropic, Responses, completions) gets for
+        the fields it leaves out: ``max_tokens``, ``temperature`` and ``top_p``, not the
+        chats' ``frequency_penalty`` (a penalty would push JSON and tool calls off their
+        repeated keys). OpenAI's own defaults (temperature 1, top_p 1) make a small local
+        model ramble (the README's first question got 5 garbled answers of 5 with
+        SmolLM2-135M); llama-server and vLLM also apply server-side defaults."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p}
+
 
 @dataclass(frozen=True)
 class GatewayConfig:

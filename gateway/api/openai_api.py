@@ -635,8 +635,9 @@ class OpenAIApi:
                                    routing: str | None = None, progress: bool = False) -> ChoiceSet:
         """Start ``n`` stateless choices of one prompt on one engine (the same routing
         key), choice i with its own seed (``api_to_engine.choice_params``): the engine
-        computes their shared prompt once. ``params`` lack ``max_tokens``: the gateway's
-        default; without a ``seed`` they get ``GatewayConfig.api_seed`` when it is set (an
+        computes their shared prompt once. A field ``params`` lack among ``max_tokens``,
+        ``temperature`` and ``top_p`` gets the gateway's default (``Defaults.stateless_sampling``);
+        without a ``seed`` they get ``GatewayConfig.api_seed`` when it is set (an
         explicit -1, random, stays). ``extra``: ``generate`` frame fields (``prompt``, ``tools``...).
         ``progress``: the choices hand back prompt-progress events (``EngineReply``).
 
@@ -645,7 +646,7 @@ class OpenAIApi:
         """
         state = gateway_state(request)
         events: GenerationEvents = state.generations.events
-        params = {"max_tokens": state.config.defaults.max_tokens, **params}
+        params = {**state.config.defaults.stateless_sampling(), **params}
         if state.config.api_seed is not None and params.get("seed") is None:
             params["seed"] = state.config.api_seed  # the operator's --seed (GatewayConfig.api_seed)
         # the cache namespace of the request's first user (docs/reliability.md, cache isolation)

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.api.auth import COOKIE_NAME
 from gateway.api.openai_api import key_user_id
+from gateway.config import Defaults
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import RunningGateway
 from tests.gateway_helpers import openai_client as client
@@ -486,3 +487,19 @@ def test_a_dropped_linked_stream_stops_the_reply_and_stores_it_as_partial(api_ga
     reply = chat_messages(gw, cookie, sid)[-1]
     assert (reply["status"], reply["finish_reason"]) == ("partial", "abort")
     assert reply["content"].startswith(got)
+
+
+def test_a_stateless_request_without_sampling_fields_gets_the_gateways_defaults_not_openais(
+        api_gateway, engine_gate):
+    gw = api_gateway(engine_urls=[engine_gate.url])
+    oa = client(gw)
+    oa.chat.completions.create(model="default", messages=QUESTION, max_tokens=3)
+    oa.chat.completions.create(model="default", messages=QUESTION, max_tokens=3, temperature=1.3, top_p=0.5)
+    sent = [f for f in engine_gate.to_engine if f.get("type") == "generate"]
+    assert len(sent) == 2, sent
+    first, second = sent[0]["params"], sent[1]["params"]
+    d = Defaults()  # the fixture's gateway keeps the built-in defaults
+    # OpenAI's 1 and 1 make a small model ramble: the gateway's chat defaults fill what is left out
+    assert (first["temperature"], first["top_p"]) == (d.temperature, d.top_p) != (1, 1)
+    assert "frequency_penalty" not in first  # the chats' anti-loop penalty would bend JSON and tool calls
+    assert (second["temperature"], second["top_p"]) == (1.3, 0.5)
