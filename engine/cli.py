@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import uuid
@@ -104,8 +105,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pull-failure", default=d.kv_pull_failure, choices=["local", "fail"],
                    help="when pulling a prompt's pages fails: compute them here (local) or end the request "
                         "(fail) (default: %(default)s)")
-    p.add_argument("--engine-seed", type=int, default=0,
-                   help="seed of the shared generator for unseeded sampled requests (default: %(default)s)")
+    p.add_argument("--engine-seed", type=int, default=None,
+                   help="seed of the shared generator for unseeded sampled requests (default: a new random "
+                        "one each start, so unseeded replies differ from one start to the next)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -127,7 +129,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, enable_prefix_cache=not a.no_prefix_cache,
         schedule_policy=a.schedule_policy, attention_backend=a.attention_backend,
-        cuda_graphs=not a.no_cuda_graphs, threads=a.threads, seed=a.engine_seed,
+        cuda_graphs=not a.no_cuda_graphs, threads=a.threads,
+        seed=a.engine_seed if a.engine_seed is not None else secrets.randbits(63),
         quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=not a.no_cpu_kernels,
         cpu_isa=a.cpu_isa, speculative=a.speculative, num_draft_tokens=a.num_draft_tokens,
         spec_ngram_min=ngram[0], spec_ngram_max=ngram[-1], spec_max_batch=a.spec_max_batch,

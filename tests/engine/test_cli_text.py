@@ -52,3 +52,12 @@ def test_gateway_help_is_plain_text_and_explains_log_level():
     assert "``" not in r.stdout and "python -m gateway" in r.stdout
     entry = r.stdout.split("\n  --log-level", 1)[1].split("\n  --", 1)[0]
     assert "log on stderr" in " ".join(entry.split())
+
+
+def test_an_unseeded_engine_draws_a_new_generator_seed_each_start_unless_one_is_given():
+    from engine.cli import engine_config_from_args
+
+    p = _subparser("serve")
+    seeds = {engine_config_from_args(p.parse_args([])).seed for _ in range(4)}
+    assert len(seeds) == 4  # unseeded replies differ from one start to the next
+    assert engine_config_from_args(p.parse_args(["--engine-seed", "7"])).seed == 7
