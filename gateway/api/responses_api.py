@@ -218,7 +218,8 @@ class ResponsesWriter(CollectingWriter):
             return []
         at = len(self.items)
         self.items.append(item)
-        item["status"] = "completed"
+        # the item open when max_output_tokens cut the reply is incomplete, as OpenAI marks it
+        item["status"] = self._status() if self.finished is not None else "completed"
         if item["type"] == "message":
             text = item["content"][0]["text"]
             return [self._event("response.output_text.done", {"item_id": item["id"], "output_index": at,
@@ -304,7 +305,9 @@ class ResponsesWriter(CollectingWriter):
         done, text = self.choices[0].done, self.choices[0].whole_text
         output: list[dict[str, Any]] = []
         if text or not done.tool_calls:
-            output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": "completed",
+            cut = self._status() == "incomplete" and not done.tool_calls  # the message is the last item
+            output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex[:24],
+                           "status": "incomplete" if cut else "completed",
                            "role": "assistant",
                            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
         output += e2a.responses_function_calls(done.tool_calls or [])

@@ -213,3 +213,14 @@ def test_stored_responses_are_refused_naming_the_field(api_gateway):
     with pytest.raises(openai.BadRequestError) as e:
         respond(oa, previous_response_id="resp_123")
     assert e.value.param == "previous_response_id"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_cut_by_max_output_tokens_marks_its_message_incomplete(api_gateway, stream):
+    oa = openai_client(api_gateway())
+    kw: dict[str, Any] = dict(input="Write a long story about a lighthouse.", max_output_tokens=4)
+    r = list(respond(oa, stream=True, **kw))[-1].response if stream else respond(oa, **kw)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(o.type, o.status) for o in r.output] == [("message", "incomplete")]  # as OpenAI marks it
+    other = respond(oa, instructions="Answer in one word.", max_output_tokens=64)
+    assert other.output[0].status == other.status  # completed with it, or incomplete with it
