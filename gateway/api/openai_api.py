@@ -263,7 +263,10 @@ class OpenAIApi:
             except GatewayError as e:
                 if e.code != "not_found":
                     raise
-        raise not_found()
+        # chats are per user: a chat made without a token is its cookie's (a one-off user
+        # when the client keeps no cookies), so say what finds it, not only that it is not found
+        raise GatewayError("not_found", "no such chat for this caller: a chat is found only with the access "
+                                        "token, API key or cookie it was made with")
 
     # ---- GET /v1/models -----------------------------------------------------------------
 

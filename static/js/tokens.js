@@ -108,7 +108,7 @@ export class TokensDialog {
     this.name.value = "";
     this.value.value = t.token;
     this.usage.textContent =
-      `python -m gateway.client --url ${this.origin} --token ${t.token} "Hello"\n` +
+      `.venv/bin/python -m gateway.client --url ${this.origin} --token ${t.token} "Hello"\n` +  // from the project folder, as the README
       `curl ${this.origin}/v1/chat/completions -H "Authorization: Bearer ${t.token}" \\\n` +
       `  -H "X-Chat-Session: new" -H "Content-Type: application/json" \\\n` +
       `  -d '{"messages": [{"role": "user", "content": "Hello"}]}'`;

@@ -389,8 +389,10 @@ def test_a_chat_of_another_user_is_404(api_gateway):
     sid = new_chat(gw, gw.new_cookie())
     stranger = gw.new_cookie()
     oa = client(gw, default_headers={"Cookie": f"{COOKIE_NAME}={stranger}"})
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as refused:
         oa.chat.completions.create(model="default", messages=QUESTION, extra_body={"session_id": sid})
+    # the answer says what finds a chat (a client that keeps no cookie makes one-off users)
+    assert "token, API key or cookie" in refused.value.message, refused.value.message
     r = post(gw, {"model": "default", "messages": QUESTION}, headers={"X-Chat-Session": "not/an id"})
     assert_openai_error(r, 404)
     r = post(gw, {"model": "default", "messages": QUESTION, "session_id": sid}, headers={"X-Chat-Session": "other"})
