@@ -54,8 +54,10 @@ def loads_json(data: str | bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -
         obj = json.loads(data)
     except RecursionError:
         raise BadJson(f"JSON nests deeper than {max_depth} levels") from None
-    except ValueError as e:
-        raise BadJson(f"not valid JSON ({type(e).__name__})") from None
+    except json.JSONDecodeError as e:  # where, in words a person reads; never the input itself
+        raise BadJson(f"not valid JSON: {e.msg.lower()} at line {e.lineno}, column {e.colno}") from None
+    except ValueError:  # UnicodeDecodeError: bytes that are not UTF-8
+        raise BadJson("not valid JSON: the bytes are not UTF-8 text") from None
     if json_depth_over(obj, max_depth):
         raise BadJson(f"JSON nests deeper than {max_depth} levels")
     return obj

@@ -70,6 +70,15 @@ def test_deep_json_is_refused_as_bad_json_not_a_recursion_error():
         decode_json(DEEP)
 
 
+def test_bad_json_is_said_in_words_with_where_and_no_python_names():
+    with pytest.raises(BadJson) as e:
+        loads_json('{"messages": [}')
+    assert str(e.value) == "not valid JSON: expecting value at line 1, column 15"
+    with pytest.raises(BadJson) as e:
+        loads_json(b'{"a": "\xff"}')
+    assert str(e.value) == "not valid JSON: the bytes are not UTF-8 text"
+
+
 # A value just outside each range, and how the OpenAI API names it.
 OUTSIDE = [("temperature", 5), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5), ("min_p", 2),
            ("repetition_penalty", 0), ("repetition_penalty", 11), ("frequency_penalty", -3),
