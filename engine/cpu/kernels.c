@@ -994,11 +994,12 @@ static void load_kv_block(const cs_attn_args *a, int64_t g, const int64_t *slots
 }
 
 #if CS_AVX2
-/* s[r * CS_KEYS + j0 + j] = qp[r] . key j0 + j (unscaled) for NR rows and 16 keys: each
- * loaded key vector serves NR rows, each broadcast query value 16 keys. */
+/* s[r * CS_KEYS + j0 + j] = qp[r] . key j0 + j (unscaled) for NR (up to 6) rows and 16 keys:
+ * each loaded key vector serves NR rows, each broadcast query value 16 keys. Six rows take
+ * 12 accumulators, two key vectors and a broadcast: 15 of the 16 ymm registers. */
 static inline __attribute__((always_inline)) void qk_tile(const float *const *qp, const int NR, const float *kT,
                                                           int64_t j0, int64_t D, float *s) {
-    __m256 a0[4], a1[4];
+    __m256 a0[6], a1[6];
     for (int r = 0; r < NR; r++) a0[r] = a1[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
         const __m256 k0 = _mm256_loadu_ps(kT + d * CS_KEYS + j0), k1 = _mm256_loadu_ps(kT + d * CS_KEYS + j0 + 8);
@@ -1038,6 +1039,30 @@ static inline __attribute__((always_inline)) void pv_tile(float *const *acc, con
     }
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc[r] + d0 + 8 * i, o[r][i]);
+}
+
+/* pv_tile for NR (up to 6) rows and 16 dims [d0, d0 + 16): 12 accumulators, two value
+ * vectors and a broadcast, so each loaded value vector serves up to 6 rows (pv_tile's 32
+ * dims leave room for 2). */
+static inline __attribute__((always_inline)) void pv_tile16(float *const *acc, const float *corr,
+                                                            const float *const *p, const int NR, const float *vf,
+                                                            int64_t n, int64_t D, int64_t d0) {
+    __m256 o[6][2];
+    for (int r = 0; r < NR; r++) {
+        const __m256 c = _mm256_set1_ps(corr[r]);
+        for (int i = 0; i < 2; i++) o[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d0 + 8 * i), c);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = vf + j * D + d0;
+        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        for (int r = 0; r < NR; r++) {
+            const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+            o[r][0] = _mm256_fmadd_ps(pj, v0, o[r][0]);
+            o[r][1] = _mm256_fmadd_ps(pj, v1, o[r][1]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < 2; i++) _mm256_storeu_ps(acc[r] + d0 + 8 * i, o[r][i]);
 }
 
 /* pv_tile for one row and 8 dims (head sizes not a multiple of 32). */
@@ -1099,6 +1124,8 @@ static inline __attribute__((always_inline)) void pv_tile512(float *const *acc, 
 #else
 #define CS_ATTN512 0
 #endif
+/* most rows that share a weighted-values tile: pv_tile512's 4, or pv_tile16's 6 */
+#define CS_PV_ROWS (CS_ATTN512 ? 4 : 6)
 
 
 /* One row's online-softmax step over a block of n keys (Milakov & Gimelshein 2018): sr
@@ -1397,7 +1424,15 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
             } else
 #endif
             for (int64_t j16 = 0; j16 < n; j16 += 16) {
+#if !CS_ATTN512
+                /* the AVX2-only build: 6 rows a tile (the AVX-512 build keeps 4 for short blocks) */
+                for (r = r0; r + 6 <= R; r += 6) qk_tile(qp + r, 6, kT, j16, D, s + r * CS_KEYS);
+                if (R - r == 5) qk_tile(qp + r, 5, kT, j16, D, s + r * CS_KEYS);
+                else if (R - r == 4) qk_tile(qp + r, 4, kT, j16, D, s + r * CS_KEYS);
+                else
+#else
                 for (r = r0; r + 4 <= R; r += 4) qk_tile(qp + r, 4, kT, j16, D, s + r * CS_KEYS);
+#endif
                 if (R - r == 3) qk_tile(qp + r, 3, kT, j16, D, s + r * CS_KEYS);
                 else if (R - r == 2) qk_tile(qp + r, 2, kT, j16, D, s + r * CS_KEYS);
                 else if (R - r == 1) qk_tile(qp + r, 1, kT, j16, D, s + r * CS_KEYS);
@@ -1424,12 +1459,16 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
 #if CS_AVX2
             /* rows that see the same keys (all of them but on the causal diagonal) share a tile */
             int nr = 1;
-            for (; nr < 4 && r + nr < R; nr++) {
+            for (; nr < CS_PV_ROWS && r + nr < R; nr++) {
                 const int64_t v2 = prefix + q0 + (r + nr) / G + 1 - j0;
                 if ((v2 < n ? v2 : n) != vis) break;
             }
-            float *accp[4] = {acc + r * D, acc + (r + 1) * D, acc + (r + 2) * D, acc + (r + 3) * D};
-            const float *pp[4] = {s + r * CS_KEYS, s + (r + 1) * CS_KEYS, s + (r + 2) * CS_KEYS, s + (r + 3) * CS_KEYS};
+            float *accp[CS_PV_ROWS];
+            const float *pp[CS_PV_ROWS];
+            for (int i = 0; i < nr; i++) {
+                accp[i] = acc + (r + i) * D;
+                pp[i] = s + (r + i) * CS_KEYS;
+            }
 #if CS_ATTN512
             if (vec && D % 64 == 0) {
                 for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -1437,6 +1476,18 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
                     else if (nr == 3) pv_tile512(accp, corr + r, pp, 3, vf, vis, D, d0);
                     else if (nr == 2) pv_tile512(accp, corr + r, pp, 2, vf, vis, D, d0);
                     else pv_tile512(accp, corr + r, pp, 1, vf, vis, D, d0);
+                }
+                r += nr;
+                continue;
+            }
+#endif
+#if !CS_ATTN512
+            if (vec && D % 16 == 0 && nr >= 3) { /* the AVX2-only build: 3-6 rows by 16 dims */
+                for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                    if (nr == 6) pv_tile16(accp, corr + r, pp, 6, vf, vis, D, d0);
+                    else if (nr == 5) pv_tile16(accp, corr + r, pp, 5, vf, vis, D, d0);
+                    else if (nr == 4) pv_tile16(accp, corr + r, pp, 4, vf, vis, D, d0);
+                    else pv_tile16(accp, corr + r, pp, 3, vf, vis, D, d0);
                 }
                 r += nr;
                 continue;

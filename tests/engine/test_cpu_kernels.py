@@ -358,3 +358,38 @@ def test_a_decode_rows_attention_is_the_same_alone_and_in_a_crowd(k):
         with tempfile.TemporaryDirectory() as tmp:
             avx2 = CpuKernels(ctypes.CDLL(str(build(Path(tmp), compile_flags({"avx2", "fma", "f16c"})))))
             assert torch.equal(avx2.paged_attention(*args), crowd)
+
+
+@pytest.fixture(scope="module")
+def avx2() -> CpuKernels:
+    """The AVX2-only build (its own 256-bit attention tiles), built here whatever this CPU's best is."""
+    import ctypes
+    import tempfile
+    from pathlib import Path
+
+    from engine.cpu.build import build, cpu_flags
+
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    kernels = CpuKernels(ctypes.CDLL(str(build(Path(tempfile.mkdtemp()), compile_flags({"avx2", "fma", "f16c"})))))
+    assert kernels.simd_level == 2
+    return kernels
+
+
+# Prefill chunks whose lengths are not a multiple of the row tiles (6 rows of scores, 3-6 rows
+# of weighted values; a token has G rows), after contexts that end just before, on and just
+# after a page (16) and a key chunk (256) boundary, with a second request beside them; the
+# causal diagonal runs through the chunk's own key blocks.
+EDGE_STEPS = [([7], [16]), ([1, 13], [15, 255]), ([33], [256]), ([16, 5], [0, 257]), ([50], [511]), ([2], [31])]
+
+
+@pytest.mark.parametrize("qlens,prefixes", EDGE_STEPS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (5, 5, 32), (6, 1, 16)])
+def test_avx2_prefill_attention_tiles_at_their_edges(k, avx2, qlens, prefixes, heads, kv_heads, head_dim):
+    """The AVX2 build's prefill tiles match float64 attention at the tile, page and causal
+    edges, and give the same bits as the best build (the same per-lane arithmetic)."""
+    args, ref = paged_case(qlens, prefixes, heads, kv_heads, head_dim, 16, torch.bfloat16, seed=sum(qlens) + head_dim)
+    out = avx2.paged_attention(*args)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert torch.equal(out, k.paged_attention(*args))
