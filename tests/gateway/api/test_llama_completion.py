@@ -92,8 +92,9 @@ def test_llama_logit_bias_by_id_or_text_bans_those_tokens(api_gateway):
 
 def test_post_sampling_probs_are_the_samplers_probabilities(api_gateway):
     gw = api_gateway()
-    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 1.0, "top_k": 3, "ignore_eos": True, "n_probs": 5,
-            "post_sampling_probs": True, "return_tokens": True, "seed": 5}
+    # top_p 1: the gateway's default top_p (0.95) could cut the top 3 to fewer
+    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 1.0, "top_k": 3, "top_p": 1.0, "ignore_eos": True,
+            "n_probs": 5, "post_sampling_probs": True, "return_tokens": True, "seed": 5}
     b = _post(gw, "/completion", body).json()
     probs = b["completion_probabilities"]
     assert [p["id"] for p in probs] == b["tokens"]
