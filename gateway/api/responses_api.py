@@ -219,7 +219,7 @@ class ResponsesWriter(CollectingWriter):
         at = len(self.items)
         self.items.append(item)
         # the item open when max_output_tokens cut the reply is incomplete, as OpenAI marks it
-        item["status"] = self._status() if self.finished is not None else "completed"
+        item["status"] = self._status()  # "completed" until the reply has finished
         if item["type"] == "message":
             text = item["content"][0]["text"]
             return [self._event("response.output_text.done", {"item_id": item["id"], "output_index": at,
@@ -305,9 +305,9 @@ class ResponsesWriter(CollectingWriter):
         done, text = self.choices[0].done, self.choices[0].whole_text
         output: list[dict[str, Any]] = []
         if text or not done.tool_calls:
-            cut = self._status() == "incomplete" and not done.tool_calls  # the message is the last item
+            # the message is the cut item when no call follows it
             output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex[:24],
-                           "status": "incomplete" if cut else "completed",
+                           "status": "completed" if done.tool_calls else self._status(),
                            "role": "assistant",
                            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
         output += e2a.responses_function_calls(done.tool_calls or [])
