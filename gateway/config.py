@@ -222,7 +222,7 @@ class Defaults:
         repeated keys). OpenAI's own defaults (temperature 1, top_p 1) make a small local
         model ramble (the README's first question got 5 garbled answers of 5 with
         SmolLM2-135M); llama-server and vLLM also apply server-side defaults."""
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        return {k: v for k, v in self.sampling().items() if k != "frequency_penalty"}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import build_parser
+from engine.cli import build_parser, engine_config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,8 +55,6 @@ def test_gateway_help_is_plain_text_and_explains_log_level():
 
 
 def test_an_unseeded_engine_draws_a_new_generator_seed_each_start_unless_one_is_given():
-    from engine.cli import engine_config_from_args
-
     p = _subparser("serve")
     seeds = {engine_config_from_args(p.parse_args([])).seed for _ in range(4)}
     assert len(seeds) == 4  # unseeded replies differ from one start to the next
