@@ -49,6 +49,8 @@ equal exact's; each ``--gguf`` file adds llama.cpp's ``llama-server`` on it, gre
 ``--gguf`` file (default: the Q4_0 and Q4_1 files of ``bench/build_llamacpp.sh --models``),
 as ms per token, and our batch-1 decode step at a 1-token context (the same work: every
 weight read once, almost no KV) for each of ``--formats``, with the ratios.
+llama.cpp's programs and files are those of ``$LLAMACPP_DIR`` (default
+``~/.cache/chatserve/llama.cpp``; ``bench/llamacpp_paths.py``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.llamacpp_paths import LLAMA_BENCH, PEER_Q4_0, PEER_Q4_1  # noqa: E402
 from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
@@ -573,9 +576,7 @@ def agreement_table(model: str | None, names: list[str], ggufs: list[str], threa
     return "\n".join(rows)
 
 
-LLAMA_BENCH = Path.home() / ".cache/chatserve/llama.cpp/src/vendor/llama.cpp/build/bin/llama-bench"
-PEER_GGUFS = [Path.home() / f".cache/chatserve/llama.cpp/models/smollm2-135m-instruct-{q}.gguf"
-              for q in ("Q4_0", "Q4_1")]
+PEER_GGUFS = [PEER_Q4_0, PEER_Q4_1]
 
 
 def llama_bench_ms(gguf: str, threads: int, reps: int = 3) -> dict[str, float]:

@@ -44,7 +44,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_SRC = Path.home() / ".cache/chatserve/llama.cpp/src/vendor/llama.cpp"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.llamacpp_paths import LLAMA_SRC  # noqa: E402 ($LLAMACPP_DIR's llama.cpp sources)
+
 SUITE_PYTHON = Path.home() / ".cache/chatserve/llamacpp-tests-venv/bin/python"
 DEFAULT_MAX_TOKENS = 64
 CONTEXT = 8192

@@ -14,6 +14,8 @@ HTTP round trip); prefill tokens/s = the server's ``usage.prompt_tokens`` / that
 median over ``--repeats``. Beside the servers, llama.cpp's own ``llama-bench -p N -n 0`` on each
 of its files (raw prompt processing: no server, no HTTP, no tokenizing, no sampling) where it is
 built and ``llamacpp`` is among the systems. Prints a table, with each system's ratio to ours.
+llama.cpp's programs and files are those of ``$LLAMACPP_DIR`` (default
+``~/.cache/chatserve/llama.cpp``; ``bench/llamacpp_paths.py``).
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
+from bench.llamacpp_paths import LLAMA_BENCH  # noqa: E402
 from bench.serving_lib import systems as S  # noqa: E402
 from bench.serving_lib.openai_client import stream_chat  # noqa: E402
 from bench.serving_lib.workloads import TextMaker  # noqa: E402
-
-LLAMA_BENCH = S.LLAMA_SERVER_DEFAULT.with_name("llama-bench")
 
 
 def build(names: list[str], threads: int, model: Path | None = None) -> dict[str, S.System]:

@@ -44,11 +44,11 @@ from pathlib import Path
 
 import httpx
 
+from bench.llamacpp_paths import LLAMA_SERVER as LLAMA_SERVER_DEFAULT
+from bench.llamacpp_paths import PEER_Q4_0
 from bench.serving_lib.openai_client import RequestResult, SSEParser, apply_chunk
 from bench.serving_lib.procs import Child, start_child
 from bench.serving_lib.systems import (
-    LLAMA_SERVER_DEFAULT,
-    PEER_Q4_0,
     ROOT,
     _cleanup_redis,
     default_gguf,

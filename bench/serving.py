@@ -16,6 +16,8 @@ run, or ``--gguf``), and ``llamacpp-q4_1`` the package's Q4_1 file; the targets 
 first. Every request is greedy with ``ignore_eos``, so each system generates
 exactly the same number of tokens; the text is not compared (llama.cpp quantizes
 weights to 4 bits and activations to 8, so near-ties decode differently).
+llama.cpp's ``llama-server`` and files are those of ``$LLAMACPP_DIR`` (default
+``~/.cache/chatserve/llama.cpp``, where ``bench/build_llamacpp.sh`` builds; ``bench/llamacpp_paths.py``).
 
 Workloads (``serving_lib.workloads``):
 - chat: at concurrency C, C users each hold an 8-turn conversation (closed loop: a user

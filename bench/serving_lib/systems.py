@@ -31,14 +31,13 @@ from typing import Any
 
 import httpx
 
+from bench.llamacpp_paths import LLAMA_SERVER, PEER_Q4_0, PEER_Q4_1  # noqa: F401 (PEER_*: re-exported)
 from bench.serving_lib.procs import Child, start_child
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_SERVER_DEFAULT = Path.home() / ".cache/chatserve/llama.cpp/src/vendor/llama.cpp/build/bin/llama-server"
-# llama.cpp's fastest CPU format (Q4_0, repacked to interleaved tiles at load) and its Q4_1,
-# made from the same weights by its own tools (bench/build_llamacpp.sh --models)
-PEER_Q4_0 = Path.home() / ".cache/chatserve/llama.cpp/models/smollm2-135m-instruct-Q4_0.gguf"
-PEER_Q4_1 = Path.home() / ".cache/chatserve/llama.cpp/models/smollm2-135m-instruct-Q4_1.gguf"
+# under $LLAMACPP_DIR (bench/llamacpp_paths.py, with PEER_Q4_0 and PEER_Q4_1: llama.cpp's
+# fastest CPU format and its Q4_1, made from the same weights by bench/build_llamacpp.sh --models)
+LLAMA_SERVER_DEFAULT = LLAMA_SERVER
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
