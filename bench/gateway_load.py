@@ -148,7 +148,9 @@ async def _user_cookie(http: httpx.AsyncClient) -> str:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, seconds) used so far by process ``pid`` (Linux
-    ``/proc/PID/stat`` fields 14 and 15).
+    ``/proc/PID/stat`` fields 14 and 15), in ticks of the kernel's clock (``SC_CLK_TCK``,
+    10 ms here): a ``--quick`` run's gateway uses only 20-30 of them, so this is the coarse
+    cross-check of ``thread_cpu_ns``.
 
     Raises:
         OSError: no such process.
@@ -158,9 +160,50 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def schedstat_run_ns(text: str) -> int:
+    """The time on the CPU (ns) in one ``/proc/.../schedstat`` line: its first field
+    (then come the time waiting for a CPU and the count of time slices).
+
+    Raises:
+        ValueError: not a schedstat line.
+    """
+    fields = text.split()
+    if len(fields) != 3:
+        raise ValueError(f"not a schedstat line: {text!r}")
+    return int(fields[0])
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Each live thread of process ``pid`` and its CPU time so far (ns, exact: the
+    scheduler's own account in ``/proc/PID/task/TID/schedstat``, not clock ticks). A
+    thread that ends between two readings takes its time with it; ``cpu_ns_between``
+    counts such threads.
+
+    Raises:
+        OSError: no such process.
+    """
+    out: dict[int, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = schedstat_run_ns(f.read())
+        except FileNotFoundError:
+            continue  # the thread ended while the folder was read
+    return out
+
+
+def cpu_ns_between(before: dict[int, int], after: dict[int, int]) -> tuple[int, int]:
+    """The CPU time (ns) the threads used from the reading ``before`` to ``after`` (both
+    ``thread_cpu_ns``), and how many threads of ``before`` had ended by ``after`` (their
+    time after ``before`` is not counted; 0 makes the figure exact). A thread that started
+    in between counts whole."""
+    used = sum(ns - before.get(tid, 0) for tid, ns in after.items())
+    return used, sum(1 for tid in before if tid not in after)
+
+
 async def run_load(base_url: str, cfg: LoadConfig,
                    fetch_tap: Callable[[], Awaitable[dict[str, list[list[Any]]]]],
-                   gateway_pid: int | None = None) -> dict[str, Any]:
+                   gateway_pid: int | None = None, profile: bool = False) -> dict[str, Any]:
     """Drive the gateway at ``base_url`` (see module doc) and return the results.
 
     ``fetch_tap`` returns the engine-frame records by request id (``EngineTap.snapshot``
@@ -168,7 +211,10 @@ async def run_load(base_url: str, cfg: LoadConfig,
     ``added_ms`` (summary of the gateway-added time per engine frame), ``errors`` and
     the first few error reasons; with ``gateway_pid`` (a gateway in its own process) also
     ``gateway_cpu_ms_per_token``: the gateway process's CPU time while the replies ran,
-    per token.
+    per token, from the scheduler's nanosecond account of its threads
+    (``thread_cpu_ns``; ``gateway_cpu_ns`` the total, ``gateway_threads_ended`` the threads
+    whose time was lost by ending meanwhile), and ``gateway_cpu_ms_per_token_ticks``, the
+    same from ``/proc/PID/stat``'s 10 ms ticks (the figure before 2026-12-02 10:00 UTC).
 
     Raises:
         httpx.HTTPError, OSError: the gateway cannot be reached at all.
@@ -243,14 +289,20 @@ async def run_load(base_url: str, cfg: LoadConfig,
         gc.freeze()
         tasks = [asyncio.create_task(client(c)) for c in cookies]
         await opened.wait()
+        if profile:
+            (await http.post("/_bench/profile/start")).raise_for_status()
         cpu0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+        threads0 = thread_cpu_ns(gateway_pid) if gateway_pid else {}
         t0 = time.perf_counter()
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             gc.unfreeze()  # a caller's process (a test) collects them again
         wall = time.perf_counter() - t0
+        cpu_ns, ended = cpu_ns_between(threads0, thread_cpu_ns(gateway_pid)) if gateway_pid else (None, 0)
         cpu = cpu_seconds(gateway_pid) - cpu0 if gateway_pid else None
+        if profile:
+            (await http.post("/_bench/profile/stop")).raise_for_status()
         errors += [f"client failed: {e!r}" for e in results if isinstance(e, BaseException)]
 
         # read every stored reply back, as its owner (the user of the socket that sent it)
@@ -276,7 +328,9 @@ async def run_load(base_url: str, cfg: LoadConfig,
     return {"config": asdict(cfg), "replies": len(replies), "wall_s": wall, "browser_deltas": n_deltas,
             "engine_frames": n_frames, "tokens": n_tokens, "deltas_per_s": n_deltas / wall,
             "tokens_per_s": n_tokens / wall, "added_ms": summarize(added),
-            "gateway_cpu_ms_per_token": cpu * 1000 / n_tokens if cpu is not None and n_tokens else None,
+            "gateway_cpu_ms_per_token": cpu_ns / 1e6 / n_tokens if cpu_ns is not None and n_tokens else None,
+            "gateway_cpu_ns": cpu_ns, "gateway_threads_ended": ended,
+            "gateway_cpu_ms_per_token_ticks": cpu * 1000 / n_tokens if cpu is not None and n_tokens else None,
             "errors": len(errors) + max(0, cfg.requests - len(replies)), "error_samples": errors[:5]}
 
 
@@ -293,7 +347,8 @@ def table(res: dict[str, Any]) -> str:
             ("gateway-added ms per token: p90", fmt(a["p90"], 2)),
             ("gateway-added ms per token: p99", fmt(a["p99"], 2)),
             ("gateway-added ms per token: max", fmt(a["max"], 2)),
-            ("gateway process CPU ms per token", fmt(res.get("gateway_cpu_ms_per_token"), 2)),
+            ("gateway process CPU ms per token", fmt(res.get("gateway_cpu_ms_per_token"), 4)),
+            ("the same from 10 ms clock ticks", fmt(res.get("gateway_cpu_ms_per_token_ticks"), 3)),
             ("errors (incl. lost or altered text)", str(res["errors"]))]
     return "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
@@ -330,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="engine torch threads")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--profile", default=None, metavar="PATH",
-                   help="run the gateway under cProfile, write its stats to PATH and print the top functions "
-                        "(the profiler slows the gateway: its figures are not the overhead's)")
+                   help="run the gateway under cProfile while the replies run (not the cookie and read-back "
+                        "requests), write its stats to PATH and print the top functions (the profiler slows "
+                        "the gateway: its figures are not the overhead's)")
     a = p.parse_args(argv)
     base = LoadConfig(50, 16, 64, 32) if a.quick else LoadConfig()
     cfg = LoadConfig(a.connected or base.connected, a.streaming or base.streaming,
@@ -374,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             async with httpx.AsyncClient(base_url=base_url, timeout=60) as h2:
                 return (await h2.get("/_bench/tap")).json()
 
-        res = asyncio.run(run_load(base_url, cfg, fetch_tap, gw.proc.pid))
+        res = asyncio.run(run_load(base_url, cfg, fetch_tap, gw.proc.pid, profile=bool(a.profile)))
     finally:
         for c in reversed(children):
             c.stop()

@@ -5,7 +5,10 @@
 
 Prints ``GATEWAY READY http://127.0.0.1:PORT`` once it serves. ``--tap`` adds two routes
 for bench/gateway_load.py: ``POST /_bench/tap/install`` (wrap the engine connections with
-``EngineTap``) and ``GET /_bench/tap`` (the records as JSON). The gateway is the product's
+``EngineTap``) and ``GET /_bench/tap`` (the records as JSON); with ``--profile PATH`` too,
+``POST /_bench/profile/start`` and ``POST /_bench/profile/stop`` turn cProfile on and off
+(its stats go to PATH at SIGTERM), so a profile can cover only the replies' run and not
+the benchmark's cookie and read-back requests. The gateway is the product's
 own app (``gateway.server.extensions.create_app_with_extras``, else ``gateway.server.app.create_app``),
 served by uvicorn exactly as ``python -m gateway`` does.
 """
@@ -25,8 +28,9 @@ from starlette.routing import Route
 from bench.serving_lib.tap import EngineTap
 
 
-def tap_routes(tap: EngineTap) -> list[Route]:
-    """The two ``/_bench/tap`` routes (see module doc)."""
+def tap_routes(tap: EngineTap, profiler: Any = None) -> list[Route]:
+    """The two ``/_bench/tap`` routes, and the two ``/_bench/profile`` routes when
+    ``profiler`` (a ``cProfile.Profile``) is given (see module doc)."""
     from gateway.api.state import gateway_state
 
     async def install(request: Request) -> JSONResponse:
@@ -35,13 +39,26 @@ def tap_routes(tap: EngineTap) -> list[Route]:
     async def read(request: Request) -> JSONResponse:
         return JSONResponse(tap.snapshot())
 
-    return [Route("/_bench/tap/install", install, methods=["POST"]), Route("/_bench/tap", read, methods=["GET"])]
+    routes = [Route("/_bench/tap/install", install, methods=["POST"]), Route("/_bench/tap", read, methods=["GET"])]
+    if profiler is not None:
+        async def start(request: Request) -> JSONResponse:
+            profiler.enable()
+            return JSONResponse({"profiling": True})
+
+        async def stop(request: Request) -> JSONResponse:
+            profiler.disable()
+            return JSONResponse({"profiling": False})
+
+        routes += [Route("/_bench/profile/start", start, methods=["POST"]),
+                   Route("/_bench/profile/stop", stop, methods=["POST"])]
+    return routes
 
 
-def build_app(config: Any, tap: EngineTap | None) -> Any:
+def build_app(config: Any, tap: EngineTap | None, profiler: Any = None) -> Any:
     """The gateway app for ``config`` (a ``GatewayConfig``), with the OpenAI API when the
-    gateway has it and the tap routes when ``tap`` is given."""
-    extra = tap_routes(tap) if tap is not None else []
+    gateway has it and the tap routes when ``tap`` is given (with the profile's routes
+    when ``profiler`` is too)."""
+    extra = tap_routes(tap, profiler) if tap is not None else []
     try:
         from gateway.server.extensions import default_extras
 
@@ -58,8 +75,10 @@ def build_app(config: Any, tap: EngineTap | None) -> Any:
         return create_app(config, extra_routes=extra)
 
 
-def _profile_until_sigterm(path: str) -> None:
-    """Profile this process from now on; on SIGTERM write the stats to ``path`` and exit."""
+def _profile_until_sigterm(path: str, now: bool) -> Any:
+    """A profiler of this process, on from now when ``now`` (else turned on by the
+    ``/_bench/profile`` routes); on SIGTERM its stats go to ``path`` and the process exits.
+    Returns the ``cProfile.Profile``."""
     import cProfile
     import os
     import signal
@@ -72,7 +91,9 @@ def _profile_until_sigterm(path: str) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, dump)
-    prof.enable()
+    if now:
+        prof.enable()
+    return prof
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop",
                    help="the event loop (python -m gateway runs uvloop's when installed)")
     a = p.parse_args(argv)
-    if a.profile:
-        _profile_until_sigterm(a.profile)
+    # with the tap, the benchmark turns the profiler on and off around its replies
+    profiler = _profile_until_sigterm(a.profile, now=not a.tap) if a.profile else None
     config = GatewayConfig().with_overrides(
         host="127.0.0.1", port=a.port, redis_url=a.redis_url, key_prefix=a.key_prefix,
         engine_urls=tuple(a.engine), secret_key=new_secret(),
@@ -104,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ws_max_sockets_per_address": 100_000, "http_max_connections_per_address": None},
         routing={k: v for k, v in (("policy", a.routing_policy), ("load_tokens", a.routing_load_tokens))
                  if v is not None} or None)
-    app = build_app(config, EngineTap() if a.tap else None)
+    app = build_app(config, EngineTap() if a.tap else None, profiler)
     sock = make_listen_socket(config.host, config.port, config.limits.ws_socket_sndbuf_bytes)
     server = uvicorn.Server(uvicorn_config(app, config, "warning"))
     serving = serve_and_announce(server, sock, f"GATEWAY READY http://127.0.0.1:{sock.getsockname()[1]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -109,6 +110,38 @@ def test_cpu_seconds_of_this_process_grow_with_work():
         x += i
     after = cpu_seconds(os.getpid())
     assert after > before >= 0.0
+
+
+def test_a_schedstat_line_gives_its_time_on_the_cpu_in_nanoseconds():
+    from bench.gateway_load import schedstat_run_ns
+
+    assert schedstat_run_ns("273807 3204410 2\n") == 273807
+    for bad in ("", "12 34", "x 1 2"):
+        with pytest.raises(ValueError):
+            schedstat_run_ns(bad)
+
+
+def test_cpu_between_two_readings_counts_new_threads_whole_and_names_ended_ones():
+    from bench.gateway_load import cpu_ns_between
+
+    before = {1: 1_000, 2: 500, 3: 700}
+    after = {1: 1_600, 2: 900, 4: 250}  # thread 3 ended, thread 4 started
+    assert cpu_ns_between(before, after) == (600 + 400 + 250, 1)
+    assert cpu_ns_between(after, after) == (0, 0)
+
+
+def test_thread_cpu_of_this_process_grows_with_work_in_nanoseconds():
+    import os
+
+    from bench.gateway_load import cpu_ns_between, thread_cpu_ns
+
+    before = thread_cpu_ns(os.getpid())
+    x = 0
+    for i in range(300_000):
+        x += i
+    used, ended = cpu_ns_between(before, thread_cpu_ns(os.getpid()))
+    assert used > 0 and ended == 0
+    assert threading.get_native_id() in before
 
 
 async def test_the_fake_engine_writes_one_token_a_step_and_ends_with_the_whole_text_and_its_ids():
