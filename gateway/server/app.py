@@ -47,7 +47,7 @@ from gateway.replies.hooks import GenerationEvents
 from gateway.replies.manager import GenerationManager
 from gateway.server.disconnects import ClientDisconnects, DisconnectMiddleware
 from gateway.server.http_limits import ConnectionStats
-from gateway.store.connection import handshake_options, resilience_options
+from gateway.store.connection import handshake_options, packing_options, resilience_options
 from gateway.store.imports import ChatTransfer
 from gateway.store.keys import Keys
 from gateway.store.live_events import LiveHub
@@ -160,13 +160,13 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = (),
         pool = aioredis.BlockingConnectionPool.from_url(
             config.redis_url, decode_responses=True, socket_connect_timeout=2, socket_timeout=10,
             max_connections=config.redis_max_connections, timeout=config.redis_pool_timeout_s,
-            **resilience_options(), **handshake_options())
+            **resilience_options(), **handshake_options(), **packing_options())
         redis = aioredis.Redis(connection_pool=pool)
         # blocking stream reads hold a connection each while they wait
         tail_pool = aioredis.BlockingConnectionPool.from_url(
             config.redis_url, decode_responses=True, socket_connect_timeout=2,
             socket_timeout=TAIL_BLOCK_MS / 1000 + 10, max_connections=4096, timeout=30, **resilience_options(),
-            **handshake_options())
+            **handshake_options(), **packing_options())
         tail_redis = aioredis.Redis(connection_pool=tail_pool)
         keys = Keys(config.key_prefix)
         lim = config.limits
