@@ -146,18 +146,30 @@ async def _user_cookie(http: httpx.AsyncClient) -> str:
     return r.cookies[COOKIE_NAME]
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, seconds) used so far by process ``pid`` (Linux
-    ``/proc/PID/stat`` fields 14 and 15), in ticks of the kernel's clock (``SC_CLK_TCK``,
-    10 ms here): a ``--quick`` run's gateway uses only 20-30 of them, so this is the coarse
-    cross-check of ``thread_cpu_ns``.
+def cpu_user_system_s(pid: int) -> tuple[float, float]:
+    """CPU time used so far by process ``pid`` in user mode and in the kernel (seconds;
+    Linux ``/proc/PID/stat`` fields 14 and 15), in ticks of the kernel's clock
+    (``SC_CLK_TCK``, 10 ms here): a ``--quick`` run's gateway uses only 20-30 of them, so
+    their sum is the coarse cross-check of ``thread_cpu_ns``, and their ratio says how
+    much of it is system calls (socket writes and reads, ``epoll``).
 
     Raises:
         OSError: no such process.
     """
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, seconds, in 10 ms ticks) used so far by process ``pid``
+    (``cpu_user_system_s``).
+
+    Raises:
+        OSError: no such process.
+    """
+    return sum(cpu_user_system_s(pid))
 
 
 def schedstat_run_ns(text: str) -> int:
@@ -214,7 +226,8 @@ async def run_load(base_url: str, cfg: LoadConfig,
     per token, from the scheduler's nanosecond account of its threads
     (``thread_cpu_ns``; ``gateway_cpu_ns`` the total, ``gateway_threads_ended`` the threads
     whose time was lost by ending meanwhile), and ``gateway_cpu_ms_per_token_ticks``, the
-    same from ``/proc/PID/stat``'s 10 ms ticks (the figure before 2026-12-02 10:00 UTC).
+    same from ``/proc/PID/stat``'s 10 ms ticks (the figure before 2026-12-02 10:00 UTC),
+    with ``gateway_cpu_system_share``, the kernel's part of those ticks.
 
     Raises:
         httpx.HTTPError, OSError: the gateway cannot be reached at all.
@@ -291,7 +304,7 @@ async def run_load(base_url: str, cfg: LoadConfig,
         await opened.wait()
         if profile:
             (await http.post("/_bench/profile/start")).raise_for_status()
-        cpu0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+        us0 = cpu_user_system_s(gateway_pid) if gateway_pid else (0.0, 0.0)
         threads0 = thread_cpu_ns(gateway_pid) if gateway_pid else {}
         t0 = time.perf_counter()
         try:
@@ -300,7 +313,8 @@ async def run_load(base_url: str, cfg: LoadConfig,
             gc.unfreeze()  # a caller's process (a test) collects them again
         wall = time.perf_counter() - t0
         cpu_ns, ended = cpu_ns_between(threads0, thread_cpu_ns(gateway_pid)) if gateway_pid else (None, 0)
-        cpu = cpu_seconds(gateway_pid) - cpu0 if gateway_pid else None
+        us1 = cpu_user_system_s(gateway_pid) if gateway_pid else (0.0, 0.0)
+        cpu = (us1[0] - us0[0]) + (us1[1] - us0[1]) if gateway_pid else None
         if profile:
             (await http.post("/_bench/profile/stop")).raise_for_status()
         errors += [f"client failed: {e!r}" for e in results if isinstance(e, BaseException)]
@@ -331,6 +345,7 @@ async def run_load(base_url: str, cfg: LoadConfig,
             "gateway_cpu_ms_per_token": cpu_ns / 1e6 / n_tokens if cpu_ns is not None and n_tokens else None,
             "gateway_cpu_ns": cpu_ns, "gateway_threads_ended": ended,
             "gateway_cpu_ms_per_token_ticks": cpu * 1000 / n_tokens if cpu is not None and n_tokens else None,
+            "gateway_cpu_system_share": (us1[1] - us0[1]) / cpu if cpu else None,
             "errors": len(errors) + max(0, cfg.requests - len(replies)), "error_samples": errors[:5]}
 
 
