@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu.build import best_isa
 from engine.cpu.ops import CpuKernels, cpu_kernels
 from engine.errors import ModelLoadError
 from engine.formats import ServingFormat, resolved_config
@@ -309,6 +310,14 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _isa_note(kernels: CpuKernels | None) -> str:
+    """", kernels built for avx2" (the instruction set the CPU kernels run, "auto" resolved
+    to this CPU's best), or "" without kernels: a forced ``--cpu-isa`` shows in the log."""
+    if kernels is None:
+        return ""
+    return f", kernels built for {best_isa() if kernels.isa == 'auto' else kernels.isa}"
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load ``config.model`` in ``config.dtype`` on ``config.resolved_device()``.
 
@@ -338,9 +347,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     kernels = cpu_kernels(config.cpu_isa) if fmt.cpu_kernels else None
     if kernels is not None:
         model.use_cpu_kernels(kernels)
-    log.info("%s: %d layers, %.0fM parameters, %.0f MiB of weights, context %d tokens, %s; ready in %.1f s",
+    log.info("%s: %d layers, %.0fM parameters, %.0f MiB of weights, context %d tokens, %s%s; ready in %.1f s",
              name, model_config.num_layers, num_params / 1e6, model_weight_bytes(model) / 2**20,
-             model_config.max_model_len, fmt.describe(), time.perf_counter() - start)
+             model_config.max_model_len, fmt.describe(), _isa_note(kernels), time.perf_counter() - start)
     weights_id = weights_fingerprint(files, dtype, config.quantization, config.kv_cache_dtype)
     return LoadedModel(model=model, model_config=model_config, hf_config=hf_config, tokenizer=tokenizer,
                        name=name, path=folder, weights_id=weights_id, dtype=dtype, device=device, format=fmt,

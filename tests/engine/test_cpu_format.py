@@ -8,6 +8,7 @@ text like the float32 weights."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 import pytest
@@ -117,6 +118,19 @@ def test_the_forced_avx2_engine_computes_what_the_best_isa_computes(tiny_model_d
     avx2 = prefill_and_decode_logits(tiny_model_dir, ids, decode, cpu_isa="avx2")
     assert torch.allclose(best, avx2, rtol=1e-4, atol=1e-4)
     assert torch.equal(best.argmax(-1), avx2.argmax(-1))
+
+
+def test_the_load_log_names_the_instruction_set_the_kernels_run(tiny_model_dir, caplog):
+    """A forced ``cpu_isa`` shows in the start-up log line, so a benchmark of the AVX2 build
+    on a better CPU can be checked to have run it."""
+    from engine.cpu.build import best_isa
+
+    if best_isa() == "portable":
+        pytest.skip("this CPU runs no SIMD build")
+    cfg, _ = resolved_config(EngineConfig(model=str(tiny_model_dir), device="cpu", cpu_isa="avx2"))
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        load_model(cfg)
+    assert "kernels built for avx2" in caplog.text
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
