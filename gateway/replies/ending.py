@@ -12,6 +12,7 @@ id, so the reply is stored exactly once however often a write is retried.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -43,6 +44,13 @@ def _context_message(engine_message: str, info: Any) -> str:
         return engine_message
     return (f"the conversation with this message is {int(m.group(1))} tokens, and the model's context holds "
             f"{limit}: start a new chat or send a shorter message")
+
+
+def _counting_continued(end: ReplyEnd, turn: Turn) -> ReplyEnd:
+    """``end`` with the tokens a continued reply had before (``ReplyEnd.continued_tokens``),
+    so that its stored usage and ``done`` say the whole reply's length."""
+    continued = turn.request.continued
+    return dataclasses.replace(end, continued_tokens=len(continued.ids)) if continued is not None else end
 
 
 class ReplyEnding:
@@ -79,6 +87,7 @@ class ReplyEnding:
         reply_end = ReplyEnd.of_done(end, (turn.cancel.reason or "engine_lost") if reason == "abort" else None,
                                      len(turn.output_ids) if synthetic else None,
                                      turn.reasoning.final_ms())
+        reply_end = _counting_continued(reply_end, turn)
         created_at = time.time()
         user_seg = a_seg = None
         if req.continued is not None:
@@ -154,7 +163,8 @@ class ReplyEnding:
                 return
             await turn.writer.flush()
             cut = "engine_lost" if code == "engine_unavailable" else "upstream_error" if status else "error"
-            reply_end = ReplyEnd.of_error(error, cut, len(turn.output_ids), turn.reasoning.final_ms())
+            reply_end = _counting_continued(ReplyEnd.of_error(error, cut, len(turn.output_ids),
+                                                              turn.reasoning.final_ms()), turn)
             assistant = reply_end.stored_message(turn.writer.text, time.time(), rid)
             await self._retrying(turn, "storing the partial reply", lambda: self.store.finish_turn(
                 req.owner, req.session_id, begun, assistant, None, None))

@@ -7,6 +7,13 @@ went, ``acceptance_rate`` and ``tokens_per_step`` (speculative decoding; 0.0 and
 without it). The engine's ``queue_ms``, ``draft_tokens`` and ``accepted_tokens`` are in
 its ``/metrics`` and stats, not stored per message. A reply that failed before the engine
 said how it went has zero TTFT, TPOT and end-to-end time only.
+
+Usage and timings are those of the engine request that wrote the reply, also for a reply
+extended by ``continue``: its ``prompt_tokens`` include the tokens the reply already had,
+``completion_tokens`` are those written now, and ``continued_tokens`` (only on a continued
+reply) says how many it had before, so the reply's whole length is ``continued_tokens +
+completion_tokens`` and the timings (and any rate derived from them) cover only the part
+written now (docs/protocol.md, ``continue``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ class ReplyEnd:
             None when it has no reasoning.
         tool_calls: the calls a turn with tools made, in OpenAI's chat shape (``[{"id",
             "type": "function", "function": {"name", "arguments"}}]``), else None.
+        continued_tokens: tokens a continued reply had before this request wrote on (they
+            are part of ``prompt_tokens``, not of ``completion_tokens``); 0 for a reply
+            written by one request.
     """
 
     finish_reason: str
@@ -47,6 +57,7 @@ class ReplyEnd:
     error: dict[str, Any] | None = None
     reasoning_ms: float | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    continued_tokens: int = 0
 
     @classmethod
     def of_done(cls, done: DoneFrame, cut_reason: str | None, completion_tokens: int | None = None,
@@ -79,14 +90,18 @@ class ReplyEnd:
         timings = None if t is None else Timings(**kept)
         return cls(done.get("finish_reason", "stop"), int(u.get("prompt_tokens", 0)), int(u.get("cached_tokens", 0)),
                    int(u.get("completion_tokens", 0)), int(u.get("cached_disk_tokens", 0)), timings,
-                   error=done.get("error"), reasoning_ms=done.get("reasoning_ms"), tool_calls=done.get("tool_calls"))
+                   error=done.get("error"), reasoning_ms=done.get("reasoning_ms"), tool_calls=done.get("tool_calls"),
+                   continued_tokens=int(u.get("continued_tokens", 0)))
 
     def usage(self) -> dict[str, int]:
-        """The ``usage`` object of the stored message and of ``done`` (tokens)."""
+        """The ``usage`` object of the stored message and of ``done`` (tokens);
+        ``continued_tokens`` only on a continued reply (module doc)."""
         out = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                "completion_tokens": self.completion_tokens}
         if self.cached_disk_tokens:
             out["cached_disk_tokens"] = self.cached_disk_tokens
+        if self.continued_tokens:
+            out["continued_tokens"] = self.continued_tokens
         return out
 
     def timings_dict(self) -> dict[str, float]:

@@ -264,10 +264,14 @@ def test_max_completion_tokens_bounds_the_reply(api_gateway):
 def test_a_trailing_assistant_message_is_continued(api_gateway, smollm2_engine_url):
     oa = client(api_gateway(engine_urls=[smollm2_engine_url]))
     ask = [{"role": "user", "content": "Name three colours of the rainbow."}]
-    whole = create(oa, messages=ask, max_tokens=16).choices[0].message.content
+    first = create(oa, messages=ask, max_tokens=16)
+    whole = first.choices[0].message.content
     head = whole[: whole.rindex(" ", 0, len(whole) // 2)]  # at a word's end: the same tokens as in the reply
     go_on = create(oa, messages=ask + [{"role": "assistant", "content": head}], max_tokens=16)
     assert (head + go_on.choices[0].message.content).startswith(whole[: len(whole) * 3 // 4])
+    # usage counts the request, as a chat's continued reply does (docs/protocol.md, continue):
+    # the continued text is prompt, the completion only what was written now
+    assert go_on.usage.prompt_tokens > first.usage.prompt_tokens and go_on.usage.completion_tokens <= 16
     # asked not to continue, the same messages start a new turn
     fresh = create(oa, messages=ask + [{"role": "assistant", "content": head}], max_tokens=4,
                    extra_body={"continue_final_message": False})

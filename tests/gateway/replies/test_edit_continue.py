@@ -57,6 +57,8 @@ async def test_continue_appends_to_a_reply_cut_at_max_tokens_from_the_cached_pre
         first = r.done["usage"]
         assert usage["prompt_tokens"] == first["prompt_tokens"] + first["completion_tokens"]
         assert usage["cached_tokens"] >= usage["prompt_tokens"] - BLOCK  # the KV was reused
+        # usage is the continuation's; continued_tokens says what the reply had before it
+        assert usage["continued_tokens"] == first["completion_tokens"] and "continued_tokens" not in first
         # a finished ("stop") or stale reply is refused, and the chat is left as it was
         await send(ws, {"type": "continue", "session_id": sid, "message_id": r.start["user_message_id"]})
         bad = await read_reply(ws)
@@ -64,8 +66,11 @@ async def test_continue_appends_to_a_reply_cut_at_max_tokens_from_the_cached_pre
     body = await stored(gw, cookie, sid)
     assert [m["id"] for m in body["messages"]] == [r.start["user_message_id"], mid]
     assert body["messages"][1]["content"] == c.text
+    # the stored reply says what done said: the whole length is continued + completion tokens,
+    # and the timings are the continuation's own
+    assert body["messages"][1]["usage"] == usage and body["messages"][1]["timings"] == c.done["timings"]
     msgs = token_messages(gw, uid_of(gw, cookie), sid)
-    assert len(msgs[1]["token_ids"]) == first["completion_tokens"] + usage["completion_tokens"]
+    assert len(msgs[1]["token_ids"]) == usage["continued_tokens"] + usage["completion_tokens"]
 
 
 @pytest.fixture(scope="module")

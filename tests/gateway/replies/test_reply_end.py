@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from engine.protocol import DoneFrame, Timings, Usage
@@ -66,3 +67,13 @@ def test_a_done_entry_read_back_gives_the_same_usage_and_timings():
     assert back.finish_reason == "stop"
     assert back.usage() == end.usage() and back.timings_dict() == end.timings_dict()
     assert ReplyEnd.of_done_entry({}).usage() == {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+
+
+def test_a_continued_reply_says_how_many_tokens_it_had_before_in_both_and_reads_back():
+    done = DoneFrame("r1", finish_reason="length", usage=Usage(30, 28, 7), timings=TIMINGS)
+    end = dataclasses.replace(ReplyEnd.of_done(done, None), continued_tokens=12)
+    want = {"prompt_tokens": 30, "cached_tokens": 28, "completion_tokens": 7, "continued_tokens": 12}
+    assert end.stored_message("text", 1.0, "r1")["usage"] == want
+    entry = json.loads(json.dumps(end.done_entry("r1", "s1", "m1")))
+    assert entry["usage"] == want and ReplyEnd.of_done_entry(entry).usage() == want
+    assert "continued_tokens" not in ReplyEnd.of_done(done, None).usage()  # a reply written at once
