@@ -1,15 +1,28 @@
 // Pure formatting helpers: reply statistics, error texts, chat-list date groups.
 // No DOM access here, so each function can be reasoned about (and tested) alone.
 
+/** A decode rate is shown only over at least this many tokens after the first... */
+export const MIN_RATE_TOKENS = 8;
+/** ...written over at least this long (ms) after the first token: fewer tokens, or a
+ * burst (speculative decoding can write several tokens in one step), give a rate that
+ * says nothing (docs/ui.md, "Stats per reply"). */
+export const MIN_RATE_MS = 50;
+
 /**
  * Speed figures for one reply, from the `usage` and `timings` objects of a
  * `done` frame or a stored message (docs/protocol.md §2).
- * @param {{prompt_tokens?:number, cached_tokens?:number, cached_disk_tokens?:number, completion_tokens?:number}|null|undefined} usage
- *   counts in tokens (cached_disk_tokens: of cached_tokens, those restored from the engine's disk KV tier)
- * @param {{ttft_ms?:number, tpot_ms?:number, e2e_ms?:number}|null|undefined} timings  durations in ms
- * @returns {{ttftMs:number|null, tokensPerSecond:number|null, cachedTokens:number|null, diskTokens:number|null, completionTokens:number|null}}
- *   tokensPerSecond is the decode rate: completion tokens after the first
- *   divided by the time after the first token, else 1000 / tpot_ms.
+ * @param {{prompt_tokens?:number, cached_tokens?:number, cached_disk_tokens?:number, completion_tokens?:number,
+ *   continued_tokens?:number}|null|undefined} usage
+ *   counts in tokens (cached_disk_tokens: of cached_tokens, those restored from the engine's disk KV tier;
+ *   continued_tokens: on a reply extended by Continue, the tokens it had before, which the timings do not cover)
+ * @param {{ttft_ms?:number, tpot_ms?:number, e2e_ms?:number}|null|undefined} timings  durations in ms, of the
+ *   request that wrote the reply (of a continued reply: of its last Continue)
+ * @returns {{ttftMs:number|null, tokensPerSecond:number|null, cachedTokens:number|null, diskTokens:number|null,
+ *   completionTokens:number|null, newTokens:number|null, continuedTokens:number, noRate:string}}
+ *   completionTokens: the whole reply's tokens (a continued reply's earlier ones included); newTokens: those
+ *   the timings cover (written by the last request). tokensPerSecond is their decode rate: tokens after the
+ *   first divided by the time after the first token, null unless there are at least MIN_RATE_TOKENS of them
+ *   over at least MIN_RATE_MS; noRate then says why in words ("" when a rate is given or nothing is known).
  */
 export function replyStats(usage, timings) {
   const u = usage || {};
@@ -17,17 +30,21 @@ export function replyStats(usage, timings) {
   const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : null);
   const ttft = num(t.ttft_ms);
   const e2e = num(t.e2e_ms);
-  const tpot = num(t.tpot_ms);
-  const completion = num(u.completion_tokens);
+  const written = num(u.completion_tokens);
+  const continued = Math.max(0, num(u.continued_tokens) || 0);
   let rate = null;
+  let noRate = "";
   // The first token's time is TTFT; the decode rate covers the tokens after it.
-  if (completion !== null && completion > 1 && ttft !== null && e2e !== null && e2e > ttft) {
-    rate = (completion - 1) / ((e2e - ttft) / 1000);
-  } else if (tpot !== null && tpot > 0) {
-    rate = 1000 / tpot;
+  if (written !== null && ttft !== null && e2e !== null && e2e > 0) {
+    const tokens = written - 1;
+    const ms = e2e - ttft;
+    if (tokens < MIN_RATE_TOKENS) noRate = `too short for a speed (under ${MIN_RATE_TOKENS} tokens after the first)`;
+    else if (!(ms >= MIN_RATE_MS)) noRate = `too quick for a speed (under ${MIN_RATE_MS} ms after the first token)`;
+    else rate = tokens / (ms / 1000);
   }
   return { ttftMs: ttft, tokensPerSecond: rate, cachedTokens: num(u.cached_tokens), diskTokens: num(u.cached_disk_tokens),
-    completionTokens: completion };
+    completionTokens: written === null ? null : written + continued, newTokens: written, continuedTokens: continued,
+    noRate };
 }
 
 const COUNT = new Intl.NumberFormat("en-US");
@@ -43,13 +60,19 @@ export function formatRate(rate) {
 /**
  * The stats line under a reply, in words people read: "32 tokens · 41 tok/s · 512 from
  * cache" (the reply's length, its decode rate, and the prompt tokens the prefix cache
- * served; that part is left out when none were). Empty when nothing is known.
+ * served; that part is left out when none were). A continued reply counts all its tokens
+ * and says how many are new: "120 tokens (60 new) · 41 tok/s" (the rate is of the new
+ * ones). The rate is left out when it would say nothing (`replyStats`). Empty when nothing
+ * is known.
  * @param {ReturnType<typeof replyStats>} s
  * @returns {string}
  */
 export function formatStats(s) {
   const parts = [];
-  if (s.completionTokens !== null) parts.push(`${COUNT.format(s.completionTokens)} ${s.completionTokens === 1 ? "token" : "tokens"}`);
+  if (s.completionTokens !== null) {
+    parts.push(`${COUNT.format(s.completionTokens)} ${s.completionTokens === 1 ? "token" : "tokens"}`
+      + (s.continuedTokens && s.newTokens !== null ? ` (${COUNT.format(s.newTokens)} new)` : ""));
+  }
   if (s.tokensPerSecond !== null) parts.push(formatRate(s.tokensPerSecond));
   if (s.cachedTokens) {
     // restored from the engine's disk KV tier (a chat that came back after eviction or a restart)
@@ -59,22 +82,30 @@ export function formatStats(s) {
 }
 
 /**
- * The details line shown when the stats line is opened (and its tooltip): time to first
- * token (TTFT), the prompt's size and cached share, time per token, total time.
- * @param {object|null|undefined} usage  `{prompt_tokens, cached_tokens, completion_tokens}` (tokens)
+ * The details line shown when the stats line is opened (and its tooltip): for a continued
+ * reply what its numbers cover first, then time to first token (TTFT), the prompt's size
+ * and cached share, time per token (only where a rate is shown), why no rate is shown,
+ * total time.
+ * @param {object|null|undefined} usage  `{prompt_tokens, cached_tokens, completion_tokens, continued_tokens?}` (tokens)
  * @param {object|null|undefined} timings  `{ttft_ms, tpot_ms, e2e_ms}` (ms)
  * @returns {string} e.g. "First token after 84 ms (TTFT) · prompt 1,024 tokens, 512 from cache · 24.4 ms per token · 2.31 s in all"
  */
 export function formatStatDetails(usage, timings) {
   const u = usage || {};
   const t = timings || {};
+  const s = replyStats(usage, timings);
   const parts = [];
+  if (s.continuedTokens && s.newTokens !== null) {
+    parts.push(`Continued: ${COUNT.format(s.continuedTokens)} tokens written before, ${COUNT.format(s.newTokens)} by the last `
+      + "Continue; the times and speed are of those");
+  }
   if (t.ttft_ms != null) parts.push(`First token after ${COUNT.format(Math.round(t.ttft_ms))} ms (TTFT)`);
   if (u.prompt_tokens != null) {
     parts.push(`prompt ${COUNT.format(u.prompt_tokens)} tokens` + (u.cached_tokens ? `, ${COUNT.format(u.cached_tokens)} from cache` : "")
       + (u.cached_disk_tokens ? ` (${COUNT.format(u.cached_disk_tokens)} from disk)` : ""));
   }
-  if (t.tpot_ms != null && t.tpot_ms > 0) parts.push(`${Number(t.tpot_ms).toFixed(1)} ms per token`);
+  if (s.tokensPerSecond !== null && t.tpot_ms != null && t.tpot_ms > 0) parts.push(`${Number(t.tpot_ms).toFixed(1)} ms per token`);
+  if (s.noRate) parts.push(s.noRate);
   if (t.e2e_ms != null) parts.push(`${(t.e2e_ms / 1000).toFixed(2)} s in all`);
   return parts.join(" · ");
 }

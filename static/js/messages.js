@@ -472,7 +472,8 @@ export class MessageView {
 
   /** @private the live rate's estimate of characters per token, from a finished reply */
   learnCharsPerToken(text, usage) {
-    const n = usage && Number(usage.completion_tokens);
+    // the whole text's tokens: a continued reply's earlier ones are in its text too
+    const n = usage && Number(usage.completion_tokens) + (Number(usage.continued_tokens) || 0);
     if (!(n >= 8) || !text) return;
     this.charsPerToken = 0.7 * this.charsPerToken + 0.3 * (text.length / n);
   }

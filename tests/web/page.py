@@ -86,6 +86,19 @@ def create_chat(page: Page, params: dict[str, Any], **fields: Any) -> str:
     return r.json()["id"]
 
 
+# static/js/format.js: a reply's decode rate is shown only over this many tokens after the
+# first, written over this long (ms) after the first token (docs/ui.md, "Stats per reply")
+MIN_RATE_TOKENS, MIN_RATE_MS = 8, 50
+
+
+def rate_shown(message: dict[str, Any]) -> bool:
+    """Whether the page shows a decode rate ("41 tok/s") under this stored reply: its
+    ``completion_tokens`` (those its ``timings`` cover) and timings decide."""
+    u, t = message["usage"], message["timings"]
+    return (u["completion_tokens"] - 1 >= MIN_RATE_TOKENS and t["e2e_ms"] > 0
+            and t["e2e_ms"] - t["ttft_ms"] >= MIN_RATE_MS)
+
+
 def get_chat(page: Page, sid: str) -> dict[str, Any]:
     """GET /api/sessions/{sid} as the page's user."""
     r = page.request.get(f"/api/sessions/{sid}")

@@ -5,6 +5,7 @@ Screenshots go to artifacts/screenshots/ (ignored by git)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from playwright.sync_api import Page
@@ -17,6 +18,7 @@ from tests.web.page import (
     create_chat,
     get_chat,
     open_chat,
+    rate_shown,
     reload_chat,
     send,
     shot,
@@ -108,6 +110,22 @@ def test_continue_extends_a_reply_cut_at_max_tokens(new_page: Callable[..., Page
     assert after[1]["content"].startswith(before["content"]) and len(after[1]["content"]) > len(before["content"])
     assert after[1]["usage"]["cached_tokens"] > 0  # the continuation read the chat from the prefix cache
     assert reply.get_attribute("data-message-id") == before["id"]
+    # the stats line counts the whole reply and says how much the Continue wrote, which the
+    # rate and times are of; the stored reply (and so a reload) says the same
+    u = after[1]["usage"]
+    assert u["continued_tokens"] == before["usage"]["completion_tokens"]
+    total = u["continued_tokens"] + u["completion_tokens"]
+    rate = r" · \d+(\.\d)? tok/s" if rate_shown(after[1]) else ""
+    line = reply.locator(".stats-line").text_content() or ""
+    new, cached = u["completion_tokens"], u["cached_tokens"]
+    assert re.fullmatch(rf"{total:,} tokens \({new:,} new\){rate} · {cached:,} from cache", line), line
+    reply.locator(".stats-line").click()
+    details = reply.locator(".stats-details").text_content() or ""
+    assert details.startswith(f"Continued: {u['continued_tokens']:,} tokens written before, {new:,} by the last "
+                              "Continue; the times and speed are of those"), details
+    shot(page, "desktop-light-continued-stats")
+    reload_chat(page, sid)
+    assert page.locator(".msg.assistant .stats-line").text_content() == line
 
 
 def test_copy_a_user_message_and_see_times_on_hover(new_page: Callable[..., Page], browser) -> None:  # noqa: F811

@@ -227,3 +227,36 @@ def test_stats_read_in_words_with_a_live_rate_while_the_reply_streams(
 
     page.click("#open-settings")
     assert page.text_content("#model-format") == config["format"]
+
+
+# The rule (static/js/format.js), on numbers no engine run gives on demand: [formatStats, noRate]
+RATE_RULE_JS = """async () => {
+    const app = document.querySelector('script[type=module][src$="app.js"]').src;
+    const f = await import(new URL('js/format.js', app).href);
+    const s = (completion, ttft, e2e, continued) => {
+        const r = f.replyStats({completion_tokens: completion, continued_tokens: continued},
+                               {ttft_ms: ttft, tpot_ms: 1, e2e_ms: e2e});
+        return [f.formatStats(r), r.noRate];
+    };
+    return [s(2, 10, 10.4), s(9, 10, 40), s(9, 10, 410), s(61, 100, 1100, 60)];
+}"""
+
+
+def test_a_reply_too_short_for_a_meaningful_speed_shows_no_rate(new_page: Callable[..., Page]) -> None:
+    page = new_page()
+    sid = create_chat(page, {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    open_chat(page, sid)
+    send(page, "Hi")
+    wait_finished(page)
+    line = page.text_content(".msg.assistant .stats-line") or ""
+    assert re.fullmatch(r"2 tokens( · [\d,]+ from cache)?", line), line  # no "1,843 tok/s" from one interval
+    page.click(".msg.assistant .stats-line")
+    details = page.text_content(".msg.assistant .stats-details") or ""
+    assert "too short for a speed (under 8 tokens after the first)" in details, details
+    assert "ms per token" not in details
+    assert page.evaluate(RATE_RULE_JS) == [
+        ["2 tokens", "too short for a speed (under 8 tokens after the first)"],
+        ["9 tokens", "too quick for a speed (under 50 ms after the first token)"],  # a burst: 8 tokens in 30 ms
+        ["9 tokens · 20 tok/s", ""],  # 8 tokens after the first in 400 ms
+        ["121 tokens (61 new) · 60 tok/s", ""],  # continued: the rate is of the 61 new tokens
+    ]
