@@ -6,9 +6,17 @@
 // tokens; a PDF's text is extracted there), so what the page shows is what the model
 // reads, and a file that cannot be sent is refused here, with the gateway's reason,
 // before anything reaches an engine.
+//
+// A chip says "Reading…" only while its upload runs, and every upload ends: in a ready
+// chip, or with the chip gone and the reason said (refused, unreachable, an answer that
+// is not an attachment, no answer within UPLOAD_TIMEOUT_MS, or its × pressed). Send
+// waits for the chips that are reading, so an upload that never ended would block it.
 
 /** A paste longer than this many characters becomes an attachment chip instead of text in the box. */
 export const PASTE_CHIP_CHARS = 2500;
+
+/** An upload with no answer after this long (ms) is given up, its chip removed with a reason. */
+export const UPLOAD_TIMEOUT_MS = 120_000;
 
 const NUMBER = new Intl.NumberFormat("en-US");
 
@@ -62,26 +70,38 @@ export function chipElement(doc, a) {
   return li;
 }
 
+/**
+ * @param {any} body  the answer of POST /api/attachments
+ * @returns {boolean} whether it is an attachment (what a chip and the `chat` frame need)
+ */
+function isAttachment(body) {
+  return !!body && typeof body === "object" && typeof body.name === "string" && typeof body.kind === "string"
+    && typeof body.text === "string";
+}
+
 /** The files of the message being written. */
 export class AttachmentTray {
   /**
    * @param {{doc:Document, list:HTMLUListElement, fileInput:HTMLInputElement, button:HTMLButtonElement,
    *   dropZone:HTMLElement, overlay:HTMLElement, textarea:HTMLTextAreaElement, limits:object,
-   *   notify:(msg:string)=>void, announce:(msg:string)=>void, onChange:()=>void}} opts
-   *   `onChange` is called whenever the files or their reading state change
+   *   notify:(msg:string)=>void, announce:(msg:string)=>void, onChange:()=>void, uploadTimeoutMs?:number}} opts
+   *   `onChange` is called whenever the files or their reading state change; `uploadTimeoutMs`:
+   *   how long an upload may go unanswered (UPLOAD_TIMEOUT_MS)
    */
   constructor(opts) {
     Object.assign(this, opts);
     /** @type {Array<{name:string, kind:string, text:string, size:number, pages?:number, tokens:number}>} */
     this.files = [];
-    this.reading = 0;
+    /** @type {Array<{name:string, abort:AbortController, why:string}>} uploads running, in order */
+    this.pending = [];
     this.pastes = 0;
+    this.uploadTimeoutMs = Number(opts.uploadTimeoutMs) || UPLOAD_TIMEOUT_MS;
     this.maxUpload = Number(opts.limits.max_upload_bytes) || 16 * 1024 * 1024;
     this.maxFiles = Number(opts.limits.max_attachments_per_message) || 8;
     this.button.addEventListener("click", () => this.fileInput.click());
     this.fileInput.addEventListener("change", () => {
       this.addFiles([...this.fileInput.files]);
-      this.fileInput.value = "";
+      this.fileInput.value = ""; // the same file chosen again fires "change" again
     });
     this.textarea.addEventListener("paste", (ev) => this.onPaste(ev));
     let depth = 0; // dragenter/dragleave fire for every child crossed
@@ -117,7 +137,7 @@ export class AttachmentTray {
 
   /** @returns {boolean} whether a file is still being read */
   busy() {
-    return this.reading > 0;
+    return this.pending.length > 0;
   }
 
   /** @param {ClipboardEvent} ev  files become attachments; a long text paste becomes one too */
@@ -141,7 +161,7 @@ export class AttachmentTray {
   /** @param {File[]} files  read each by the gateway, in order */
   async addFiles(files) {
     for (const file of files) {
-      if (this.files.length + this.reading >= this.maxFiles) {
+      if (this.files.length + this.pending.length >= this.maxFiles) {
         this.notify(`At most ${this.maxFiles} files can be attached to one message.`);
         return;
       }
@@ -149,55 +169,91 @@ export class AttachmentTray {
         this.notify(`${file.name} is ${sizeText(file.size)}; attachments can be at most ${sizeText(this.maxUpload)}.`);
         continue;
       }
-      const pending = chipElement(this.doc, { name: file.name, kind: "text" });
-      pending.classList.add("reading");
-      pending.querySelector(".chip-detail").textContent = "Reading…";
-      this.list.append(pending);
-      this.list.hidden = false;
-      this.reading++;
-      this.onChange();
-      try {
-        const res = await fetch(`/api/attachments?name=${encodeURIComponent(file.name)}`, {
-          method: "POST", body: file, credentials: "same-origin", headers: { "content-type": "application/octet-stream" },
-        });
-        const body = await res.json().catch(() => ({}));
-        if (!res.ok) {
-          this.notify(body?.error?.message || `${file.name} could not be read (HTTP ${res.status}).`);
-          continue;
-        }
-        this.files.push(body);
-        this.announce(`${body.name} attached, ${chipDetail(body)}.`);
-      } catch {
-        this.notify(`${file.name} could not be sent to the server; check the connection and try again.`);
-      } finally {
-        pending.remove();
-        this.reading--;
-        this.render();
-      }
+      await this.upload(file);
     }
   }
 
-  /** Draw the chips of the pending files (each with a remove button). */
+  /**
+   * Have the gateway read one file. Always ends (see the module's head): the file joins
+   * `files`, or its chip goes and the reason is said; it never throws.
+   * @private
+   * @param {File} file
+   */
+  async upload(file) {
+    const job = { name: file.name, abort: new AbortController(), why: "" };
+    this.pending.push(job);
+    this.render();
+    const timer = setTimeout(() => {
+      job.why = "timeout";
+      job.abort.abort();
+    }, this.uploadTimeoutMs);
+    let failure = "";
+    try {
+      const res = await fetch(`/api/attachments?name=${encodeURIComponent(file.name)}`, {
+        method: "POST", body: file, credentials: "same-origin", signal: job.abort.signal,
+        headers: { "content-type": "application/octet-stream" },
+      });
+      const body = await res.json().catch(() => null);
+      if (job.abort.signal.aborted) throw new DOMException("stopped", "AbortError"); // while its body was read
+      if (!res.ok) {
+        failure = body?.error?.message || `${file.name} could not be read (HTTP ${res.status}).`;
+      } else if (!isAttachment(body)) {
+        failure = `${file.name} could not be attached: the server's answer was not a file's text. Try again.`;
+      } else {
+        this.files.push(body);
+        this.announce(`${body.name} attached, ${chipDetail(body)}.`);
+      }
+    } catch {
+      if (job.why === "removed") this.announce(`${file.name} removed.`);
+      else if (job.why === "timeout") {
+        failure = `${file.name} was not read within ${Math.round(this.uploadTimeoutMs / 1000)} s, so it is not attached. `
+          + "Try again, or attach a smaller file.";
+      } else failure = `${file.name} could not be sent to the server; check the connection and try again.`;
+    } finally {
+      clearTimeout(timer);
+      this.pending = this.pending.filter((j) => j !== job);
+      this.render();
+    }
+    if (failure) this.notify(failure);
+  }
+
+  /** Draw the chips: the files read (each with a remove button), then those being read (each with a stop button). */
   render() {
     this.list.replaceChildren();
     this.files.forEach((f, i) => {
       const chip = chipElement(this.doc, f);
-      const rm = this.doc.createElement("button");
-      rm.type = "button";
-      rm.className = "chip-remove";
-      rm.setAttribute("aria-label", `Remove ${f.name}`);
-      rm.title = "Remove";
-      rm.textContent = "×";
-      rm.addEventListener("click", () => {
+      chip.append(this.removeButton(`Remove ${f.name}`, "Remove", () => {
         this.files.splice(i, 1);
         this.render();
         this.textarea.focus();
-      });
-      chip.append(rm);
+      }));
       this.list.append(chip);
     });
-    this.list.hidden = this.files.length === 0 && this.reading === 0;
+    for (const job of this.pending) {
+      const chip = chipElement(this.doc, { name: job.name, kind: "text" });
+      chip.classList.add("reading");
+      chip.querySelector(".chip-detail").textContent = "Reading…";
+      chip.append(this.removeButton(`Stop reading ${job.name}`, "Stop reading", () => {
+        job.why = "removed";
+        job.abort.abort();
+        this.textarea.focus();
+      }));
+      this.list.append(chip);
+    }
+    this.list.hidden = this.files.length === 0 && this.pending.length === 0;
     this.onChange();
+  }
+
+  /** @private a chip's × button */
+  removeButton(label, title, onClick) {
+    const rm = this.doc.createElement("button");
+    rm.type = "button";
+    rm.className = "chip-remove";
+    rm.setAttribute("aria-label", label);
+    rm.title = title;
+    rm.textContent = "×";
+    rm.addEventListener("click", onClick);
+    return rm;
   }
 
   /** @returns {Array<object>} the files as a `chat` frame's `attachments`, and empties the tray */

@@ -1,7 +1,7 @@
 """Attachments in a real Chromium (the fixtures of tests/web/conftest.py, helpers of tests/web/page.py):
 files by the button, by drag-and-drop and by paste (a long paste becomes a chip), their
 tokens counted by the context meter before sending, refusals said in words, and the
-files shown with the message after a reload. Screenshots go to artifacts/screenshots/."""
+files shown with the message after a reload, and uploads that never answer. Screenshots go to artifacts/screenshots/."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from tests.web.page import PHONE, SHORT, WAIT_MS, create_chat, get_chat, open_ch
 from tests.web.test_accessibility import axe_violations
 
 pytestmark = [pytest.mark.timeout(180)]
+
+UPLOAD_TIMEOUT_MS = 120_000  # static/js/attachments.js
 
 PDF = make_pdf(["Quarterly report (page one)\nRevenue grew.", "Page two\nCosts fell."])
 
@@ -109,3 +111,50 @@ def test_files_that_cannot_be_sent_are_refused_with_a_reason(new_page: Callable[
     assert page.is_enabled("#send")  # a file alone can be sent
     shot(page, "attachments-phone-chip")
     assert axe_violations(page) == []
+
+
+def test_an_upload_that_never_answers_can_be_stopped_and_is_given_up_with_a_reason(
+        new_page: Callable[..., Page]) -> None:
+    """The "Reading…" chip that stayed forever: an upload whose answer never came (a
+    stalled connection, a gateway that hung) had no time limit and nothing to stop it, and
+    Send waited for it. Now its chip has a stop button, and the page gives up after
+    UPLOAD_TIMEOUT_MS (the fake clock jumps there) with a reason; a ready chip removed
+    meanwhile leaves the reading one drawn."""
+    page = new_page()
+    page.clock.install()  # timers run as usual until the clock is moved on
+    open_chat(page)
+    page.set_input_files("#file-input", [{"name": "ok.txt", "mimeType": "text/plain", "buffer": b"fine"}])
+    wait_chips(page, 1)
+    held: list[object] = []
+    page.route("**/api/attachments*", lambda route: held.append(route))  # never answered
+    page.set_input_files("#file-input", [{"name": "stalled.txt", "mimeType": "text/plain", "buffer": b"slow"}])
+    reading = page.locator("#attachment-chips .attachment-chip.reading")
+    reading.wait_for(timeout=WAIT_MS)
+    assert (reading.locator(".chip-detail").text_content() or "") == "Reading…"
+    page.fill("#input", "Read this")
+    assert page.is_disabled("#send")  # Send waits for the file
+    page.click("#attachment-chips .attachment-chip:not(.reading) .chip-remove")  # ok.txt goes...
+    assert chips(page) == ["stalled.txt"] and reading.count() == 1  # ...the one still reading stays drawn
+    shot(page, "attachments-desktop-reading")
+    assert axe_violations(page) == []
+    reading.get_by_role("button", name="Stop reading stalled.txt").click()
+    page.wait_for_function("() => !document.querySelector('#attachment-chips .attachment-chip')", timeout=WAIT_MS)
+    assert page.is_hidden("#attachment-chips") and page.is_enabled("#send")
+
+    # the same file again, unanswered until the time limit
+    page.set_input_files("#file-input", [{"name": "stalled.txt", "mimeType": "text/plain", "buffer": b"slow"}])
+    reading.wait_for(timeout=WAIT_MS)
+    page.clock.fast_forward(UPLOAD_TIMEOUT_MS + 1000)
+    page.wait_for_function("() => /stalled.txt was not read within 120 s/.test("
+                           "document.querySelector('#notice-text').textContent)", timeout=WAIT_MS)
+    assert chips(page) == [] and page.is_enabled("#send")
+    assert len(held) == 2
+
+    # an answer that is not an attachment (a proxy's page) is refused in words, not drawn
+    page.unroute("**/api/attachments*")
+    page.route("**/api/attachments*", lambda route: route.fulfill(status=200, content_type="text/html",
+                                                                   body="<html>Welcome to the proxy</html>"))
+    page.set_input_files("#file-input", [{"name": "odd.txt", "mimeType": "text/plain", "buffer": b"odd"}])
+    page.wait_for_function("() => /odd.txt could not be attached/.test("
+                           "document.querySelector('#notice-text').textContent)", timeout=WAIT_MS)
+    assert chips(page) == [] and page.is_enabled("#send")
