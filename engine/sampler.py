@@ -15,6 +15,13 @@ neighbours (seeded requests are reproducible, docs/acceptance.md), and not on ho
 tokens a step samples for it at once (a speculative step verifies several positions,
 and keeps exactly the tokens that one-by-one sampling would have drawn).
 
+A row with top_p < 1 (what chats use) races only among its nucleus candidates, which a
+partial selection finds (``Sampler._nucleus``): a token outside the nucleus can never
+win, so its noise is never drawn. Such a seeded row takes one uniform per rank, up to its
+last kept candidate, from its keyed generator (so its tokens differ from those of the
+whole-vocabulary race before 2026-12-02, with the same distribution); other rows race
+over the whole vocabulary, one uniform per token id.
+
 Sources: the CTRL paper (Keskar et al. 2019) for the repetition penalty, the OpenAI
 API reference for frequency/presence penalties, Holtzman et al. 2019 (nucleus
 sampling), Nguyen et al. 2024 (min-p), and vLLM's ``Sampler``/``TopKTopPSampler``
@@ -71,6 +78,7 @@ class PenaltyState:
     Attributes:
         prompt_mask: bool ``[V]``, True where the token occurs in the prompt.
         output_counts: int32 ``[V]``, how many times each token was generated.
+        counted: the same counts as {token id: count} over the generated tokens only.
     """
 
     def __init__(
@@ -87,11 +95,16 @@ class PenaltyState:
         """
         self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        # the same counts, only the tokens generated: what the frequency and presence
+        # penalties change (a step reads these few logits, not the whole vocabulary)
+        self.counted: dict[int, int] = {}
         if len(prompt_ids):
             self.prompt_mask[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
         if len(output_ids):
             ids = torch.tensor(list(output_ids), dtype=torch.long, device=device)
             self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            for t in ids.tolist():  # the tensor's checks ran: every id is in range
+                self.counted[t] = self.counted.get(t, 0) + 1
 
     @staticmethod
     def needed(params: SamplingParams) -> bool:
@@ -101,6 +114,7 @@ class PenaltyState:
     def append(self, token_id: int) -> None:
         """Count one more generated ``token_id``."""
         self.output_counts[token_id] += 1
+        self.counted[token_id] = self.counted.get(token_id, 0) + 1
 
 
 class Sampler:
@@ -177,25 +191,23 @@ class Sampler:
             not be drawn has exactly that); always finite.
 
         Cost: a fixed number of tensor ops over the rows that need them (all-greedy is
-        one argmax); one device-to-host copy at the end, plus one small host sync per
-        candidate level when some row has top_p < 1. A seeded row's tokens depend only on
-        (seed, its step index, its logits and params) on a given device type.
+        one argmax); one device-to-host copy at the end, plus one small host sync for the
+        finiteness check and one per candidate level when some row has top_p < 1. A row
+        with top_p < 1 and finite logits (a chat's default) draws noise for its nucleus
+        candidates only (``_draw``), not for the whole vocabulary. A seeded row's tokens depend only on (seed, its
+        step index, its logits and params) on a given device type.
 
         Raises:
             ValueError: shapes disagree with ``params``, or a row with a penalty has no state.
         """
-        x, rows = self._prepare(logits, params, noise_keys, token_counts)
+        x, rows, finite = self._prepare(logits, params, noise_keys, token_counts)
         xp = self._adjust(x, params, token_counts, rows, extra_tokens, masks)
         token_ids = torch.argmax(xp, dim=1) if len(rows.sample) < len(params) else None
         z: torch.Tensor | None = None
         if rows.sample:
             idx = self._index(rows.sample, len(params))
-            z = self._filtered_logits(_take(xp, idx), rows.sample, params)
-            # A row with non-finite logits gets no noise, so it takes argmax(z), its greedy
-            # token (the filters always keep the top token; ties go to the lowest id).
-            ok = _take(self._finite_rows(logits), idx).unsqueeze(1)
-            # argmax(z + g) with Gumbel g = -log(-log u): the exponential race argmax(p / q).
-            drawn = torch.argmax(z - self._log_exponentials(rows.sample, noise_keys) * ok, dim=1)
+            drawn, z = self._draw(_take(xp, idx), logits, rows.sample, params, noise_keys, finite,
+                                  any(params[b].processed_logprobs for b in rows.logprobs))
             if idx is None:
                 token_ids = drawn
             else:  # some rows are greedy: token_ids holds their argmax
@@ -205,6 +217,48 @@ class Sampler:
         if any(params[b].processed_logprobs for b in rows.logprobs):
             x = self._processed(x, xp, z, logits, rows, params)
         return self._to_host(x, token_ids, params, rows.logprobs)
+
+    def _draw(self, zs, logits, rows: list[int], params, noise_keys, finite: bool,
+              want_z: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draw the token of each sampling row ``rows`` from its adjusted logits ``zs``
+        ``[S, V]``; returns int64 ``[S]`` and, when ``want_z``, the filtered logits the
+        tokens were drawn from (``_filtered_logits``'s, ``[S, V]``), else None.
+
+        A row with top_p < 1 and finite logits (a chat's default) is drawn among its
+        nucleus candidates (``_nucleus``, ``_draw_candidates``); any other row over the
+        whole vocabulary as before (a row with non-finite logits gets no noise, so it
+        takes argmax(z), its greedy token: the filters always keep the top token; ties go
+        to the lowest id). Which way a row goes depends on the row alone, so a seeded
+        row's token never depends on its neighbours."""
+        ps = [params[b] for b in rows]
+        ok_rows = [True] * len(rows) if finite else _take(self._finite_rows(logits), self._index(
+            rows, logits.shape[0])).tolist()
+        fast = [i for i, p in enumerate(ps) if p.top_p < 1.0 and ok_rows[i]]
+        slow = [i for i in range(len(rows)) if i not in set(fast)]
+        parts: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
+        if fast:
+            f_idx = self._index(fast, len(rows))
+            f_ps = [ps[i] for i in fast]
+            zc, ranked = self._nucleus(self._scaled(_take(zs, f_idx), f_ps), f_ps)
+            drawn = self._draw_candidates(zc, ranked, [rows[i] for i in fast], noise_keys)
+            parts.append((fast, drawn, _scatter_full(zc, ranked, self.vocab_size) if want_z else None))
+        if slow:
+            s_rows = [rows[i] for i in slow]
+            z = self._filtered_logits(_take(zs, self._index(slow, len(rows))), s_rows, params)
+            ok = _take(self._finite_rows(logits), self._index(s_rows, logits.shape[0])).unsqueeze(1)
+            # argmax(z + g) with Gumbel g = -log(-log u): the exponential race argmax(p / q).
+            drawn = torch.argmax(z - self._log_exponentials(s_rows, noise_keys) * ok, dim=1)
+            parts.append((slow, drawn, z))
+        if len(parts) == 1:
+            return parts[0][1], parts[0][2]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=self.device)
+        z_all = torch.empty(len(rows), self.vocab_size, device=self.device) if want_z else None
+        for which, drawn, z in parts:
+            at = torch.tensor(which, device=self.device)
+            tokens.index_copy_(0, at, drawn)
+            if z_all is not None and z is not None:
+                z_all.index_copy_(0, at, z)
+        return tokens, z_all
 
     def _processed(self, x, xp, z, logits, rows: _Rows, params) -> torch.Tensor:
         """``x`` with the rows that asked for ``processed_logprobs`` replaced by the
@@ -237,7 +291,7 @@ class Sampler:
             float32 ``[B, vocab_size]``, each row sums to 1; one-hot on the argmax for greedy
             rows and rows with non-finite logits.
         """
-        x, rows = self._prepare(logits, params, None, token_counts)
+        x, rows, _ = self._prepare(logits, params, None, token_counts)
         xp = self._adjust(x, params, token_counts, rows, None, masks)
         probs = torch.nn.functional.one_hot(torch.argmax(xp, dim=1), self.vocab_size).float()
         if rows.sample:
@@ -249,15 +303,24 @@ class Sampler:
 
     # -- steps -------------------------------------------------------------------
 
-    def _prepare(self, logits, params, noise_keys, token_counts) -> tuple[torch.Tensor, _Rows]:
-        """Check shapes, replace non-finite logits, and split the rows by the work they need."""
+    def _prepare(self, logits, params, noise_keys, token_counts) -> tuple[torch.Tensor, _Rows, bool]:
+        """Check shapes, replace non-finite logits, and split the rows by the work they need.
+
+        Returns ``(x, rows, finite)``: the float32 ``[B, vocab_size]`` logits (a view of
+        ``logits`` when they are float32 and all finite: never written to), the row groups,
+        and whether every logit was finite."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} rows x {self.vocab_size} tokens")
         for name, seq in (("noise_keys", noise_keys), ("token_counts", token_counts)):
             if seq is not None and len(seq) != len(params):
                 raise ValueError(f"{name} has {len(seq)} entries for {len(params)} rows")
-        # One fused pass: NaN/+-inf become the lowest finite value, so argmax is over finite values.
-        x = torch.nan_to_num(logits[:, : self.vocab_size].float(), nan=_F32.min, posinf=_F32.min, neginf=_F32.min)
+        x = logits[:, : self.vocab_size].float()
+        # A finite sum means every value is finite (a NaN or an infinity anywhere makes it
+        # NaN or infinite; a sum that overflows only sends the step the careful way).
+        finite = bool(torch.isfinite(x.sum()))
+        if not finite:
+            # One fused pass: NaN/+-inf become the lowest finite value, so argmax is over finite values.
+            x = torch.nan_to_num(x, nan=_F32.min, posinf=_F32.min, neginf=_F32.min)
         rows = _Rows()
         for b, p in enumerate(params):
             if PenaltyState.needed(p):
@@ -270,7 +333,7 @@ class Sampler:
                 rows.logprobs.append(b)
             if p.logit_bias:
                 rows.bias.append(b)
-        return x, rows
+        return x, rows, finite
 
     def _adjust(self, x, params, token_counts, rows: _Rows, extra_tokens, masks: TokenMasks | None) -> torch.Tensor:
         """The logits every choice is made from: raw, plus logit bias, penalised, masked by
@@ -311,6 +374,8 @@ class Sampler:
         if not penal:
             return x
         idx = self._index(penal, x.shape[0])
+        if all(params[b].repetition_penalty == 1.0 for b in penal):
+            return self._penalise_generated(x, params, token_counts, penal, extra_tokens, idx)
         counts = torch.stack([token_counts[b].output_counts for b in penal]).float()
         for i, b in enumerate(penal):
             extra = extra_tokens[b] if extra_tokens is not None else ()
@@ -333,6 +398,45 @@ class Sampler:
         xp = torch.nan_to_num(xp, nan=_F32.min, posinf=_F32.max, neginf=_F32.min)
         return _put(x, idx, xp)
 
+    def _penalise_generated(self, x, params, token_counts, penal: list[int], extra_tokens,
+                            idx: torch.Tensor | None) -> torch.Tensor:
+        """``_penalise`` for rows without a repetition penalty: the frequency and presence
+        penalties change only the logits of tokens generated before (count > 0), so those
+        are gathered, changed by the same float operations in the same order
+        (``x - f * count``, then ``- p``, then the same ``nan_to_num``) and written back
+        into a copy of the rows: the same values as the whole-vocabulary computation, for
+        a few hundred logits a row instead of ``[rows, vocab]`` passes."""
+        r_l: list[int] = []
+        t_l: list[int] = []
+        c_l: list[int] = []
+        f_l: list[float] = []
+        p_l: list[float] = []
+        for i, b in enumerate(penal):
+            counted = token_counts[b].counted
+            extra = extra_tokens[b] if extra_tokens is not None else ()
+            if extra:
+                counted = dict(counted)
+                for t in extra:
+                    counted[t] = counted.get(t, 0) + 1
+            n = len(counted)
+            r_l += [i] * n
+            t_l += counted.keys()
+            c_l += counted.values()
+            f_l += [params[b].frequency_penalty] * n
+            p_l += [params[b].presence_penalty] * n
+        xp = _take(x, idx)
+        xp = xp.clone() if idx is None else xp  # rows idx are a copy already; x stays raw
+        if t_l:
+            at = (torch.tensor(r_l, device=self.device), torch.tensor(t_l, device=self.device))
+            v = xp[at]
+            if any(f != 0.0 for f in f_l):
+                v = v - torch.tensor(f_l, dtype=torch.float32, device=self.device) * torch.tensor(
+                    c_l, dtype=torch.float32, device=self.device)
+            if any(p != 0.0 for p in p_l):
+                v = v - torch.tensor(p_l, dtype=torch.float32, device=self.device)
+            xp[at] = torch.nan_to_num(v, nan=_F32.min, posinf=_F32.max, neginf=_F32.min)
+        return _put(x, idx, xp)
+
     def _filtered_logits(self, z: torch.Tensor, rows: list[int], params) -> torch.Tensor:
         """Temperature, then top-k, top-p and min-p masks (masked logits become -inf).
 
@@ -343,8 +447,29 @@ class Sampler:
             survives, so no row is ever empty: sampling edge values (docs/acceptance.md#sampling-edge-values)).
         """
         ps = [params[b] for b in rows]
+        z = self._scaled(z, ps)
+        nucleus = [i for i, p in enumerate(ps) if p.top_p < 1.0]
+        if nucleus:
+            # Only rows with top_p < 1: top_p == 1 keeps everything, even where a float
+            # cumsum over the vocabulary rounds past 1.
+            idx = self._index(nucleus, len(ps))
+            zc, ranked = self._nucleus(_take(z, idx), [ps[i] for i in nucleus])
+            z = _put(z, idx, _scatter_full(zc, ranked, self.vocab_size))
+        others = [i for i, p in enumerate(ps) if p.top_p >= 1.0 and p.min_p > 0.0]
+        if others:  # min-p without a nucleus (a nucleus row's min-p is applied by _nucleus)
+            idx = self._index(others, len(ps))
+            zo = _take(z, idx)
+            probs = torch.softmax(zo, dim=1)
+            thr = self._column([ps[i].min_p for i in others]) * probs.amax(dim=1, keepdim=True)
+            z = _put(z, idx, zo.masked_fill(probs < thr, -float("inf")))
+        return z
+
+    def _scaled(self, z: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+        """Temperature and top-k: float32 ``[S, V]`` logits ``(z - max) / T`` with the
+        tokens below each row's k-th largest at -inf (ties at the k-th value all kept);
+        the max of each row is 0."""
         # Subtracting the max first keeps (z - max) / T finite for T >= GREEDY_EPS.
-        z = (z - z.max(dim=1, keepdim=True).values) / self._column([p.temperature for p in ps])
+        z = (z - z.amax(dim=1, keepdim=True)) / self._column([p.temperature for p in ps])
         ks = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in ps]
         if any(ks):
             # Keep logits >= the k-th largest (ties at the k-th value are all kept).
@@ -353,35 +478,37 @@ class Sampler:
             thr = kth.gather(1, (k.clamp(min=1) - 1).unsqueeze(1))
             thr = torch.where(k.unsqueeze(1) > 0, thr, torch.full_like(thr, -float("inf")))
             z = z.masked_fill(z < thr, -float("inf"))
-        nucleus = [i for i, p in enumerate(ps) if p.top_p < 1.0]
-        if nucleus:
-            # Only rows with top_p < 1: top_p == 1 keeps everything, even where a float
-            # cumsum over the vocabulary rounds past 1.
-            idx = self._index(nucleus, len(ps))
-            zn = _take(z, idx)
-            drop = self._nucleus_drop(torch.softmax(zn, dim=1), self._column([ps[i].top_p for i in nucleus]))
-            z = _put(z, idx, zn.masked_fill(drop, -float("inf")))
-        min_p = [p.min_p for p in ps]
-        if any(v > 0.0 for v in min_p):
-            probs = torch.softmax(z, dim=1)
-            thr = self._column(min_p) * probs.max(dim=1, keepdim=True).values
-            z = z.masked_fill(probs < thr, -float("inf"))
         return z
 
-    def _nucleus_drop(self, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        """Nucleus (top-p) mask: True where a token is dropped.
+    def _nucleus(self, z: torch.Tensor, ps: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-p (then min-p) of rows that all have top_p < 1, kept compact: each row's
+        candidates in rank order and their logits, the dropped ones at -inf.
 
         A token is dropped when the mass of the tokens ranked before it already reaches
-        top_p; the first has mass 0 before it, so it always survives. Ranking is by
-        probability, ties by lower id (as argmax), so a tiny top_p is exactly greedy.
+        top_p (Holtzman et al. 2019: the smallest set of most likely tokens holding top_p
+        of the mass); the first has mass 0 before it, so it always survives. Ranking is by
+        probability ``softmax(z)``, ties by lower id (as argmax), so a tiny top_p is
+        exactly greedy. Partial selection instead of a full sort: the nucleus is looked
+        for among the ``top_p_candidates`` most likely tokens (``torch.topk``), then 16x as
+        many, then the whole vocabulary. Candidates that hold at least top_p of the mass
+        contain the nucleus: every token outside them has at least their mass before it,
+        so it is dropped. Within the candidates the cumulative sums are those of the full
+        sort (a prefix of it), so the kept set is the full sort's. Min-p (Nguyen et al.
+        2024) then drops candidates whose probability, renormalised over the nucleus, is
+        below min_p times the largest.
 
         Args:
-            probs: float32 ``[R, V]``; top_p: float32 ``[R, 1]`` in (0, 1).
+            z: float32 ``[R, V]`` scaled logits (``_scaled``); ps: R params, top_p in (0, 1).
         Returns:
-            bool ``[R, V]``.
+            ``(zc, ranked)``: float32 ``[R, C]`` logits of each row's candidates in rank
+            order (-inf where dropped; column 0 is always kept) and int64 ``[R, C]``
+            their token ids; C is 256, 4096 or V, the same for every row of the call.
         """
+        probs = torch.softmax(z, dim=1)
+        top_p = self._column([p.top_p for p in ps])
         rows, vocab = probs.shape
         k = self.top_p_candidates
+        ranked = None
         while k < vocab:  # candidates, 16x more candidates, then the full sort
             cand_p, cand_i = torch.topk(probs, k, dim=1)
             k *= 16
@@ -390,12 +517,49 @@ class Sampler:
                 by_id, perm = torch.sort(cand_i, dim=1)
                 sp, order = torch.sort(cand_p.gather(1, perm), dim=1, descending=True, stable=True)
                 ranked = by_id.gather(1, order)
-                drop_ranked = (torch.cumsum(sp, dim=1) - sp) >= top_p
-                full = torch.ones(rows, vocab, dtype=torch.bool, device=probs.device)
-                return full.scatter(1, ranked, drop_ranked)
-        sp, ranked = torch.sort(probs, dim=1, descending=True, stable=True)
-        drop_ranked = (torch.cumsum(sp, dim=1) - sp) >= top_p
-        return torch.zeros_like(drop_ranked).scatter(1, ranked, drop_ranked)
+                break
+        if ranked is None:
+            sp, ranked = torch.sort(probs, dim=1, descending=True, stable=True)
+        drop = (torch.cumsum(sp, dim=1) - sp) >= top_p
+        zc = z.gather(1, ranked).masked_fill(drop, -float("inf"))
+        min_p = [p.min_p for p in ps]
+        if any(v > 0.0 for v in min_p):
+            pc = torch.softmax(zc, dim=1)
+            thr = self._column(min_p) * pc.amax(dim=1, keepdim=True)
+            zc = zc.masked_fill(pc < thr, -float("inf"))
+        return zc, ranked
+
+    def _draw_candidates(self, zc: torch.Tensor, ranked: torch.Tensor, rows: list[int], noise_keys) -> torch.Tensor:
+        """One token per row from ``_nucleus``'s candidates: the exponential race of the
+        module docstring over the kept candidates only (a dropped token cannot win, so
+        its noise is never needed): ``ranked[argmax(zc - log q)]``.
+
+        A keyed row draws its uniforms from a generator seeded with its key, one for
+        each rank up to its last kept candidate, which depends only on the row's own
+        logits and params (not on the batch's candidate width C); unkeyed rows share one
+        ``[S, C]`` draw from the shared generator.
+
+        Returns:
+            int64 ``[S]`` token ids.
+        """
+        S, C = zc.shape
+        kept = torch.isfinite(zc)
+        # ranks up to the last kept candidate, per row (dropped ranks can lie between kept
+        # ones only where the float cumsum is not monotone; they just get unused noise)
+        span = (kept * torch.arange(1, C + 1, device=zc.device)).amax(dim=1).tolist()
+        u = torch.full((S, C), 0.5, device=self.device)
+        unseeded: list[int] = []
+        for i, b in enumerate(rows):
+            key = noise_keys[b] if noise_keys is not None else None
+            if key is None:
+                unseeded.append(i)
+            else:
+                u[i, : span[i]].uniform_(generator=self._keyed.manual_seed(key))
+        if unseeded:
+            shared = torch.empty(len(unseeded), C, device=self.device).uniform_(generator=self.generator)
+            u = _put(u, self._index(unseeded, S), shared)
+        log_q = u.clamp_(_F32.tiny, 1.0 - _F32.eps / 2).log_().neg_().log_()
+        return ranked.gather(1, torch.argmax(zc - log_q, dim=1, keepdim=True)).squeeze(1)
 
     def _finite_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """bool ``[B]``: the row's logits are all finite (one min/max pass; NaN propagates)."""
@@ -452,6 +616,12 @@ class Sampler:
     def _column(self, values: list[float]) -> torch.Tensor:
         """float32 ``[N, 1]`` per-row parameter column on the sampler's device."""
         return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
+
+
+def _scatter_full(zc: torch.Tensor, ranked: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 ``[R, vocab]``: ``zc`` at the token ids ``ranked``, -inf elsewhere."""
+    full = torch.full((zc.shape[0], vocab), -float("inf"), dtype=zc.dtype, device=zc.device)
+    return full.scatter_(1, ranked, zc)
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:

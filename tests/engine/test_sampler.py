@@ -95,6 +95,97 @@ def test_nucleus_from_candidates_equals_full_sort(device):
         assert torch.allclose(got, full[rows])
 
 
+def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> set[int]:
+    """The nucleus by its definition: sort the temperature-scaled probabilities (ties by
+    lower id), keep each token whose mass before it is below top_p."""
+    z = (logits - logits.amax()) / temperature
+    sp, ranked = torch.sort(torch.softmax(z, dim=0), descending=True, stable=True)
+    keep = (torch.cumsum(sp, dim=0) - sp) < top_p
+    return set(ranked[keep].tolist())
+
+
+@pytest.mark.parametrize("candidates", [256, 3], ids=["default", "levels_forced"])
+def test_nucleus_kept_set_equals_the_sorted_cumsum_definition_with_ties(device, candidates):
+    """Random rows, many with ties (logits rounded to a coarse grid), peaked and flat,
+    tiny and near-one top_p: the kept set is the full sort's, whichever candidate
+    level the batch needed."""
+    vocab = 3000
+    g = torch.Generator().manual_seed(21)
+    rows = []
+    for i in range(12):
+        row = torch.randn(vocab, generator=g) * (0.3 + i)
+        rows.append(torch.round(row * 2) / 2 if i % 2 else row)  # even rows: ties everywhere
+    logits = torch.stack(rows).to(device)
+    sampler = Sampler(vocab, device, top_p_candidates=candidates)
+    for top_p in (1e-6, 0.3, 0.9, 0.95, 0.999):
+        for t in (0.7, 1.3):
+            probs = sampler.distribution(logits, [SP(temperature=t, top_p=top_p)] * len(rows))
+            for r in range(len(rows)):
+                assert support(probs[r]) == _nucleus_by_full_sort(logits[r].cpu(), t, top_p), (top_p, t, r)
+
+
+def test_top_p_one_keeps_everything_and_a_tiny_top_p_is_greedy_with_ties(device):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5] + [-2.0] * 400], device=device)  # tie at the top: ids 1, 2
+    sampler = Sampler(404, device, top_p_candidates=2)
+    assert support(sampler.distribution(logits, [SP(temperature=0.7, top_p=1.0)])[0]) == set(range(404))
+    assert support(sampler.distribution(logits, [SP(temperature=0.7, top_p=1e-9)])[0]) == {1}
+    out = sampler.sample(logits.repeat(50, 1), [SP(temperature=0.7, top_p=1e-9)] * 50)
+    assert set(out.token_ids) == {1}
+
+
+def test_min_p_after_top_p_keeps_the_renormalised_nucleus_above_its_bar(device):
+    vocab = 2000
+    logits = rand_logits(6, vocab, 33, device, scale=2.5)
+    sampler = Sampler(vocab, device)
+    probs = sampler.distribution(logits, [SP(temperature=0.8, top_p=0.9, min_p=0.05)] * 6)
+    for r in range(6):
+        nucleus = sorted(_nucleus_by_full_sort(logits[r].cpu(), 0.8, 0.9))
+        p = torch.softmax((logits[r].cpu() - logits[r].cpu().amax()) / 0.8, dim=0)[nucleus]
+        p = p / p.sum()
+        expected = {t for t, v in zip(nucleus, p.tolist()) if v >= 0.05 * max(p.tolist())}
+        assert support(probs[r]) == expected
+
+
+def test_nucleus_draws_follow_the_renormalised_nucleus(device):
+    """Drawing among the candidates only samples the same distribution: the empirical
+    frequencies of 20000 unseeded rows and of 3000 seeded positions match the nucleus
+    renormalised, and no token outside it is ever drawn."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300) + 1e-9
+    logits = probs.log().unsqueeze(0).to(device)
+    params = SP(temperature=1.0, top_p=0.85)  # keeps ids 0..3 (mass before id 4 is 0.9)
+    want = probs[:4] / probs[:4].sum()
+    sampler = Sampler(306, device, seed=5, top_p_candidates=8)
+    out = sampler.sample(logits.repeat(20000, 1), [params] * 20000)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=306).float() / 20000
+    assert freq[4:].sum() == 0 and torch.allclose(freq[:4], want, atol=0.015)
+    seeded = SP(temperature=1.0, top_p=0.85, seed=9)
+    ids = [sampler.sample(logits, [seeded], [noise_key(9, i)]).token_ids[0] for i in range(3000)]
+    freq = torch.bincount(torch.tensor(ids), minlength=306).float() / 3000
+    assert freq[4:].sum() == 0 and torch.allclose(freq[:4], want, atol=0.03)
+
+
+def test_seeded_nucleus_draw_does_not_depend_on_the_candidate_width_or_neighbours(device):
+    """A seeded top-p row's token is the same alone, beside a flat row that makes the
+    batch search 16x more candidates or sort the whole vocabulary, beside a top_p=1 row
+    (drawn over the whole vocabulary) and in a fresh sampler."""
+    vocab = 5000
+    target = rand_logits(1, vocab, 77, device, scale=3.0)
+    flat = torch.zeros(1, vocab, device=device)
+    params = SP(temperature=0.9, top_p=0.9, seed=3)
+    batches = {
+        "alone": (target, [params]),
+        "flat_neighbour": (torch.cat([flat, target]), [SP(temperature=1.0, top_p=0.99), params]),
+        "top_p_one_neighbour": (torch.cat([target, flat]), [params, SP(temperature=1.0)]),
+    }
+    for k in range(20):
+        got = set()
+        for logits, ps in batches.values():
+            keys = [noise_key(3, k) if p.seed == 3 else None for p in ps]
+            out = Sampler(vocab, device, seed=k).sample(logits, ps, keys)
+            got.add(out.token_ids[[p.seed for p in ps].index(3)])
+        assert len(got) == 1, (k, got)
+
+
 # -- the distribution sampled from -------------------------------------------------------
 
 
@@ -252,6 +343,33 @@ def _logprob_shift(sampler, logits, params, state) -> torch.Tensor:
     raw = sampler.distribution(logits, [SP(temperature=1.0)])[0].log()
     pen = sampler.distribution(logits, [params], [state])[0].log()
     return (pen - raw).cpu()
+
+
+def test_frequency_and_presence_penalties_equal_the_whole_vocabulary_formula(device):
+    """The penalties change only the generated tokens' logits (``PenaltyState.counted``):
+    the same bits as ``x - f * counts - p * (counts > 0)`` over the whole row, drafts
+    counted too, and rows without a penalty untouched."""
+    vocab = 700
+    logits = rand_logits(3, vocab, 41, device, scale=4.0)
+    outputs = [[5, 9, 5, 600, 5], [], [42, 43]]
+    extra = [[9, 699], [1], []]
+    params = [SP(temperature=1.0, frequency_penalty=0.4), SP(temperature=1.0, frequency_penalty=-0.3,
+              presence_penalty=0.7), SP(temperature=1.0)]
+    states = [PenaltyState(vocab, device, prompt_ids=[1, 2, 3], output_ids=o) for o in outputs]
+    states[2] = None
+    sampler = Sampler(vocab, device)
+    x, rows, _ = sampler._prepare(logits, params, None, states)
+    pen = sampler._penalise(x, params, states, rows.penal, extra)
+    want = logits.clone()
+    for r in range(2):
+        counts = torch.zeros(vocab, device=device)
+        for t in outputs[r] + extra[r]:
+            counts[t] += 1
+        f, p = params[r].frequency_penalty, params[r].presence_penalty
+        want[r] = want[r] - torch.tensor([f], device=device) * counts
+        want[r] = want[r] - torch.tensor([p], device=device) * (counts > 0).float()
+    assert torch.equal(pen, want)
+    assert torch.equal(logits, rand_logits(3, vocab, 41, device, scale=4.0))  # the caller's logits stay raw
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits(device):
