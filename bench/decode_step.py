@@ -5,7 +5,7 @@ same run; paged decode attention against SDPA; and where one step's time goes.
                                 [--context 300] [--steps 20] [--threads 2] [--model PATH] [--json]
     python bench/decode_step.py --attention [--contexts 64,256,1024,2048,4096,8192] [--batches 1,16]
     python bench/decode_step.py --profile [--formats default] [--batches 1]
-    python bench/decode_step.py --ops [--formats default] [--batches 1,16] [--context 300]
+    python bench/decode_step.py --ops [--formats default] [--batches 1,16] [--context 300] [--sampling chat]
     python bench/decode_step.py --prefill-chunk [--prefixes 0,1024,2048,4096,6000]
     python bench/decode_step.py --quality [--formats default,int8+bf16] [--gguf Q4_0.gguf,...]
     python bench/decode_step.py --quality --agreement [--formats default,int8] [--gguf Q4_0.gguf] [--answers]
@@ -31,7 +31,8 @@ heads of 64) at each context: the CPU kernels' paged attention over a bfloat16 c
 over a float32 one, against the torch backend (gather through the block tables, then
 SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps; ``--ops``
 the time of each op of the fused CPU-kernel layers (``ops_table``) in decode steps and a
-512-token prefill.
+512-token prefill; its requests decode greedily, or with ``--sampling chat`` as a new chat
+samples (``CHAT_SAMPLING``: temperature 0.7, top_p 0.95, frequency_penalty 0.4).
 ``--prefill-chunk`` times one 512-token prefill step after a cached prefix of each size.
 ``--quality`` prints each format's mean log-likelihood of a fixed English text and its
 shift against ``exact`` (nats per token), the quality bar of the serving formats; each
@@ -80,6 +81,9 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
 from engine.loader import load_model, model_weight_bytes  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+
+# what a new chat samples with (gateway/config.py Defaults), for --ops --sampling chat
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "frequency_penalty": 0.4}
 
 FORMATS: dict[str, dict[str, Any]] = {
     "int4-torch": {"dtype": "float32", "quantization": "int4", "cpu_kernels": False},
@@ -242,12 +246,13 @@ OP_NAMES = ("norm 1", "qkv proj", "rope", "attention", "o proj", "norm 2", "gate
 
 
 def ops_table(model: str | None, overrides: dict[str, Any], batches: list[int], context: int, steps: int,
-              prefill: int = 512) -> str:
+              prefill: int = 512, sampling: str = "greedy") -> str:
     """Markdown: where a step's time goes, per op of the fused decoder layer (summed over
     the layers; ``cs_op_times_enable`` in kernels.c), and the rest of ``EngineCore.step``
     (embedding, final norm, LM head, sampling, scheduling): for a decode step at each batch
     size (``context``-token prompts; mean of ``steps`` steps) and for one ``prefill``-token
-    prompt's prefill step (median of 3).
+    prompt's prefill step (median of 3). ``sampling``: "greedy", or "chat" (the decode
+    requests sample with ``CHAT_SAMPLING``, each with its own seed).
 
     Raises:
         RuntimeError: the format does not run on the fused CPU-kernel layers.
@@ -276,9 +281,11 @@ def ops_table(model: str | None, overrides: dict[str, Any], batches: list[int], 
     cols: dict[str, tuple[float, list[float]]] = {}
     for b in batches:
         prompt = [100 + (i * 37) % 20000 for i in range(context)]
+        how = dict(CHAT_SAMPLING) if sampling == "chat" else {"temperature": 0.0}
         for i in range(b):
-            core.add_request(f"o{b}.{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0,
-                                                                 ignore_eos=True))
+            seed = {"seed": i} if sampling == "chat" else {}
+            core.add_request(f"o{b}.{i}", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True,
+                                                                 **how, **seed))
         while core.scheduler.waiting or any(r.num_computed_tokens < context for r in core.scheduler.running):
             core.step()
         core.step()
@@ -300,7 +307,7 @@ def ops_table(model: str | None, overrides: dict[str, Any], batches: list[int], 
             core.step()
     cols[f"prefill of {prefill}"] = sorted(runs)[1]
     names = list(cols)
-    rows = [f"{fmt}; threads {torch.get_num_threads()}; decode at a {context}-token context; "
+    rows = [f"{fmt}; threads {torch.get_num_threads()}; decode at a {context}-token context, {sampling} sampling; "
             f"load average {os.getloadavg()[0]:.2f}", "",
             "| op (all layers) | " + " | ".join(f"{n} (ms)" for n in names) + " |", "|---|" + "---|" * len(names)]
     for k, op in enumerate(OP_NAMES):
@@ -633,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="cProfile table of 50 decode steps")
     p.add_argument("--ops", action="store_true",
                    help="per-op times of the fused CPU layers: decode at --batches, and a 512-token prefill")
+    p.add_argument("--sampling", choices=["greedy", "chat"], default="greedy",
+                   help="with --ops: how the decode requests sample (chat: temperature 0.7, top_p 0.95, "
+                        "frequency_penalty 0.4)")
     p.add_argument("--prefill-chunk", action="store_true",
                    help="time a 512-token prefill chunk after cached prefixes of --prefixes tokens")
     p.add_argument("--prefixes", default="0,1024,2048,4096,6000")
@@ -676,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         print(llama_bench_table(a.model, names, peers, a.threads, a.steps))
         return 0
     if a.ops:
-        print(ops_table(a.model, FORMATS[names[0]], batches, a.context, a.steps))
+        print(ops_table(a.model, FORMATS[names[0]], batches, a.context, a.steps, sampling=a.sampling))
         return 0
     if a.profile:
         print(profile_table(a.model, FORMATS[names[0]], batches[0], a.context))
