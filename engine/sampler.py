@@ -234,7 +234,7 @@ class Sampler:
         ok_rows = [True] * len(rows) if finite else _take(self._finite_rows(logits), self._index(
             rows, logits.shape[0])).tolist()
         fast = [i for i, p in enumerate(ps) if p.top_p < 1.0 and ok_rows[i]]
-        slow = [i for i in range(len(rows)) if i not in set(fast)]
+        slow = sorted(set(range(len(rows))) - set(fast))
         parts: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
         if fast:
             f_idx = self._index(fast, len(rows))
