@@ -32,7 +32,8 @@ over a float32 one, against the torch backend (gather through the block tables, 
 SDPA) over float32. ``--profile`` prints cProfile's table of 50 decode steps; ``--ops``
 the time of each op of the fused CPU-kernel layers (``ops_table``) in decode steps and a
 512-token prefill; its requests decode greedily, or with ``--sampling chat`` as a new chat
-samples (``CHAT_SAMPLING``: temperature 0.7, top_p 0.95, frequency_penalty 0.4).
+samples (``CHAT_SAMPLING``: temperature 0.7, top_p 0.95, frequency_penalty 0.4) after an
+English prompt.
 ``--prefill-chunk`` times one 512-token prefill step after a cached prefix of each size.
 ``--quality`` prints each format's mean log-likelihood of a fixed English text and its
 shift against ``exact`` (nats per token), the quality bar of the serving formats; each
@@ -252,7 +253,8 @@ def ops_table(model: str | None, overrides: dict[str, Any], batches: list[int], 
     (embedding, final norm, LM head, sampling, scheduling): for a decode step at each batch
     size (``context``-token prompts; mean of ``steps`` steps) and for one ``prefill``-token
     prompt's prefill step (median of 3). ``sampling``: "greedy", or "chat" (the decode
-    requests sample with ``CHAT_SAMPLING``, each with its own seed).
+    requests sample with ``CHAT_SAMPLING``, each with its own seed, after an English
+    prompt).
 
     Raises:
         RuntimeError: the format does not run on the fused CPU-kernel layers.
@@ -279,8 +281,13 @@ def ops_table(model: str | None, overrides: dict[str, Any], batches: list[int], 
         return wall, [v / 1e6 for v in buf]
 
     cols: dict[str, tuple[float, list[float]]] = {}
+    prompt = [100 + (i * 37) % 20000 for i in range(context)]
+    if sampling == "chat":
+        # English (QUALITY_TEXT, repeated), so the model's next-token distributions are those
+        # of text, not of the token soup above (whose nuclei are thousands of tokens wide)
+        text = core.tokenizer.encode(QUALITY_TEXT)
+        prompt = (text * (context // len(text) + 1))[:context]
     for b in batches:
-        prompt = [100 + (i * 37) % 20000 for i in range(context)]
         how = dict(CHAT_SAMPLING) if sampling == "chat" else {"temperature": 0.0}
         for i in range(b):
             seed = {"seed": i} if sampling == "chat" else {}

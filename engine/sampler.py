@@ -239,9 +239,10 @@ class Sampler:
         if fast:
             f_idx = self._index(fast, len(rows))
             f_ps = [ps[i] for i in fast]
-            zc, ranked = self._nucleus(self._scaled(_take(zs, f_idx), f_ps), f_ps)
-            drawn = self._draw_candidates(zc, ranked, [rows[i] for i in fast], noise_keys)
-            parts.append((fast, drawn, _scatter_full(zc, ranked, self.vocab_size) if want_z else None))
+            for group, zc, ranked in self._nucleus(self._scaled(_take(zs, f_idx), f_ps), f_ps):
+                drawn = self._draw_candidates(zc, ranked, [rows[fast[i]] for i in group], noise_keys)
+                z = _scatter_full(zc, ranked, self.vocab_size) if want_z else None
+                parts.append(([fast[i] for i in group], drawn, z))
         if slow:
             s_rows = [rows[i] for i in slow]
             z = self._filtered_logits(_take(zs, self._index(slow, len(rows))), s_rows, params)
@@ -453,8 +454,10 @@ class Sampler:
             # Only rows with top_p < 1: top_p == 1 keeps everything, even where a float
             # cumsum over the vocabulary rounds past 1.
             idx = self._index(nucleus, len(ps))
-            zc, ranked = self._nucleus(_take(z, idx), [ps[i] for i in nucleus])
-            z = _put(z, idx, _scatter_full(zc, ranked, self.vocab_size))
+            zn = torch.empty(len(nucleus), self.vocab_size, device=self.device)
+            for group, zc, ranked in self._nucleus(_take(z, idx), [ps[i] for i in nucleus]):
+                zn.index_copy_(0, torch.tensor(group, device=self.device), _scatter_full(zc, ranked, self.vocab_size))
+            z = _put(z, idx, zn)
         others = [i for i, p in enumerate(ps) if p.top_p >= 1.0 and p.min_p > 0.0]
         if others:  # min-p without a nucleus (a nucleus row's min-p is applied by _nucleus)
             idx = self._index(others, len(ps))
@@ -480,7 +483,8 @@ class Sampler:
             z = z.masked_fill(z < thr, -float("inf"))
         return z
 
-    def _nucleus(self, z: torch.Tensor, ps: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _nucleus(self, z: torch.Tensor,
+                 ps: list[SamplingParams]) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """Top-p (then min-p) of rows that all have top_p < 1, kept compact: each row's
         candidates in rank order and their logits, the dropped ones at -inf.
 
@@ -488,46 +492,59 @@ class Sampler:
         top_p (Holtzman et al. 2019: the smallest set of most likely tokens holding top_p
         of the mass); the first has mass 0 before it, so it always survives. Ranking is by
         probability ``softmax(z)``, ties by lower id (as argmax), so a tiny top_p is
-        exactly greedy. Partial selection instead of a full sort: the nucleus is looked
-        for among the ``top_p_candidates`` most likely tokens (``torch.topk``), then 16x as
-        many, then the whole vocabulary. Candidates that hold at least top_p of the mass
-        contain the nucleus: every token outside them has at least their mass before it,
-        so it is dropped. Within the candidates the cumulative sums are those of the full
-        sort (a prefix of it), so the kept set is the full sort's. Min-p (Nguyen et al.
-        2024) then drops candidates whose probability, renormalised over the nucleus, is
-        below min_p times the largest.
+        exactly greedy. Partial selection instead of a full sort: a row's nucleus is
+        looked for among its ``top_p_candidates`` most likely tokens (``torch.topk``),
+        then, for the rows where those fell short, among 16x as many, and so on, and
+        last by a full sort. Candidates that hold at least top_p of the mass contain the
+        nucleus: every token outside them has at least their mass before it, so it is
+        dropped. Within the candidates the cumulative sums are those of the full sort (a
+        prefix of it), so the kept set is the full sort's. Each row stops at its own
+        level: one flat row does not make the others sort the vocabulary. Min-p (Nguyen
+        et al. 2024) then drops candidates whose probability, renormalised over the
+        nucleus, is below min_p times the largest.
 
         Args:
             z: float32 ``[R, V]`` scaled logits (``_scaled``); ps: R params, top_p in (0, 1).
         Returns:
-            ``(zc, ranked)``: float32 ``[R, C]`` logits of each row's candidates in rank
-            order (-inf where dropped; column 0 is always kept) and int64 ``[R, C]``
-            their token ids; C is 256, 4096 or V, the same for every row of the call.
+            groups ``(rows, zc, ranked)``, each row of ``range(R)`` in one: float32
+            ``[len(rows), C]`` logits of each row's candidates in rank order (-inf where
+            dropped; column 0 is always kept) and int64 ``[len(rows), C]`` their token
+            ids; C is 256, 4096 or V, one per group.
         """
         probs = torch.softmax(z, dim=1)
         top_p = self._column([p.top_p for p in ps])
-        rows, vocab = probs.shape
+        vocab = probs.shape[1]
+        found: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # rows, sorted probs, ranked ids
+        todo = list(range(len(ps)))
         k = self.top_p_candidates
-        ranked = None
-        while k < vocab:  # candidates, 16x more candidates, then the full sort
-            cand_p, cand_i = torch.topk(probs, k, dim=1)
+        while todo and k < vocab:  # candidates, 16x more candidates, ...
+            at = self._index(todo, len(ps))
+            cand_p, cand_i = torch.topk(_take(probs, at), k, dim=1)
             k *= 16
             # Every token outside the candidates has at least their mass before it: dropped.
-            if bool((cand_p.sum(dim=1, keepdim=True) >= top_p).all()):  # one host sync
-                by_id, perm = torch.sort(cand_i, dim=1)
-                sp, order = torch.sort(cand_p.gather(1, perm), dim=1, descending=True, stable=True)
-                ranked = by_id.gather(1, order)
-                break
-        if ranked is None:
-            sp, ranked = torch.sort(probs, dim=1, descending=True, stable=True)
-        drop = (torch.cumsum(sp, dim=1) - sp) >= top_p
-        zc = z.gather(1, ranked).masked_fill(drop, -float("inf"))
-        min_p = [p.min_p for p in ps]
-        if any(v > 0.0 for v in min_p):
-            pc = torch.softmax(zc, dim=1)
-            thr = self._column(min_p) * pc.amax(dim=1, keepdim=True)
-            zc = zc.masked_fill(pc < thr, -float("inf"))
-        return zc, ranked
+            held = (cand_p.sum(dim=1, keepdim=True) >= _take(top_p, at)).squeeze(1).tolist()  # one host sync
+            done = [i for i, h in enumerate(held) if h]
+            if done:
+                sel = self._index(done, len(todo))
+                by_id, perm = torch.sort(_take(cand_i, sel), dim=1)
+                sp, order = torch.sort(_take(cand_p, sel).gather(1, perm), dim=1, descending=True, stable=True)
+                found.append(([todo[i] for i in done], sp, by_id.gather(1, order)))
+            todo = [todo[i] for i, h in enumerate(held) if not h]
+        if todo:  # ... then the full sort
+            sp, ranked = torch.sort(_take(probs, self._index(todo, len(ps))), dim=1, descending=True, stable=True)
+            found.append((todo, sp, ranked))
+        groups = []
+        for rows, sp, ranked in found:
+            at = self._index(rows, len(ps))
+            drop = (torch.cumsum(sp, dim=1) - sp) >= _take(top_p, at)
+            zc = _take(z, at).gather(1, ranked).masked_fill(drop, -float("inf"))
+            min_p = [ps[r].min_p for r in rows]
+            if any(v > 0.0 for v in min_p):
+                pc = torch.softmax(zc, dim=1)
+                thr = self._column(min_p) * pc.amax(dim=1, keepdim=True)
+                zc = zc.masked_fill(pc < thr, -float("inf"))
+            groups.append((rows, zc, ranked))
+        return groups
 
     def _draw_candidates(self, zc: torch.Tensor, ranked: torch.Tensor, rows: list[int], noise_keys) -> torch.Tensor:
         """One token per row from ``_nucleus``'s candidates: the exponential race of the
