@@ -495,10 +495,12 @@ class Sampler:
         exactly greedy. Partial selection instead of a full sort: a row's nucleus is
         looked for among its ``top_p_candidates`` most likely tokens (``torch.topk``),
         then, for the rows where those fell short, among 16x as many, and so on, and
-        last by a full sort. Candidates that hold at least top_p of the mass contain the
-        nucleus: every token outside them has at least their mass before it, so it is
-        dropped. Within the candidates the cumulative sums are those of the full sort (a
-        prefix of it), so the kept set is the full sort's. Each row stops at its own
+        last by a full sort. With v the k-th largest probability, the candidates above v
+        are all the tokens above v; when they hold top_p of the mass, every token at or
+        below v has at least that mass before it and is dropped, so the nucleus lies
+        among them, whatever ties at v ``topk`` cut. Within the candidates the cumulative
+        sums are those of the full sort (a prefix of it), so the kept set is the full
+        sort's. Each row stops at its own
         level: one flat row does not make the others sort the vocabulary. Min-p (Nguyen
         et al. 2024) then drops candidates whose probability, renormalised over the
         nucleus, is below min_p times the largest.
@@ -521,8 +523,11 @@ class Sampler:
             at = self._index(todo, len(ps))
             cand_p, cand_i = torch.topk(_take(probs, at), k, dim=1)
             k *= 16
-            # Every token outside the candidates has at least their mass before it: dropped.
-            held = (cand_p.sum(dim=1, keepdim=True) >= _take(top_p, at)).squeeze(1).tolist()  # one host sync
+            # The candidates above the k-th largest probability v are every token above v. When
+            # they hold top_p, every token at or below v (a candidate or not, tied or not) has
+            # at least their mass before it: dropped, here as in the full sort.
+            above = cand_p * (cand_p > cand_p[:, -1:])
+            held = (above.sum(dim=1, keepdim=True) >= _take(top_p, at)).squeeze(1).tolist()  # one host sync
             done = [i for i, h in enumerate(held) if h]
             if done:
                 sel = self._index(done, len(todo))
