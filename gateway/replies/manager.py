@@ -111,14 +111,19 @@ class GenerationManager:
             info, merged = await self.starter.new_chat(owner, params, model)
         else:
             info, merged = await self.starter.preamble(owner, session_id, params, model)
+        begun: TurnBegun | None = None
         try:
-            begun = await self.starter.begin(owner, info, "chat", content=content, client_msg_id=client_msg_id,
-                                             attachments=attachments, tool_results=tool_results)
+            begun = await self.starter.begin(owner, info, "chat", create=session_id is None, content=content,
+                                             client_msg_id=client_msg_id, attachments=attachments,
+                                             tool_results=tool_results)
             return await self.starter.launch(self._request(owner, info, begun, merged, client_msg_id,
                                                            clamp_max_tokens=clamp_max_tokens,
                                                            created_chat=session_id is None, tools=tools or {}))
-        except Exception:
-            if session_id is None:  # refused before it began: leave no empty chat behind
+        except Exception as e:
+            # a begin refused by the store created nothing; after a launch that failed, or
+            # an outage that hid the begin's answer, the chat may exist
+            refused = begun is None and isinstance(e, GatewayError) and e.code != "store_unavailable"
+            if session_id is None and not refused:  # leave no empty chat behind
                 try:
                     await self.store.delete_session(owner, info.id)
                 except GatewayError:

@@ -3,12 +3,14 @@ message rate, the chat, the merged sampling parameters, an engine for the chat's
 then reserve the turn in the store (``begin_turn``: chat lock, user message), write the
 reply stream's start entry in the same step, reading the chat for the prompt) and hand
 the turn to its task. A turn on an existing chat reaches its engine after two Redis round
-trips: the count with the chat's read, and the begin. A turn refused before it began
-leaves nothing behind (a chat created for it is deleted)."""
+trips: the count with the chat's read, and the begin; so does a turn that creates its
+chat (the count with the user's defaults, then the begin that creates the chat). A turn
+refused before it began leaves nothing behind (a chat created for it is deleted)."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -21,7 +23,7 @@ from gateway.replies.task import NO_IDS_TO_CONTINUE, ReplyTasks
 from gateway.replies.turn import Continued, StartedTurn, Turn, TurnRequest
 from gateway.replies.writer import ReplyWriter
 from gateway.store.reply_streams import ReplyStreams
-from gateway.store.sessions import History, SessionInfo, SessionStore, TurnBegun
+from gateway.store.sessions import History, SessionInfo, SessionStore, TurnBegun, new_id
 
 # the finish reasons of a reply Continue extends: cut at its max tokens, or stopped (a
 # Stop, a shutdown: the engine's abort flushes the text of every sampled token, so the
@@ -102,15 +104,26 @@ class TurnStarter:
 
     async def new_chat(self, owner: str, params: dict[str, Any],
                        model: str | None) -> tuple[SessionInfo, dict[str, Any]]:
-        """The start of a turn that creates its chat (with the user's defaults)."""
-        await self.store.count_message(owner, self.config.limits.max_messages_per_minute)
+        """The start of a turn that creates its chat (with the user's defaults): count the
+        user's message and read their defaults (one round trip), merge the parameters,
+        check an engine serves ``model``. Returns the chat to create (not stored yet:
+        ``begin`` with ``create=True`` stores it) and the merged parameters.
+
+        Raises:
+            GatewayError: ``rate_limited``, ``invalid_request``, ``model_not_found``,
+                ``engine_unavailable``, ``store_unavailable``.
+        """
+        limit = self.config.limits.max_messages_per_minute
         system_prompt, stored = self.config.defaults.system_prompt, {}
-        if self.user_defaults is not None:
-            system_prompt, stored = await self.user_defaults.for_new_chat(owner, system_prompt)
+        if self.user_defaults is None:
+            await self.store.count_message(owner, limit)
+        else:
+            raw = await self.store.count_message(owner, limit, read=self.user_defaults.key(owner))
+            system_prompt, stored = self.user_defaults.new_chat_fields(self.user_defaults.parse(raw), system_prompt)
         merged = merge_params(self.config.defaults.sampling(), stored, params)
         self._require_engine(model)
-        info = await self.store.create_session(owner, system_prompt=system_prompt, params=stored, model=model or "")
-        return info, merged
+        now = time.time()
+        return SessionInfo(new_id(), owner, "", system_prompt, stored, now, now, model=model or ""), merged
 
     @staticmethod
     def continued(begun: TurnBegun, model: str) -> Continued | str:
@@ -127,10 +140,12 @@ class TurnStarter:
             return "only a reply cut at its max tokens or stopped can be continued"
         return Continued(popped, list(seg["ids"]))
 
-    async def begin(self, owner: str, info: SessionInfo, mode: str, **kw: Any) -> TurnBegun:
+    async def begin(self, owner: str, info: SessionInfo, mode: str, create: bool = False, **kw: Any) -> TurnBegun:
         """``begin_turn`` that also opens the reply stream and reads the chat for the
-        prompt, in the same round trip (see ``SessionStore.begin_turn``)."""
-        return await self.store.begin_turn(owner, info.id, mode=mode, stream_ttl_s=self.streams.ttl, **kw)
+        prompt, in the same round trip (see ``SessionStore.begin_turn``); with ``create``,
+        it first creates ``info`` (a chat from ``new_chat``) in that round trip too."""
+        return await self.store.begin_turn(owner, info.id, mode=mode, stream_ttl_s=self.streams.ttl,
+                                           create=info if create else None, **kw)
 
     async def launch(self, req: TurnRequest) -> StartedTurn:
         """Start the task of a turn begun by ``begin`` (its stream open, its chat read)."""

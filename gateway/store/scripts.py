@@ -141,7 +141,13 @@ return {'ok', active}
 #       11 now_ms, 12 lease_ms, 13 max_generations, 14 ttl, 15 for regenerate/continue the
 #       expected last reply id ('' = any), for edit the id of the user message edited,
 #       16 for an edit of the first message, the title its old text gave ('' = none),
-#       17 the reply stream's TTL (s; '' = leave the stream alone)
+#       17 the reply stream's TTL (s; '' = leave the stream alone),
+#       18 '1' to create the chat first ('' = it exists), then for a created chat:
+#       19 system_prompt, 20 params_json, 21 max_sessions, 22 model ('' = the default)
+# With ARGV[18], the chat is created as CREATE creates it (the same fields, index entry
+# and 'created' event, before 'started'), once every check has passed: a refused turn
+# ('exists', 'too_many_sessions', 'too_many_generations') writes nothing, so a turn that
+# creates its chat reaches its engine after the same round trips as one on an existing chat.
 # With ARGV[17], KEYS[9] is the reply's stream: its start entry is written in the same
 # step, and the chat as the reply's prompt reads it (its messages and token segments)
 # comes back as two more items, so a turn reaches its engine without another read.
@@ -155,6 +161,16 @@ return {'ok', active}
 # An edit of the first message retitles the chat when its title is still the one the
 # old text gave (ARGV[16]: a title the user gave is kept).
 BEGIN = _PRELUDE + r"""
+if ARGV[18] and ARGV[18] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
+  if redis.call('ZCARD', KEYS[5]) >= tonumber(ARGV[21]) then return {'too_many_sessions'} end
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', ARGV[11])
+  if redis.call('ZCARD', KEYS[7]) >= tonumber(ARGV[13]) then return {'too_many_generations'} end
+  redis.call('HSET', KEYS[1], 'id', ARGV[2], 'owner', ARGV[1], 'title', '', 'system_prompt', ARGV[19],
+             'params', ARGV[20], 'created_at', ARGV[10], 'updated_at', ARGV[10], 'active', '', 'model', ARGV[22])
+  redis.call('ZADD', KEYS[5], ARGV[10], ARGV[2])
+  notify('created', ARGV[2])
+end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {'not_found'} end
 if ARGV[7] ~= '' then
   local prev = redis.call('HGET', KEYS[4], ARGV[7])

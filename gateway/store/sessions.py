@@ -388,7 +388,8 @@ class SessionStore:
     async def begin_turn(self, owner: str, sid: str, *, mode: str, content: str = "",
                          client_msg_id: str | None = None, title_chars: int = 60,
                          replaces: str | None = None, attachments: list[dict[str, Any]] | None = None,
-                         stream_ttl_s: int = 0, tool_results: list[dict[str, str]] | None = None) -> TurnBegun:
+                         stream_ttl_s: int = 0, tool_results: list[dict[str, str]] | None = None,
+                         create: SessionInfo | None = None) -> TurnBegun:
         """Atomically take the chat's lock and a generation slot, then append the user
         message (``mode="chat"``), replace the user message ``replaces`` and everything
         after it with ``content``, keeping the old branch as a version (``mode="edit"``),
@@ -402,10 +403,17 @@ class SessionStore:
         seconds) in the same step and ``chat`` carries the chat as the reply's prompt
         reads it (one round trip from the begin to the engine).
 
+        With ``create`` (a chat not stored yet, id ``sid``, owner ``owner``: its system
+        prompt, params and model are stored, its times set to the turn's), the chat is
+        created in the same step, as ``create_session`` creates it, once every check has
+        passed (a refused turn stores nothing). At the user's most chats, the index is
+        pruned of expired chats and the turn tried once more (``create_session``'s rule).
+
         Raises:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
                 ``too_many_generations``, ``invalid_request`` (nothing to regenerate),
-                ``conflict`` (the last reply is not ``replaces``, or no user message is).
+                ``conflict`` (the last reply is not ``replaces``, or no user message is;
+                or the chat to create exists), ``too_many_sessions`` (``create``).
         """
         now = time.time()
         rid = new_id()
@@ -422,15 +430,27 @@ class SessionStore:
             user_json = dumps(user)
         named = content if content.strip() or not attachments else attachments[0]["name"]
         title = title_from(named, title_chars) if mode in ("chat", "edit") else ""
+        created: list[Any] = []
+        if create is not None:
+            create.created_at = create.updated_at = now
+            created = ["1", create.system_prompt, dumps(create.params), self.max_sessions, create.model]
         async with redis_errors():
             old_title = await self._first_title(sid, owner, title_chars) if mode == "edit" else ""
             keys = self.keys.script_keys(sid, owner)
-            res = await self._begin(
-                keys=keys + [self.keys.gen(rid)] if stream_ttl_s > 0 else keys,
-                args=[owner, sid, rid, mode, user_json, uid_msg, client_msg_id or "", aid, title, now,
-                      int(now * 1000), self.lease_ms, self.max_generations, self.ttl, replaces or "", old_title,
-                      str(stream_ttl_s) if stream_ttl_s > 0 else ""])
+            for attempt in range(2):
+                res = await self._begin(
+                    keys=keys + [self.keys.gen(rid)] if stream_ttl_s > 0 else keys,
+                    args=[owner, sid, rid, mode, user_json, uid_msg, client_msg_id or "", aid, title, now,
+                          int(now * 1000), self.lease_ms, self.max_generations, self.ttl, replaces or "",
+                          old_title, str(stream_ttl_s) if stream_ttl_s > 0 else "", *created])
+                if res[0] != "too_many_sessions" or attempt:
+                    break
+                await self._prune_index(owner)  # entries of expired chats do not count
         code = res[0]
+        if code == "too_many_sessions":
+            raise GatewayError("too_many_sessions", f"at most {self.max_sessions} chats per user; delete some")
+        if code == "exists":
+            raise GatewayError("conflict", "a chat with this id exists already; try again")
         if code == "duplicate":
             prev = json.loads(res[1])
             return TurnBegun(prev["request_id"], prev["message_id"], prev["user_message_id"], duplicate=True)
@@ -554,8 +574,11 @@ class SessionStore:
             raise not_found()
         return self._info(data, lock)
 
-    async def count_message(self, owner: str, limit_per_minute: int) -> None:
-        """Count one chat/regenerate frame of ``owner`` in the current clock minute.
+    async def count_message(self, owner: str, limit_per_minute: int, read: str | None = None) -> str | None:
+        """Count one chat/regenerate frame of ``owner`` in the current clock minute; with
+        ``read`` (a full key name), also ``GET`` that string key in the same round trip
+        (the user's defaults at the start of a turn that creates its chat) and return it
+        (None when missing or not asked).
 
         Raises:
             GatewayError: ``rate_limited`` above ``limit_per_minute``.
@@ -565,6 +588,9 @@ class SessionStore:
             pipe = self.redis.pipeline(transaction=True)
             pipe.incr(key)
             pipe.expire(key, 120)
-            n, _ = await pipe.execute()
+            if read is not None:
+                pipe.get(read)
+            n, _, *value = await pipe.execute()
         if n > limit_per_minute:
             raise GatewayError("rate_limited", f"at most {limit_per_minute} messages per minute; wait a little")
+        return value[0] if value else None

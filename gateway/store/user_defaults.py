@@ -29,10 +29,14 @@ class UserDefaultsStore:
         self.redis = redis
         self._key = Keys(prefix).user_defaults
 
-    async def get(self, uid: str) -> dict[str, Any]:
-        """The user's stored defaults: ``{"system_prompt"?: str, "params"?: dict}`` ({} when none)."""
-        async with redis_errors():
-            raw = await self.redis.get(self._key(uid))
+    def key(self, uid: str) -> str:
+        """The Redis key (a string) holding ``uid``'s defaults (read by ``parse``)."""
+        return self._key(uid)
+
+    @staticmethod
+    def parse(raw: str | bytes | None) -> dict[str, Any]:
+        """The defaults stored as ``raw`` (the key's value; None when missing):
+        ``{"system_prompt"?: str, "params"?: dict}`` ({} when none or unreadable)."""
         if not raw:
             return {}
         try:
@@ -40,6 +44,12 @@ class UserDefaultsStore:
         except ValueError:
             return {}
         return d if isinstance(d, dict) else {}
+
+    async def get(self, uid: str) -> dict[str, Any]:
+        """The user's stored defaults: ``{"system_prompt"?: str, "params"?: dict}`` ({} when none)."""
+        async with redis_errors():
+            raw = await self.redis.get(self._key(uid))
+        return self.parse(raw)
 
     async def put(self, uid: str, defaults: dict[str, Any]) -> None:
         """Replace the user's defaults (already validated by the caller)."""
@@ -58,7 +68,11 @@ class UserDefaultsStore:
     async def for_new_chat(self, uid: str, system_prompt: str) -> tuple[str, dict[str, Any]]:
         """The system prompt and params a new chat of ``uid`` starts with: the user's
         own, else ``system_prompt`` (the gateway's default) and no params."""
-        d = await self.get(uid)
+        return self.new_chat_fields(await self.get(uid), system_prompt)
+
+    @staticmethod
+    def new_chat_fields(d: dict[str, Any], system_prompt: str) -> tuple[str, dict[str, Any]]:
+        """``for_new_chat`` from the defaults ``d`` already read (``parse``)."""
         sp = d.get("system_prompt")
         params = d.get("params")
         return (sp if isinstance(sp, str) else system_prompt), (dict(params) if isinstance(params, dict) else {})

@@ -1,7 +1,9 @@
 """The way in: a turn on an existing chat reaches its engine after two Redis round trips
 (the user's message count with the chat's read, then the begin that also opens the reply
-stream and reads the chat for the prompt). Counted on the real Redis connection: every
-packed command the gateway sends that names the chat, until the engine hears of the turn."""
+stream and reads the chat for the prompt), and so does a turn that creates its chat (the
+count with the user's defaults, then the begin that also creates the chat). Counted on the
+real Redis connection: every packed command the gateway sends that names the chat (or, for
+a new chat, its user), until the engine hears of the turn."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 from redis.asyncio.connection import AbstractConnection
 
-from tests.gateway_helpers import chat
+from tests.gateway_helpers import chat, uid_of
 
 
 def _bytes(command: Any) -> bytes:
@@ -47,4 +49,30 @@ async def test_a_turn_on_an_existing_chat_reaches_the_engine_after_two_redis_rou
         monkeypatch.undo()
     assert second.error is None, second.error
     assert generates() == before + 1
+    assert 1 <= len(trips) <= 2, [t[:120] for t in trips]
+
+
+async def test_a_turn_that_creates_its_chat_reaches_the_engine_after_two_redis_round_trips(
+        gateway_factory, engine_gate, monkeypatch):
+    gw = gateway_factory(engine_urls=[engine_gate.url])
+    cookie = gw.new_cookie()
+    uid = uid_of(gw, cookie).encode()
+    async with gw.connect(cookie) as ws:
+        def generates() -> int:
+            return sum(1 for f in list(engine_gate.to_engine) if f.get("type") == "generate")
+
+        trips: list[bytes] = []
+        send = AbstractConnection.send_packed_command
+
+        async def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+            data = _bytes(command)
+            if uid in data and generates() == 0:  # this user's round trips until the engine hears
+                trips.append(data)
+            await send(self, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+        first = await chat(ws, "Hello.", max_tokens=4)
+        monkeypatch.undo()
+    assert first.error is None, first.error
+    assert generates() == 1
     assert 1 <= len(trips) <= 2, [t[:120] for t in trips]
