@@ -80,6 +80,16 @@ local function find_msg(id, role)
   return nil, nil
 end
 local function find_user(id) return find_msg(id, 'user') end
+-- Whether the chat holds a message `id` anywhere: in the list or in a stored version.
+local function holds(id)
+  if find_msg(id, '%a+') then return true end
+  for _, raw in ipairs(redis.call('HVALS', KEYS[8])) do
+    for _, entry in ipairs(cjson.decode(raw)) do
+      for _, m in ipairs(entry.m or {}) do if msg_id(m) == id then return true end end
+    end
+  end
+  return false
+end
 -- Keep the list's tail from position `pos` on as a version of the chat after `anchor`
 -- and make a new current version (filled by what the list gets next); returns the
 -- undo record FAIL takes ({"anchor", "index"}, JSON).
@@ -154,7 +164,9 @@ return {'ok', active}
 # Returns {'ok', user_msg_id, popped_json, popped_tokens, title_set, edit_undo
 # [, messages, tokens as HGETALL's flat list]} or
 # {code[, previous]}; 'conflict' when a regenerate/continue names a reply that is not the
-# chat's last one, or an edit names no user message of the chat. An edit keeps the cut
+# chat's last one, or an edit names no user message of the chat (a stale tab's view), and
+# 'unknown' when the id named is no message of the chat at all (neither in the list nor
+# in a stored version). An edit keeps the cut
 # tail as a version (see the module doc), and so does a regenerate (the old reply, a
 # version of the chat after its user message); edit_undo ({"anchor", "index"}) lets
 # FAIL put it back. A continue takes the reply off (popped_json) to store it extended.
@@ -185,7 +197,10 @@ if ARGV[4] == 'chat' then
   redis.call('RPUSH', KEYS[2], ARGV[5])
 elseif ARGV[4] == 'edit' then
   local pos, anchor = find_user(ARGV[15])
-  if not pos then return {'conflict'} end
+  if not pos then
+    if holds(ARGV[15]) then return {'conflict'} end
+    return {'unknown'}
+  end
   edit_undo = branch(pos, anchor)
   redis.call('RPUSH', KEYS[2], ARGV[5])
   if anchor == '^' and ARGV[16] ~= '' and (redis.call('HGET', KEYS[1], 'title') or '') == ARGV[16] then
@@ -195,7 +210,10 @@ else
   local last = redis.call('LINDEX', KEYS[2], -1)
   if not last then return {'empty'} end
   local aid = string.match(last, '^{"role":"assistant","id":"([%w_%-]+)"')
-  if ARGV[15] and ARGV[15] ~= '' and aid ~= ARGV[15] then return {'conflict'} end
+  if ARGV[15] and ARGV[15] ~= '' and aid ~= ARGV[15] then
+    if holds(ARGV[15]) then return {'conflict'} end
+    return {'unknown'}
+  end
   local before = last
   if aid then before = redis.call('LINDEX', KEYS[2], -2) or '' end
   user_id = string.match(before, '^{"role":"user","id":"([%w_%-]+)"')

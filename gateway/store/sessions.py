@@ -413,7 +413,9 @@ class SessionStore:
             GatewayError: ``not_found``, ``busy`` (a reply is in progress),
                 ``too_many_generations``, ``invalid_request`` (nothing to regenerate),
                 ``conflict`` (the last reply is not ``replaces``, or no user message is;
-                or the chat to create exists), ``too_many_sessions`` (``create``).
+                or the chat to create exists), ``not_found`` naming the message when
+                ``replaces`` is no message of the chat at all (not in it, nor in a stored
+                version), ``too_many_sessions`` (``create``).
         """
         now = time.time()
         rid = new_id()
@@ -464,6 +466,8 @@ class SessionStore:
         if code == "conflict":
             raise GatewayError("conflict", "the chat changed in another tab or window: it is shown again "
                                "as it is now; try again")
+        if code == "unknown":
+            raise GatewayError("not_found", f"no message {replaces} in this chat")
         if code == "empty":
             raise GatewayError("invalid_request", "nothing to regenerate: the chat has no user message")
         chat = None

@@ -73,6 +73,25 @@ async def test_continue_appends_to_a_reply_cut_at_max_tokens_from_the_cached_pre
     assert len(msgs[1]["token_ids"]) == usage["continued_tokens"] + usage["completion_tokens"]
 
 
+async def test_an_edit_or_continue_of_a_message_the_chat_never_held_names_it_as_not_found(gateway_factory):
+    """An id that is nowhere in the chat is not a stale tab's race: it is not told
+    "changed in another tab", and the chat is left as it was."""
+    gw = gateway_factory()
+    cookie = gw.new_cookie()
+    async with gw.connect(cookie) as ws:
+        r = await chat(ws, "Hello there.", max_tokens=6)
+        sid = r.start["session_id"]
+        for frame in ({"type": "continue", "session_id": sid, "message_id": "nope"},
+                      {"type": "edit", "session_id": sid, "message_id": "nope", "content": "Hi."}):
+            await send(ws, frame)
+            bad = await read_reply(ws)
+            assert bad.start is None and bad.error is not None
+            assert (bad.error["code"], bad.error["message"]) == ("not_found", "no message nope in this chat")
+            assert "another tab" not in bad.error["message"]
+    body = await stored(gw, cookie, sid)
+    assert [m["id"] for m in body["messages"]] == [r.start["user_message_id"], r.start["message_id"]]
+
+
 @pytest.fixture(scope="module")
 def tok(smollm2_dir):
     """SmolLM2's tokenizer (the tiny model's too)."""

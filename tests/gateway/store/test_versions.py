@@ -192,3 +192,21 @@ async def test_editing_the_first_message_retitles_a_chat_whose_title_came_from_i
     assert (await store.get_session(ALICE, chat.id)).title == "Mine" and not e2.title
     await store.switch_version(ALICE, chat.id, e2.user_message_id, 0)
     assert (await store.get_session(ALICE, chat.id)).title == "Mine"
+
+
+async def test_an_id_the_chat_never_held_is_not_found_while_a_stale_one_is_a_conflict(rds, key_prefix):
+    store = make_store(rds, key_prefix)
+    chat = await store.create_session(ALICE)
+    t1, t2 = await two_turns(store, chat.id)
+    for mode in ("edit", "continue", "regenerate"):
+        with pytest.raises(GatewayError) as e:
+            await store.begin_turn(ALICE, chat.id, mode=mode, content="x", replaces="nope")
+        assert (e.value.code, e.value.message) == ("not_found", "no message nope in this chat")
+    # a reply kept only as a version (another tab regenerated it) is stale, not unknown
+    r = await store.begin_turn(ALICE, chat.id, mode="regenerate", replaces=t2.message_id)
+    assert await finish_ok(store, ALICE, chat.id, r, "a2b", [4], [6]) == "ok"
+    for mode in ("continue", "regenerate"):
+        with pytest.raises(GatewayError) as e:
+            await store.begin_turn(ALICE, chat.id, mode=mode, replaces=t2.message_id)
+        assert e.value.code == "conflict"
+    assert contents(await store.messages(ALICE, chat.id)) == ["q1", "a1", "q2", "a2b"]  # untouched
