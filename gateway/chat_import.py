@@ -27,7 +27,6 @@ the key that keeps a chat imported twice from being stored twice.
 from __future__ import annotations
 
 import io
-import json
 import re
 import time
 import uuid
@@ -37,6 +36,7 @@ from typing import Any
 
 from gateway.attachments import ATTACHMENT_LIMITS, parse_attachments
 from gateway.errors import GatewayError
+from gateway.json_input import BadJson, loads_json
 
 __all__ = ["ImportedChat", "EXPORT_FORMAT", "read_upload", "from_chatgpt", "from_chatserve"]
 
@@ -378,7 +378,13 @@ def read_upload(data: bytes, max_unzipped_bytes: int) -> list[ImportedChat]:
 
 
 def _loads(data: bytes) -> Any:
+    """The file's JSON (UTF-8, a BOM allowed).
+
+    Raises:
+        GatewayError: ``invalid_request`` saying where the file stopped being JSON, in
+            words (``the file is not valid JSON: expecting value at line 1, column 1``).
+    """
     try:
-        return json.loads(data.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise GatewayError("invalid_request", f"the file is not JSON ({e.__class__.__name__})") from None
+        return loads_json(data)
+    except BadJson as e:
+        raise GatewayError("invalid_request", f"the file is {e}") from None

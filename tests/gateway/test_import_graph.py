@@ -17,7 +17,7 @@ MAX_FLOORS = 8
 
 # The gateway's parts, lowest first: a module may import its own part and those below.
 PART_FLOORS = {
-    "errors": 0,
+    "errors": 0, "json_input": 0,
     "config": 1, "retry": 1, "attachments": 1, "chat_import": 1, "reasoning": 1,
     "store": 2,
     "engines": 3,

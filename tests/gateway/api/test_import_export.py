@@ -118,8 +118,7 @@ async def test_a_chatgpt_export_imports_with_its_branches_once(gateway_factory):
         # a deleted chat can be imported again
         assert c.delete(f"/api/sessions/{sid}").status_code == 204
         assert c.post("/api/import", content=data).json()["imported"] == 1
-        for bad, words in [(b"not json", "not JSON"), (b'{"hello": 1}', "neither"),
-                           (b"PK\x03\x04broken", "cannot be read")]:
+        for bad, words in [(b'{"hello": 1}', "neither"), (b"PK\x03\x04broken", "cannot be read")]:
             r = c.post("/api/import", content=bad)
             assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
@@ -178,6 +177,20 @@ async def test_our_export_of_every_chat_and_version_round_trips_identically(gate
     async with gw.connect(other_cookie) as ws:
         await turn(ws, {"type": "chat", "session_id": new_sid, "content": "And now?"})
     assert other  # the second chat was exported too
+
+
+async def test_a_file_that_is_not_json_is_refused_saying_where_in_words(gateway_factory):
+    """A CSV (or a broken export) is refused with the place it stopped being JSON, as
+    request bodies are: never a Python exception's name."""
+    gw = gateway_factory()
+    with client(gw, gw.new_cookie()) as c:
+        for bad, where in [(b"name,colour\napple,red\n", "expecting value at line 1, column 1"),
+                           (b'[{"title": "x",\n  "messages": [}]', "expecting value at line 2, column 16"),
+                           (b'["caf\xe9"]', "the bytes are not UTF-8 text")]:
+            r = c.post("/api/import", content=bad)
+            message = f"the file is not valid JSON: {where}"
+            assert r.status_code == 400 and r.json()["error"] == {"code": "invalid_request", "message": message}
+        assert c.get("/api/sessions").json()["sessions"] == []
 
 
 async def test_an_import_that_meets_the_limit_of_chats_keeps_what_it_stored_and_says_so(gateway_factory):
