@@ -116,6 +116,13 @@ NOT_YOURS_HINT = ("[without a token this client is its own anonymous user and ca
                   f"pass --token or set {TOKEN_ENV} (the chat page's Access tokens dialog)]")
 
 
+def attach_refusal(name: str, reason: str) -> str:
+    """Why the file ``name`` cannot be attached, naming it once: the gateway's reasons
+    start with the file's name (``pic.png: this type of file cannot be attached; ...``),
+    so such a reason is the whole text; another (``HTTP 502``) gets the name in front."""
+    return reason if reason.startswith(name) else f"{name} cannot be attached: {reason}"
+
+
 def upload_attachments(base: str, paths: list[Path], cookie: str | None, token: str | None,
                        timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """Read each file into an attachment with the gateway (``POST /api/attachments``:
@@ -140,7 +147,7 @@ def upload_attachments(base: str, paths: list[Path], cookie: str | None, token: 
                 reason = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 reason = f"HTTP {r.status_code}"
-            raise UsageError(f"{path.name} cannot be attached: {reason}")
+            raise UsageError(attach_refusal(path.name, reason))
         body = r.json()
         out.append({k: body[k] for k in ("name", "kind", "text", "size", "pages") if k in body})
     return out

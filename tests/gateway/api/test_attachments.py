@@ -152,7 +152,9 @@ def test_the_terminal_client_attaches_files_and_says_why_one_is_refused(gateway_
                               cwd=root, capture_output=True, text=True, timeout=120)
 
     refused = run("--attach", str(photo), "What is this?")
-    assert refused.returncode == 1 and "photo.png cannot be attached: photo.png: this type" in refused.stderr
+    assert refused.returncode == 1, refused.stderr
+    assert refused.stderr.startswith("error: photo.png: this type of file cannot be attached; attach text")
+    assert refused.stderr.count("photo.png") == 1  # named once
     done = run("--attach", str(notes), "When is the launch?")
     assert done.returncode == 0, done.stderr
     with client(gw, cookies.read_text().strip()) as c:
@@ -160,3 +162,12 @@ def test_the_terminal_client_attaches_files_and_says_why_one_is_refused(gateway_
         first = c.get(f"/api/sessions/{chat['id']}").json()["messages"][0]
     assert first["content"] == "When is the launch?"
     assert [(a["name"], a["kind"]) for a in first["attachments"]] == [("notes.md", "markdown")]
+
+
+def test_the_terminal_clients_attach_refusal_names_the_file_once():
+    from gateway.client import attach_refusal
+
+    reason = "pic.png: this type of file cannot be attached; attach text, Markdown, code, CSV, JSON or PDF files"
+    assert attach_refusal("pic.png", reason) == reason
+    assert attach_refusal("a.md", "a.md is empty") == "a.md is empty"
+    assert attach_refusal("a.md", "HTTP 502") == "a.md cannot be attached: HTTP 502"  # a reason without the name
