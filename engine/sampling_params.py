@@ -39,6 +39,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 STOP_ERROR = (f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
               "characters")
+STOP_TYPE_ERROR = "stop must be a string or a list of strings"
 _HINTS = {"top_p": " (use temperature 0 for greedy)", "top_k": " (0 or -1 disables)",
           "seed": " (-1 for random)"}
 # logit_bias: at most this many entries, each bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's range).
@@ -148,6 +149,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise InvalidRequestError(STOP_TYPE_ERROR)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _logit_bias(self.logit_bias)
@@ -184,8 +187,9 @@ class SamplingParams:
             message = param_error(name, getattr(self, name))
             if message is not None:
                 raise InvalidRequestError(message)
-        if len(self.stop) > MAX_STOP_STRINGS or any(
-                not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(STOP_TYPE_ERROR)
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in self.stop):
             raise InvalidRequestError(STOP_ERROR)
         for i, s in enumerate(self.stop):
             message = text_error(s, f"stop[{i}]")

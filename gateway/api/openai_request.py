@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, STOP_ERROR, SamplingParams, param_error
+from engine.sampling_params import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    STOP_ERROR,
+    STOP_TYPE_ERROR,
+    SamplingParams,
+    param_error,
+)
 from engine.text_checks import text_error
 from gateway.api import api_to_engine as a2e
 from gateway.errors import GatewayError
@@ -395,8 +402,9 @@ def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
-                or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops)):
+        if not isinstance(stops, list) or any(not isinstance(s, str) for s in stops):
+            raise bad(STOP_TYPE_ERROR, "stop")
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise bad(STOP_ERROR, "stop")
         for i, s in enumerate(stops):
             check_text(s, f"stop[{i}]", "stop")

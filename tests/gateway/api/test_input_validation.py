@@ -53,6 +53,18 @@ def test_a_lone_surrogate_anywhere_in_an_openai_body_is_a_400_naming_the_field(c
     assert e.value.status == 400 and e.value.param == param and "not valid Unicode" in e.value.message
 
 
+@pytest.mark.parametrize("stop", [5, {"a": 1}, True, ["ok", 5], [None]])
+def test_a_stop_of_the_wrong_type_is_a_type_error_not_a_length_one(stop):
+    with pytest.raises(OpenAIError) as e:
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "stop": stop})
+    assert e.value.status == 400 and e.value.param == "stop"
+    assert e.value.message == "stop must be a string or a list of strings"
+    with pytest.raises(InvalidRequestError, match="^stop must be a string or a list of strings$"):
+        SamplingParams.from_dict({"stop": stop})
+    with pytest.raises(OpenAIError, match="at most 16 non-empty strings"):  # lengths keep their own text
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 17})
+
+
 def test_hostile_but_valid_unicode_is_accepted_everywhere():
     req = parse_chat_request({"messages": [{"role": "user", "content": HOSTILE_BUT_VALID, "name": "\u202ex"}],
                               "stop": [HOSTILE_BUT_VALID[:10]]})
