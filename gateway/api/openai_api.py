@@ -414,7 +414,8 @@ class OpenAIApi:
     async def responses(self, request: Request) -> Response | SSEResponse:
         """``POST /v1/responses`` (``gateway/api/responses_api.py``)."""
         async def start() -> tuple[ChoiceSet, Writer, bool, dict[str, str]]:
-            rreq = parse_responses_request(await self._read_json(request))
+            rreq = parse_responses_request(await self._read_json(request),
+                                           gateway_state(request).config.defaults.stateless_sampling())
             choices = await self.start_engine_choices(request, rreq.messages, rreq.params, 1,
                                                       requested_model(request, rreq.model),
                                                       extra=rreq.extra, progress=rreq.progress)

@@ -101,8 +101,14 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     return a2e.structured_from_response_format(fmt, "text")
 
 
-def parse_responses_request(body: Any) -> ResponsesRequest:
+def parse_responses_request(body: Any, defaults: dict[str, Any] | None = None) -> ResponsesRequest:
     """Validate a decoded ``/v1/responses`` body.
+
+    Args:
+        body: the decoded JSON body.
+        defaults: the sampling the gateway gives the fields a request leaves out
+            (``Defaults.stateless_sampling``): the response repeats the ``temperature``
+            and ``top_p`` the reply is sampled with, so these, not OpenAI's 1.0.
 
     Raises:
         OpenAIError: 400 naming the first bad or unsupported field.
@@ -143,7 +149,8 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
             e.param = "max_output_tokens"
         raise
     echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            **{k: body[k] if body.get(k) is not None else (defaults or {}).get(k, 1.0)
+               for k in ("temperature", "top_p")},
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {}}

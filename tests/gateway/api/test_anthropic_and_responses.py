@@ -158,6 +158,17 @@ def test_a_response_answers_text_with_instructions(api_gateway):
         assert r.incomplete_details.reason == "max_output_tokens"
 
 
+def test_a_response_reports_the_sampling_it_used_not_openais_defaults(api_gateway):
+    gw = api_gateway()
+    defaults = gw.config.defaults
+    assert (defaults.temperature, defaults.top_p) != (1.0, 1.0)  # else this would prove nothing
+    r = httpx.post(f"{gw.base_url}/v1/responses", json={"input": "Say hi", "max_output_tokens": 4}, timeout=60)
+    assert r.status_code == 200
+    assert (r.json()["temperature"], r.json()["top_p"]) == (defaults.temperature, defaults.top_p)
+    given = respond(openai_client(gw), temperature=0.3, top_p=0.5, max_output_tokens=4)
+    assert (given.temperature, given.top_p) == (0.3, 0.5)
+
+
 def test_streamed_response_events_rebuild_the_whole_response(api_gateway):
     oa = openai_client(api_gateway())
     whole = respond(oa)
