@@ -482,6 +482,8 @@ class EngineCore:
         req.pending_trim += req.detok.take_trim()
         if req.detok.stopped:
             return ("stop", req.detok.stop_reason)
+        if req.tool_stream is not None and req.tool_stream.repeated:
+            return ("stop", None)  # the model repeats a call it made: its calls are over
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return ("length", None)
         return None
@@ -528,8 +530,11 @@ class EngineCore:
             reason, stop_reason = "stop", req.detok.stop_reason
         output_text, calls = req.detok.text, None
         if req.tool_stream is not None:
-            content, _ = req.tool_stream.finish(cut=reason != "stop")
+            if reason == "length" and req.tool_stream.repeated:  # the flushed tail repeated a call
+                reason, stop_reason = "stop", None
+            content, held = req.tool_stream.finish(cut=reason != "stop")
             req.pending_text += content
+            req.pending_tool_calls.extend(held)
             output_text, calls = req.tool_stream.content, list(req.tool_stream.calls)
             if calls and reason == "stop":
                 reason = "tool_calls"

@@ -11,10 +11,18 @@ until it is known not to be one (as the detokenizer holds back a partial stop st
 The layout parsed is the format's (``engine.tools.formats``), which the reply's grammar
 enforces (``engine.tools.grammar``). Parsing is nevertheless tolerant of whitespace, and
 a marker followed by something that is not a call ends up as content.
+
+A reply never carries the same call twice (same name, equal arguments): a small model
+that may make several calls tends to repeat its first one until ``max_tokens``. A call
+whose name an earlier call of the reply has is therefore held back (no delta) until its
+arguments end; if they equal an earlier call's, the call is dropped, ``repeated`` is
+set, and everything after it is ignored: the engine ends the reply there, as the end of
+its calls. A call that turns out new is released whole, its deltas in order.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Callable
@@ -122,6 +130,8 @@ class ToolCallStream:
         self.content = ""  # all content emitted
         self.calls: list[ToolCall] = []
         self._json: _JsonEnd | None = None
+        self._held: list[ToolCallDelta] | None = None  # the deltas of a call that may repeat one
+        self.repeated = False  # the reply started repeating a call: its calls are over
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Take the next piece of the reply; returns its content and its call deltas."""
@@ -147,7 +157,11 @@ class ToolCallStream:
                 the client as raw call markup in the content.
         """
         content, deltas = "", list[ToolCallDelta]()
-        if cut and self.state in ("head", "between"):
+        if self._held is not None:  # cut inside a call that could still have been new: it is one
+            deltas, self._held = self._held, None
+        if self.state == "repeat":
+            pass
+        elif cut and self.state in ("head", "between"):
             pass
         elif self.state in ("text", "plain", "between") and self.buf:
             content = self.buf
@@ -200,8 +214,10 @@ class ToolCallStream:
                 return True
             return False
         call = ToolCall(index=len(self.calls), id=self.make_id(), name=m.group(1))
+        if any(c.name == call.name for c in self.calls):
+            self._held = []  # may repeat an earlier call: shown once its arguments say it does not
         self.calls.append(call)
-        deltas.append(ToolCallDelta(call.index, "", call.id, call.name))
+        self._out(deltas).append(ToolCallDelta(call.index, "", call.id, call.name))
         self.buf = self.buf[m.end():]
         self._json = _JsonEnd()
         self.state = "args"
@@ -214,11 +230,26 @@ class ToolCallStream:
         call = self.calls[-1]
         call.arguments += piece
         if piece:
-            deltas.append(ToolCallDelta(call.index, piece))
+            self._out(deltas).append(ToolCallDelta(call.index, piece))
         if self._json.done:
+            if self._held is not None:
+                held, self._held = self._held, None
+                if any(_same_call(c, call) for c in self.calls[:-1]):
+                    self.calls.pop()
+                    self.repeated, self.state, self.buf = True, "repeat", ""
+                    return False
+                deltas.extend(held)
             self.state = "tail"
             return True
         return False
+
+    def _repeat(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+        self.buf = ""  # after a repeated call: nothing more belongs to the reply
+        return False
+
+    def _out(self, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        """Where the current call's deltas go: held back, or out with this piece."""
+        return self._held if self._held is not None else deltas
 
     def _tail(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
         m = self._tail_re.match(self.buf)
@@ -243,6 +274,22 @@ class ToolCallStream:
             return False  # may still become the next call
         self.state = "plain"  # text after the calls (the grammar forbids it; kept as content)
         return True
+
+
+def _same_call(a: ToolCall, b: ToolCall) -> bool:
+    """Whether two calls are the same: the same name and equal arguments (as JSON values,
+    so whitespace and key order do not matter; as text when either does not parse)."""
+    if a.name != b.name:
+        return False
+    try:
+        return _canonical(a.arguments) == _canonical(b.arguments)
+    except (ValueError, RecursionError):
+        return a.arguments.strip() == b.arguments.strip()
+
+
+def _canonical(arguments: str) -> str:
+    """A JSON text in one layout (sorted keys, no whitespace). Raises ValueError."""
+    return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
 
 
 def _partial_suffix(text: str, marker: str) -> int:

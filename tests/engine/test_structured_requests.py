@@ -187,6 +187,51 @@ def test_a_cut_calls_opening_is_dropped_but_a_reply_that_ended_there_keeps_it():
     assert content == opening and not s.calls
 
 
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize("again", [
+    CALL, CALL.replace('"city": "Oslo", "days": 2', '"days": 2, "city": "Oslo"'),  # key order is no difference
+    CALL.replace('"city": "Oslo", "days": 2', '"city":"Oslo","days":2')])  # nor is whitespace
+def test_a_repeated_call_is_dropped_and_ends_the_calls_unseen(step, again):
+    s, content, deltas = _stream(GENERIC, CALL + again + CALL + "more text", step)
+    assert s.repeated and content == "" and s.content == ""
+    assert [(c.index, c.name, c.arguments, c.complete) for c in s.calls] == [
+        (0, "get_weather", '{"city": "Oslo", "days": 2}', True)]
+    assert {d.index for d in deltas} == {0} and [d.id for d in deltas if d.id] == ["id0"]
+    assert "".join(d.arguments for d in deltas) == '{"city": "Oslo", "days": 2}'
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_a_new_call_of_the_same_function_is_held_until_it_differs_then_streams_whole(step):
+    other = CALL.replace("Oslo", "Lima")
+    s, content, deltas = _stream(GENERIC, CALL + other, step)
+    assert not s.repeated and [c.arguments for c in s.calls] == ['{"city": "Oslo", "days": 2}',
+                                                                 '{"city": "Lima", "days": 2}']
+    assert [(d.index, d.id, d.name) for d in deltas if d.id] == [(0, "id0", "get_weather"), (1, "id1", "get_weather")]
+    assert "".join(d.arguments for d in deltas if d.index == 1) == '{"city": "Lima", "days": 2}'
+    # fed piece by piece, nothing of the second call shows before its arguments end
+    s = ToolCallStream(GENERIC, make_id=iter(["a", "b"]).__next__)
+    s.feed(CALL)
+    assert s.feed(other[:-len('2}}\n</tool_call>\n')]) == ("", [])
+    _, released = s.feed(other[-len('2}}\n</tool_call>\n'):])
+    assert (released[0].id, released[0].name, released[0].arguments) == ("b", "get_weather", "")
+    assert "".join(d.arguments for d in released) == '{"city": "Lima", "days": 2}'  # in order
+
+
+def test_a_held_call_cut_by_max_tokens_still_comes_out_with_what_it_had():
+    s, content, deltas = _stream(GENERIC, CALL + CALL[:CALL.index('"days"')], 5, cut=True)
+    assert not s.repeated and len(s.calls) == 2 and not s.calls[1].complete
+    assert "".join(d.arguments for d in deltas if d.index == 1) == s.calls[1].arguments == '{"city": "Oslo", '
+
+
+def test_a_repeated_llama3_json_call_ends_the_calls_too():
+    one = '{"name": "add", "parameters": {"x": 1}}'
+    s, content, _ = _stream(LLAMA3_JSON, f"{one}; {one}; {one}", 4)
+    assert s.repeated and content == "" and [c.arguments for c in s.calls] == ['{"x": 1}']
+
+
 def test_llama3_json_calls_open_the_reply_and_text_replies_stay_text():
     two = '{"name": "add", "parameters": {"x": 1}}; {"name": "add", "parameters": {}}'
     s, content, _ = _stream(LLAMA3_JSON, two, 5)

@@ -81,13 +81,41 @@ def test_tool_choice_required_returns_only_calls_that_match_their_schemas(api_ga
         assert_valid_calls(m.message.tool_calls)
 
 
+def call_keys(calls: list[Any]) -> list[tuple[str, str]]:
+    """Each call as (name, its arguments in one JSON layout): equal keys are the same call."""
+    return [(c["name"], json.dumps(json.loads(c["arguments"]), sort_keys=True)) if isinstance(c, dict)
+            else (c.function.name, json.dumps(json.loads(c.function.arguments), sort_keys=True)) for c in calls]
+
+
 def test_parallel_calls_each_match_their_schemas(api_gateway):
-    r = create(client(api_gateway()), tools=TOOLS, tool_choice="required", max_tokens=100)
-    calls = r.choices[0].message.tool_calls
-    assert len(calls) >= 2 and len({c.id for c in calls}) == len(calls)  # a random model keeps calling
-    if r.choices[0].finish_reason == "length":  # the last call may be cut short, as OpenAI's are
-        calls = calls[:-1]
-    assert_valid_calls(calls)
+    oa = client(api_gateway())
+    several = 0
+    for seed in range(6):
+        r = create(oa, tools=TOOLS, tool_choice="required", max_tokens=150, temperature=1.5, seed=seed)
+        calls = r.choices[0].message.tool_calls
+        assert len({c.id for c in calls}) == len(calls)
+        if r.choices[0].finish_reason == "length":  # the last call may be cut short, as OpenAI's are
+            calls = calls[:-1]
+        assert_valid_calls(calls)
+        assert len(set(call_keys(calls))) == len(calls)  # never the same call twice
+        several += len(calls) >= 2
+    assert several  # hot enough, the tiny model makes several different calls too
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_that_repeats_its_call_gets_it_once_and_the_reply_ends_there(api_gateway, stream):
+    # greedy, the tiny model calls get_weather with the same arguments again after its first call
+    oa = client(api_gateway())
+    kw = dict(tools=TOOLS, tool_choice="required", max_tokens=200)
+    r = create(oa, **kw)
+    calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    if stream:
+        _, calls, finish, chunks = streamed(oa, stream_options={"include_usage": True}, **kw)
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert finish == "tool_calls" and len(set(call_keys(calls))) == len(calls) == 1
+    assert r.usage.completion_tokens < 200  # the engine stopped at the repeat, not at max_tokens
+    single = create(oa, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    assert call_keys(single.choices[0].message.tool_calls) == call_keys(calls)
 
 
 def test_a_named_tool_choice_calls_exactly_that_function_once(api_gateway):
