@@ -3,6 +3,8 @@
 Opens the gateway's WebSocket, sends the question and prints the reply as it streams.
 The chat id and the reply's numbers go to stderr, so ``--session`` can continue the chat.
 
+Where: ``--url``, else the ``CHAT_URL`` environment variable, else http://127.0.0.1:8000.
+
 Who you are: with a personal access token (``--token`` or ``CHAT_TOKEN``; create one in
 the chat page's "Access tokens" dialog) the client acts as the browser user who made it,
 so its chats show in that user's sidebar and a chat from the browser's URL
@@ -26,6 +28,7 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
@@ -43,12 +46,19 @@ from gateway.reasoning import ReasoningSplitter
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "CHAT_TOKEN"
+URL_ENV = "CHAT_URL"  # the gateway's address, when --url is not given
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 CANCEL_WAIT_S = 10.0  # how long to wait for the stopped reply's `done` after Ctrl-C
 
 
 class UsageError(ValueError):
     """A command-line value the client cannot use (e.g. a URL it cannot parse)."""
+
+
+def gateway_url(flag: str | None, environ: Mapping[str, str]) -> str:
+    """The gateway's address: ``--url``, else ``$CHAT_URL`` (``URL_ENV``; blank counts as
+    unset), else ``DEFAULT_URL``."""
+    return (flag or environ.get(URL_ENV, "")).strip() or DEFAULT_URL
 
 
 def socket_url(url: str) -> str:
@@ -325,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=_DefaultsHelp,
                                 epilog="Ctrl-C stops the reply (it is stored as partial) and exits with 130.")
     p.add_argument("question", help="what to ask (quote it)")
-    p.add_argument("--url", default=DEFAULT_URL,
-                   help="the gateway: http(s)://host:port or ws(s)://host:port[/ws]")
+    p.add_argument("--url", default=None,
+                   help=f"the gateway: http(s)://host:port or ws(s)://host:port[/ws] (default: ${URL_ENV}, "
+                        f"else {DEFAULT_URL})")
     p.add_argument("--token", default=None,
                    help=f"personal access token from the chat page's Access tokens dialog; acts as that browser "
                         f"user (default: ${TOKEN_ENV}, else an anonymous user)")
@@ -365,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         if message is not None:
             p.error(message.replace(name, "--" + name.replace("_", "-"), 1))
     try:
-        url = socket_url(a.url)
+        url = socket_url(gateway_url(a.url, os.environ))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from websockets.asyncio.client import connect
 
 from gateway.api.access_tokens import TOKEN_PREFIX, token_hash
 from gateway.api.auth import COOKIE_NAME
-from gateway.client import build_parser, http_base, refusal_text, socket_url
+from gateway.client import DEFAULT_URL, build_parser, gateway_url, http_base, refusal_text, socket_url
 from tests.engine_gate import of_type, text_delta
 from tests.fixtures_servers import RunningGateway
 
@@ -200,9 +200,30 @@ def test_the_client_takes_http_and_ws_urls_with_or_without_ws(given, expected):
 def test_the_client_help_shows_its_defaults_but_never_the_token(monkeypatch):
     monkeypatch.setenv("CHAT_TOKEN", "cspat_secret")
     text = build_parser().format_help()
-    assert "(default: http://127.0.0.1:8000)" in " ".join(text.split())
+    monkeypatch.setenv("CHAT_URL", "http://chat.example.org")
+    text = build_parser().format_help()
+    assert "(default: $CHAT_URL, else http://127.0.0.1:8000)" in " ".join(text.split())
+    assert "chat.example.org" not in text  # the help names the variable, never its value
     assert "$CHAT_TOKEN" in text and "cspat_secret" not in text and "(default: None)" not in text
     assert "130" in text
+
+
+def test_the_client_finds_the_gateway_in_chat_url_unless_url_is_given(gateway_factory, tmp_path):
+    assert gateway_url(None, {}) == gateway_url(None, {"CHAT_URL": "  "}) == DEFAULT_URL
+    assert gateway_url(None, {"CHAT_URL": "https://h/chat"}) == "https://h/chat"
+    assert gateway_url("http://a:1", {"CHAT_URL": "https://h/chat"}) == "http://a:1"  # --url wins
+    gw = gateway_factory()
+
+    def ask(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gateway.client", "--cookie-file", str(tmp_path / "cookie"),
+                               "--max-tokens", "2", "--temperature", "0", *args, "Hello"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "CHAT_URL": gw.base_url})
+
+    by_env = ask()
+    assert by_env.returncode == 0, by_env.stderr
+    by_flag = ask("--url", "ftp://nowhere")  # --url is used over CHAT_URL
+    assert by_flag.returncode == 2 and "ftp://nowhere" in by_flag.stderr, by_flag.stderr
 
 
 def test_refusals_say_whether_origin_cookie_path_or_token_was_wrong(gateway_factory, capfd):
