@@ -94,10 +94,14 @@ class ReplyEnding:
             new_ids = turn.output_ids if synthetic else list(end.output_token_ids)
             if new_ids or turn.output_ids:
                 a_seg = {"ids": req.continued.ids + list(new_ids), "base": False}
+                if req.budget is not None:  # what a later Continue of it may write (continue_budget)
+                    a_seg["budget"] = list(req.budget)
             created_at = req.continued.message.get("created_at", created_at)
         elif not synthetic and end.prompt_token_ids:
             user_seg = history.user_segment(list(end.prompt_token_ids), end.prefix_reused)
             a_seg = {"ids": list(end.output_token_ids), "base": False}
+            if req.params.get("max_tokens") is not None:
+                a_seg["budget"] = [int(req.params["max_tokens"]), 0]
         # else no ids came back (an OpenAI-compatible upstream): the turn stores no token
         # segments, so the next turn's exact prefix stops before it and its text is re-read
         assistant = reply_end.stored_message(turn.writer.text, created_at, rid)

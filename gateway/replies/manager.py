@@ -29,7 +29,7 @@ from gateway.engines.run import PASSTHROUGH_CODES
 from gateway.errors import GatewayError
 from gateway.replies.cancels import Cancels
 from gateway.replies.hooks import EventFanout, GenerationEvents
-from gateway.replies.starting import TurnStarter, merge_params
+from gateway.replies.starting import TurnStarter, continue_budget, merge_params
 from gateway.replies.tail import ReplyLog
 from gateway.replies.task import ReplyTasks
 from gateway.replies.turn import StartedTurn, Turn, TurnRequest
@@ -169,7 +169,12 @@ class GenerationManager:
         if isinstance(continued, str):
             await self.store.fail_turn(owner, info.id, begun, None)
             raise GatewayError("invalid_request", continued)
-        return await self.starter.launch(self._request(owner, info, begun, merged, None, continued=continued))
+        max_tokens, budget = continue_budget(continued.segment, continued.message.get("finish_reason"), params,
+                                             merged.get("max_tokens"))
+        if max_tokens is not None:
+            merged = {**merged, "max_tokens": max_tokens}
+        return await self.starter.launch(self._request(owner, info, begun, merged, None, continued=continued,
+                                                       budget=budget))
 
     def served_models(self) -> list[str]:
         """The models the gateway's engines serve (those that said hello), in

@@ -47,6 +47,38 @@ def merge_params(*layers: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+def continue_budget(seg: dict[str, Any], finish_reason: Any, asked: dict[str, Any],
+                    merged_max: int | None) -> tuple[int | None, tuple[int, int] | None]:
+    """The ``max_tokens`` of a Continue and the budget to store with the reply.
+
+    A reply stores ``budget`` ``[max_tokens, from]`` with its token ids: the budget of the
+    turn that wrote it, begun when the reply had ``from`` tokens. A reply stopped
+    (``abort``) goes on as if it had never been cut: what is left of that budget
+    (``max_tokens - (written - from)``). A reply cut at its budget (``length``), or stopped
+    with none left, gets that budget again, from where it is. A ``max_tokens`` the
+    Continue itself asks for (``asked``) is a new budget from where the reply is; so is the
+    chat's (``merged_max``) for a reply stored without a budget.
+
+    Args:
+        seg: the reply's stored token segment (``ids``, ``budget``?).
+        finish_reason: the reply's stored finish reason.
+        asked: the Continue frame's own sampling parameters.
+        merged_max: ``max_tokens`` of the merged parameters (None: the engine's default).
+    Returns:
+        (``max_tokens`` for this request, or None to keep the merged one; the budget to
+        store, ``(max_tokens, from)``, or None when there is none to store).
+    """
+    written = len(seg.get("ids", []))
+    stored = seg.get("budget")
+    if "max_tokens" in asked or not (isinstance(stored, list) and len(stored) == 2):
+        return None, ((int(merged_max), written) if merged_max is not None else None)
+    total, start = int(stored[0]), int(stored[1])
+    left = total - (written - start)
+    if finish_reason == "abort" and left >= 1:
+        return left, (total, start)
+    return total, (total, written)
+
+
 class TurnStarter:
     """Starts turns (see module doc)."""
 
@@ -138,7 +170,7 @@ class TurnStarter:
             if cut and not seg:
                 return NO_IDS_TO_CONTINUE
             return "only a reply cut at its max tokens or stopped can be continued"
-        return Continued(popped, list(seg["ids"]))
+        return Continued(popped, list(seg["ids"]), seg)
 
     async def begin(self, owner: str, info: SessionInfo, mode: str, create: bool = False, **kw: Any) -> TurnBegun:
         """``begin_turn`` that also opens the reply stream and reads the chat for the

@@ -39,6 +39,7 @@ class Continued:
 
     message: dict[str, Any]
     ids: list[int]
+    segment: dict[str, Any] = field(default_factory=dict)  # its stored token segment
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class TurnRequest:
         model: the chat's model: only its engines write the reply (None: any engine).
         tools: the engine's ``generate`` tool fields for this turn (``tools``,
             ``tool_choice``, ``parallel_tool_calls``; docs/protocol.md, tool calls), or empty.
+        budget: a continued reply's token budget, ``(max_tokens, tokens the reply had
+            when that budget began)``, stored with its token ids (``continue_budget``);
+            None for a new reply, whose budget is ``params["max_tokens"]`` from 0.
     """
 
     owner: str
@@ -68,6 +72,7 @@ class TurnRequest:
     continued: Continued | None = None
     model: str | None = None
     tools: dict[str, Any] = field(default_factory=dict)
+    budget: tuple[int, int] | None = None
 
     @property
     def rid(self) -> str:

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from engine.detokenizer import decode_text
-from tests.gateway_helpers import BLOCK, chat, openai_client, read_reply, send, stored, token_messages, uid_of
+from tests.engine_gate import of_type, text_delta
+from tests.gateway_helpers import BLOCK, chat, openai_client, read_reply, recv, send, stored, token_messages, uid_of
 
 
 async def test_an_edit_replies_to_the_new_text_and_the_old_branch_can_be_shown_again(gateway_factory):
@@ -90,6 +91,40 @@ async def test_an_edit_or_continue_of_a_message_the_chat_never_held_names_it_as_
             assert "another tab" not in bad.error["message"]
     body = await stored(gw, cookie, sid)
     assert [m["id"] for m in body["messages"]] == [r.start["user_message_id"], r.start["message_id"]]
+
+
+async def test_a_stopped_reply_continues_with_what_is_left_of_its_turns_max_tokens(gateway_factory, engine_gate):
+    """Continue after a Stop is the reply as if never cut: the turn's own max_tokens
+    (not the chat's) less what was written; a reply cut at that budget gets it again."""
+    gw = gateway_factory(engine_urls=[engine_gate.url])
+    cookie = gw.new_cookie()
+    budget = 200
+    async with gw.connect(cookie) as ws:
+        engine_gate.pause_on(text_delta())
+        await send(ws, {"type": "chat", "content": "Tell me a long story.",
+                        "params": {"temperature": 0, "max_tokens": budget, "ignore_eos": True}})
+        start = await recv(ws)
+        await engine_gate.paused()
+        await send(ws, {"type": "cancel", "request_id": start["request_id"]})
+        await engine_gate.sent(of_type("abort", start["request_id"]))
+        engine_gate.resume()
+        cut = await read_reply(ws, start["request_id"])
+        assert cut.done is not None and cut.done["finish_reason"] == "abort"
+        written = cut.done["usage"]["completion_tokens"]
+        assert 1 <= written < budget
+        sid, mid = start["session_id"], start["message_id"]
+        await send(ws, {"type": "continue", "session_id": sid, "message_id": mid, "params": {"temperature": 0}})
+        more = await read_reply(ws)
+        assert more.error is None, more.error
+        usage = more.done["usage"]
+        assert (usage["continued_tokens"], usage["completion_tokens"]) == (written, budget - written)
+        assert more.done["finish_reason"] == "length"  # where the uncut reply ends
+        # cut at its budget: a Continue writes that budget again
+        await send(ws, {"type": "continue", "session_id": sid, "message_id": mid, "params": {"temperature": 0}})
+        again = await read_reply(ws)
+        assert again.error is None, again.error
+        assert (again.done["usage"]["continued_tokens"], again.done["usage"]["completion_tokens"]) == (budget, budget)
+    assert len(token_messages(gw, uid_of(gw, cookie), sid)[1]["token_ids"]) == 2 * budget
 
 
 @pytest.fixture(scope="module")
