@@ -415,11 +415,18 @@ export class ChatController {
     }
   }
 
-  /** Reload the chat list. */
-  async refreshList() {
+  /**
+   * Reload the chat list.
+   * @param {{background?:boolean}} [opts] background: a refresh nobody asked for (another
+   *   tab's change); when it cannot reach the server it says nothing, since the connection
+   *   badge says so already and the list is re-read on reconnect; a notice from it would
+   *   replace a more useful one, such as why Enter sent nothing.
+   */
+  async refreshList({ background = false } = {}) {
     try {
       this.sidebar.setSessions(await this.api.listSessions());
     } catch (err) {
+      if (background && err && err.code === "network") return;
       this.notify(this.apiErrorText(err));
     }
   }

@@ -46,7 +46,7 @@ export function onLiveEvent(c, f) {
       s.listTimer = setTimeout(refresh, 1000);
       return;
     }
-    c.refreshList().then(() => c.changed());
+    c.refreshList({ background: true }).then(() => c.changed());
   };
   s.listTimer = setTimeout(refresh, LIST_DEBOUNCE_MS);
   if (!sid) return;

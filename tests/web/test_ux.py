@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Browser, Page, WebSocketRoute
 
 from tests.engine_gate import EngineGate, text_delta
 from tests.web.page import (
@@ -210,6 +211,30 @@ def test_enter_while_streaming_or_offline_says_why_and_keeps_the_text(
     page.context.set_offline(False)  # the browser's "online" event reconnects at once
     page.wait_for_selector("body[data-connection=open]", timeout=WAIT_MS)
     page.wait_for_selector("#notice", state="hidden")  # the offline notice goes once connected
+
+
+def test_a_background_list_refresh_that_cannot_reach_the_server_leaves_the_notice_alone(
+        new_page: Callable[..., Page]) -> None:
+    # Another tab's change reaches the page as a live event, and the list is re-read a
+    # moment later. Had the browser gone offline in between, that failure used to replace
+    # the notice saying why Enter sent nothing; the connection badge already says it.
+    page = new_page()
+    socket: dict[str, WebSocketRoute] = {}
+
+    def through(ws: WebSocketRoute) -> None:
+        socket["ws"] = ws
+        ws.connect_to_server()
+
+    page.route_web_socket(re.compile(r".*/ws$"), through)
+    sid = create_chat(page, SHORT)
+    open_chat(page, sid)
+    page.wait_for_selector("body[data-connection=open]")
+    page.route(re.compile(r".*/api/sessions$"), lambda route: route.abort("internetdisconnected"))
+    with page.expect_event("requestfailed", lambda r: r.url.endswith("/api/sessions")):
+        socket["ws"].send(json.dumps({"type": "event", "kind": "updated", "session_id": "elsewhere"}))
+    # the failure's handler runs right after the failed fetch; a page round trip lets it finish
+    page.evaluate("() => new Promise((done) => setTimeout(done, 50))")
+    assert page.is_hidden("#notice"), page.text_content("#notice-text")
 
 
 def test_a_refused_first_message_brings_back_the_empty_state_with_the_advice_once(
