@@ -196,8 +196,14 @@ def test_dropped_socket_reconnects_and_resumes_from_last_seq(new_page: Callable[
     page.evaluate("""() => {
         const banner = document.getElementById('conn-banner');
         window.__bannerSeen = false;
-        new MutationObserver(() => { if (!banner.hidden) window.__bannerSeen = true; })
-            .observe(banner, {attributes: true});
+        const caret = () => getComputedStyle(
+            document.querySelector('.msg.streaming .msg-body > :last-child'), '::after').animationName;
+        new MutationObserver(() => {
+            if (banner.hidden || window.__bannerSeen) return;
+            window.__bannerSeen = true;
+            window.__caretWhileDown = caret();  // the reply does not pulse while nothing can arrive
+        }).observe(banner, {attributes: true});
+        window.__caret = caret;
     }""")
     before = send_paused(page, engine_gate, "Tell me everything about rivers.")
 
@@ -210,6 +216,7 @@ def test_dropped_socket_reconnects_and_resumes_from_last_seq(new_page: Callable[
     engine_gate.resume(pause_on=text_delta())
     engine_gate.wait_paused()
     wait_streaming_text(page, before)  # the same reply goes on after the reconnect
+    assert page.evaluate("() => [window.__caretWhileDown, window.__caret()]") == ["none", "pulse"]
 
     resumes = [f for f in sent if f["type"] == "resume"]
     assert resumes and all(f["last_seq"] > 0 for f in resumes), sent  # from where it was, not from 0
