@@ -498,6 +498,17 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
  * AVX-VNNI) or _mm256_maddubs_epi16 + _mm256_madd_epi16 (AVX2; eight pair sums of
  * |15 * 127 * 2| stay below 2^15, so they add in int16 before one widening). */
 #define CS_Q4_TILE 8
+/* Weight records prefetched ahead of the one in use: CS_Q4_AHEAD in the 256-bit tiles (each
+ * thread streams one tile at a time), CS_Q4_AHEAD2 in the 512-bit one (two tiles' streams).
+ * A decode step's weights come from memory (on the Zen 4 EPYC, 32 MiB of L3 for 95 MB of
+ * weights); 8 and 4 records, with one cache line of the 512-bit tile's three, left a batch-16
+ * step's projections waiting on it (docs/benchmarks.md). */
+#ifndef CS_Q4_AHEAD
+#define CS_Q4_AHEAD 16
+#endif
+#ifndef CS_Q4_AHEAD2
+#define CS_Q4_AHEAD2 8
+#endif
 #define CS_Q4_NC 4 /* most independent int sums per activation row (one or two rows) */
 #define CS_Q4_MB 48 /* activation rows per cache block (a multiple of every CS_Q4_MR) */
 #define CS_Q4_REC(has_min) ((has_min) ? 160 : 144)
@@ -581,9 +592,9 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
     for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * rec;
-        _mm_prefetch((const char *)(wb + 8 * rec), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + 8 * rec + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + 8 * rec + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + CS_Q4_AHEAD * rec), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + CS_Q4_AHEAD * rec + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + CS_Q4_AHEAD * rec + 128), _MM_HINT_T0);
         __m256i s[CS_Q4_MR][CS_Q4_NC];
         for (int p = 0; p < 4; p++) {
             const __m256i r = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
@@ -632,9 +643,9 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
     for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * rec;
-        _mm_prefetch((const char *)(wb + 8 * rec), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + 8 * rec + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + 8 * rec + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + CS_Q4_AHEAD * rec), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + CS_Q4_AHEAD * rec + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + CS_Q4_AHEAD * rec + 128), _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 128)));
         const __m256 mw = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 144)))
                                   : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
@@ -728,8 +739,10 @@ static inline __attribute__((always_inline)) void tile_q4x16(const int8_t *xq, c
     for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wa = w0 + b * rec, *wc = w1 + b * rec;
-        _mm_prefetch((const char *)(wa + 4 * rec), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wc + 4 * rec), _MM_HINT_T0);
+        for (int64_t o = 0; o < rec; o += 64) {
+            _mm_prefetch((const char *)(wa + CS_Q4_AHEAD2 * rec + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wc + CS_Q4_AHEAD2 * rec + o), _MM_HINT_T0);
+        }
         const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wa + 128))),
             _mm_loadu_si128((const __m128i *)(wc + 128)), 1));
@@ -1203,6 +1216,20 @@ static inline void prefetch_kv(const cs_attn_args *a, const int32_t *table, int6
     }
 }
 
+/* Key blocks of CS_KEYS prefetched ahead of the one in use: a block's compute is shorter
+ * than the memory's latency for its scattered pages (one block ahead, until 2026-12-02, left
+ * decode attention at half the read bandwidth on the Zen 4 EPYC: docs/benchmarks.md). */
+#ifndef CS_KV_AHEAD
+#define CS_KV_AHEAD 3
+#endif
+/* At key block j0 of a unit that runs over [k0, kend): prefetch the block CS_KV_AHEAD
+ * blocks ahead (and, at the unit's first block, every block up to it). */
+static inline void prefetch_ahead(const cs_attn_args *a, const int32_t *table, int64_t g0, int64_t ng, int64_t k0,
+                                  int64_t j0, int64_t kend) {
+    const int64_t p0 = j0 == k0 ? j0 : j0 + CS_KV_AHEAD * CS_KEYS, p1 = j0 + (CS_KV_AHEAD + 1) * CS_KEYS;
+    if (p0 < kend) prefetch_kv(a, table, g0, ng, p0, kend < p1 ? kend : p1);
+}
+
 #if CS_AVX2
 /* The dimension order of a one-token path's running output: each group of CS_DEC_W
  * dimensions is kept as its even dimensions, then its odd ones (what the bfloat16 value
@@ -1250,7 +1277,7 @@ static inline __attribute__((always_inline)) void one_token_bf16(const cs_attn_a
     for (int64_t j0 = k0; j0 < kend; j0 += CS_KEYS) {
         const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
         block_slots(table, bs, j0, n, slots);
-        prefetch_kv(a, table, g0, ng, j0 + CS_KEYS, kend < j0 + 2 * CS_KEYS ? kend : j0 + 2 * CS_KEYS);
+        prefetch_ahead(a, table, g0, ng, k0, j0, kend);
         for (int64_t gi = 0; gi < ng; gi++) {
             const int64_t g = g0 + gi;
             float *acc = acc0 + gi * pstride * R * D, *ml = ml0 + gi * pstride * R * 2;
@@ -1402,7 +1429,7 @@ static void attn_partial(const cs_attn_args *a, int64_t b, int64_t g, int64_t q0
     for (int64_t j0 = k0; j0 < kend; j0 += CS_KEYS) {
         const int64_t n = (kend - j0) < CS_KEYS ? (kend - j0) : CS_KEYS;
         block_slots(table, bs, j0, n, slots);
-        prefetch_kv(a, table, g, 1, j0 + CS_KEYS, kend < j0 + 2 * CS_KEYS ? kend : j0 + 2 * CS_KEYS);
+        prefetch_ahead(a, table, g, 1, k0, j0, kend);
         load_kv_block(a, g, slots, n, kT, vf);
         /* rows of tokens that see none of these keys come first (rows go by token) */
         int64_t r0 = 0;
