@@ -10,20 +10,26 @@ succeed as soon as Redis answers; a connection idle longer than the health-check
 interval is PINGed before use. While Redis stays down a command still fails after
 ``RETRIES`` tries (about 2 s), and callers report ``store_unavailable``.
 
-The same pools' connections pack commands in C (``PackedConnection``) and skip the
-handshake commands the gateway does not use (``handshake_options``).
+The same pools' connections pack commands in C (``PackedConnection``), send without a
+task per write, read a round trip's answers in one go, and skip the handshake commands
+the gateway does not use (``handshake_options``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.asyncio.client import PubSub
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import (
+    Connection,
+    async_timeout,  # asyncio.timeout, or its backport before 3.11
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.typing import EncodableT
 
@@ -84,6 +90,104 @@ class PackedConnection(Connection):
                 or any(type(a) not in _PACKABLE for a in args)):
             return super().pack_command(*args)
         return [_hiredis_pack(args)]
+
+    async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
+        """Send packed command(s), as redis-py does, but without its ``asyncio.wait_for``
+        around the write, which on Python 3.11 runs every write as a task of its own (one
+        more event-loop step and task per command or round trip). The timeout
+        (``socket_timeout``) is kept for the only part that can wait: a drain while the
+        socket's send buffer is full. Connecting (first use, or after a disconnect) and
+        the health-check PING are redis-py's own.
+
+        Raises:
+            redis.exceptions.ConnectionError: the write failed (the connection is closed).
+            redis.exceptions.TimeoutError: the send buffer stayed full for ``socket_timeout``.
+        """
+        if not self.is_connected or not self.socket_timeout:
+            await super().send_packed_command(command, check_health)
+            return
+        if check_health:
+            await self.check_health()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        try:
+            if isinstance(command, str):
+                command = command.encode()
+            if isinstance(command, bytes):
+                command = [command]
+            writer = self._writer
+            assert writer is not None  # connected
+            writer.writelines(command)
+            if writer.transport.get_write_buffer_size():  # not all sent at once: the drain may wait
+                async with async_timeout(self.socket_timeout):
+                    await writer.drain()
+            else:
+                await writer.drain()  # returns at once (or raises what a lost connection left)
+        except asyncio.TimeoutError:
+            await self.disconnect(nowait=True)
+            raise TimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            await self.disconnect(nowait=True)
+            err_no, errmsg = ("UNKNOWN", e.args[0]) if len(e.args) == 1 else (e.args[0], e.args[1])
+            raise ConnectionError(f"Error {err_no} while writing to socket. {errmsg}.") from e
+        except BaseException:
+            await self.disconnect(nowait=True)  # never reused half-written
+            raise
+
+    async def read_responses(self, count: int) -> list[Any]:
+        """The answers to the ``count`` commands sent last, in order: one timeout
+        (``socket_timeout``) for all of them, and each answer taken from hiredis' reader
+        as it is parsed, where ``read_response`` sets up a timeout and a parser call per
+        answer. A command's error (``ResponseError``) is its answer, not raised (without a
+        traceback: a traceback's frames would refer back to it). Without the hiredis
+        parser it reads with ``read_response``, one answer at a time. A RESP3 push
+        notification met on the way is handled as ``read_response`` handles it.
+
+        Raises:
+            redis.exceptions.ConnectionError: the connection broke or was closed (it is
+                then disconnected: never reused out of step).
+            redis.exceptions.TimeoutError: the answers took longer than ``socket_timeout``.
+        """
+        parser = self._parser
+        if type(parser) is not _AsyncHiredisParser or not self.socket_timeout:
+            out: list[Any] = []
+            for _ in range(count):
+                try:
+                    out.append(await self.read_response())
+                except ResponseError as e:
+                    out.append(e.with_traceback(None))
+            return out
+        out = []
+        try:
+            if not parser._connected:
+                raise ConnectionError("Connection closed by server.")
+            reader = parser._reader
+            assert reader is not None  # connected
+            push = parser._hiredis_PushNotificationType
+            async with async_timeout(self.socket_timeout):
+                while len(out) < count:
+                    answer = reader.gets()
+                    if answer is NOT_ENOUGH_DATA:
+                        await parser.read_from_socket()
+                        continue
+                    if isinstance(answer, ConnectionError):
+                        raise answer
+                    if push is not None and isinstance(answer, push):  # RESP3: not an answer
+                        await parser.handle_push_response(answer)
+                        continue
+                    if isinstance(answer, list) and answer and isinstance(answer[0], ConnectionError):
+                        raise answer[0]
+                    out.append(answer)
+        except asyncio.TimeoutError:
+            await self.disconnect(nowait=True)
+            raise TimeoutError(f"Timeout reading from {self._host_error()}") from None
+        except OSError as e:
+            await self.disconnect(nowait=True)
+            raise ConnectionError(f"Error while reading from {self._host_error()} : {e.args}") from None
+        except BaseException:
+            await self.disconnect(nowait=True)
+            raise
+        if self.health_check_interval:
+            self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval
+        return out
 
 
 _PACKABLE = (str, bytes, int)  # exactly these types (not bool, a subclass of int, nor float)

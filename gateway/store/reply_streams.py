@@ -10,7 +10,8 @@ Entry ids are chosen, not generated, so that a ``seq`` is its own cursor:
 Reading from id ``{k}-1`` returns exactly the deltas with seq > k and then the end.
 Writes are idempotent (re-adding a taken entry id is a no-op), so the generation
 task can retry them while Redis is away. Entries go to Redis in round trips of one
-packed write each (redis-py's ``Connection.pack_commands``, no pipeline object): the
+packed write each (the connection's ``pack_commands``, no pipeline object; the answers
+read in one go, ``PackedConnection.read_responses``): the
 entries submitted in one event-loop iteration (the replies of one engine step) go
 together, and those submitted while a round trip is out go together in the next one,
 so at most one stream write is in flight per gateway; each entry still gets its own
@@ -35,6 +36,7 @@ import redis.exceptions as rexc
 from redis.asyncio.connection import AbstractConnection
 
 from gateway.errors import GatewayError
+from gateway.store.connection import PackedConnection
 from gateway.store.keys import Keys
 from gateway.store.sessions import dumps, redis_errors
 
@@ -197,6 +199,8 @@ class ReplyStreams:
 
         async def exchange() -> list[Any]:
             await conn.send_packed_command(packed)
+            if isinstance(conn, PackedConnection):  # every answer in one go
+                return await conn.read_responses(len(commands))
             out: list[Any] = []
             for _ in commands:
                 try:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.asyncio.connection import AbstractConnection
-
+from gateway.store.connection import PackedConnection
 from tests.gateway_helpers import chat, uid_of
 
 
@@ -36,15 +35,15 @@ async def test_a_turn_on_an_existing_chat_reaches_the_engine_after_two_redis_rou
 
         before = generates()
         trips: list[bytes] = []
-        send = AbstractConnection.send_packed_command
+        send = PackedConnection.send_packed_command  # the gateway's pools' connections
 
-        async def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        async def counted(self: PackedConnection, command: Any, check_health: bool = True) -> None:
             data = _bytes(command)
             if sid in data and generates() == before:  # this chat's round trips until the engine hears
                 trips.append(data)
             await send(self, command, check_health)
 
-        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+        monkeypatch.setattr(PackedConnection, "send_packed_command", counted)
         second = await chat(ws, "More please.", session_id=first.start["session_id"], max_tokens=4)
         monkeypatch.undo()
     assert second.error is None, second.error
@@ -62,17 +61,18 @@ async def test_a_turn_that_creates_its_chat_reaches_the_engine_after_two_redis_r
             return sum(1 for f in list(engine_gate.to_engine) if f.get("type") == "generate")
 
         trips: list[bytes] = []
-        send = AbstractConnection.send_packed_command
+        send = PackedConnection.send_packed_command  # the gateway's pools' connections
 
-        async def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        async def counted(self: PackedConnection, command: Any, check_health: bool = True) -> None:
             data = _bytes(command)
             if uid in data and generates() == 0:  # this user's round trips until the engine hears
                 trips.append(data)
             await send(self, command, check_health)
 
-        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+        monkeypatch.setattr(PackedConnection, "send_packed_command", counted)
         first = await chat(ws, "Hello.", max_tokens=4)
         monkeypatch.undo()
     assert first.error is None, first.error
     assert generates() == 1
     assert 1 <= len(trips) <= 2, [t[:120] for t in trips]
+

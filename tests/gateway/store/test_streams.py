@@ -10,13 +10,16 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.connection import AbstractConnection
 
+from gateway.store.connection import PackedConnection, packing_options
 from gateway.store.keys import Keys
 from gateway.store.reply_streams import ReplyStreams
 
 
-@pytest.fixture
-async def streams(redis_url, key_prefix):
-    r = aioredis.from_url(redis_url, decode_responses=True)
+@pytest.fixture(params=["plain", "packed"])
+async def streams(redis_url, key_prefix, request):
+    # redis-py's own connections, and the gateway's (answers read in one go)
+    extra = packing_options() if request.param == "packed" else {}
+    r = aioredis.from_url(redis_url, decode_responses=True, socket_timeout=10, **extra)
     yield ReplyStreams(r, r, Keys(key_prefix), ttl_s=60, maxlen=1000), r
     await r.aclose()
 
@@ -25,14 +28,17 @@ async def test_one_iterations_writes_go_as_one_packed_write_each_with_its_own_ou
     s, r = streams
     await r.set(s.keys.gen("bad"), "not a stream")  # XADD to it fails with WRONGTYPE
     calls = 0
-    send = AbstractConnection.send_packed_command
+    sends = {cls: cls.send_packed_command for cls in (AbstractConnection, PackedConnection)}
 
-    async def counting(self, *args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return await send(self, *args, **kwargs)
+    def counting(cls):
+        async def count(self, *args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return await sends[cls](self, *args, **kwargs)
+        return count
 
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+    for cls in sends:
+        monkeypatch.setattr(cls, "send_packed_command", counting(cls))
     try:
         await s.delta("a", 1, "x")
         calls = 0
