@@ -687,21 +687,13 @@ class OpenAIApi:
         if cmid is not None and not _IDEMPOTENCY_RE.match(cmid):
             raise bad("the Idempotency-Key header must be 1-128 characters [A-Za-z0-9_.:-]")
         owner, chat = await self.owner_of(request, sid)
-        created = False
-        if sid == NEW_SESSION:
-            system = [m["content"] for m in creq.messages if m["role"] == "system"]
-            default_prompt, params = await state.user_defaults.for_new_chat(
-                owner, state.config.defaults.system_prompt)
-            info = await state.store.create_session(
-                owner, system_prompt=system[0] if system else default_prompt, params=params, model=model or "")
-            sid, created = info.id, True
-        try:
-            started = await state.generations.chat(owner, sid, last["content"], creq.params, cmid,
-                                                   clamp_max_tokens=False, model=model)
-        except GatewayError:
-            if created:
-                await _delete_quietly(request, owner, sid)
-            raise
+        created = sid == NEW_SESSION
+        # a new chat is made by the turn's begin (two round trips in, as the page's): with
+        # the request's system message, else the user's default, and the user's params
+        system = [m["content"] for m in creq.messages if m["role"] == "system"] if created else []
+        started = await state.generations.chat(owner, None if created else sid, last["content"], creq.params, cmid,
+                                               clamp_max_tokens=False, model=model,
+                                               system_prompt=system[0] if system else None)
         # the answer names the model the reply comes from: the request's, the chat's, else the default engine's
         default = state.router.info()
         named = model or (chat.model if chat is not None else "") or (default.model if default else "")

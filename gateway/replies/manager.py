@@ -93,7 +93,8 @@ class GenerationManager:
                    client_msg_id: str | None, clamp_max_tokens: bool = True,
                    attachments: list[dict[str, Any]] | None = None, model: str | None = None,
                    tools: dict[str, Any] | None = None,
-                   tool_results: list[dict[str, str]] | None = None) -> StartedTurn:
+                   tool_results: list[dict[str, str]] | None = None,
+                   system_prompt: str | None = None) -> StartedTurn:
         """Append a user message (creating the chat when ``session_id`` is None) and
         start its reply. ``clamp_max_tokens`` lets the engine lower ``max_tokens`` to the
         context left (the browser chat); the OpenAI API passes False (strict check).
@@ -101,6 +102,7 @@ class GenerationManager:
         ``model``: the model the chat's replies come from from now on (kept with the chat).
         ``tools``: the turn's tool fields (``TurnRequest.tools``); ``tool_results``: the
         message answers the last reply's calls (``SessionStore.begin_turn``).
+        ``system_prompt``: a new chat's, instead of the user's default (None: the default).
 
         Raises:
             GatewayError: ``not_found``, ``busy``, ``rate_limited``, ``too_many_*``,
@@ -108,7 +110,7 @@ class GenerationManager:
                 ``store_unavailable``.
         """
         if session_id is None:
-            info, merged = await self.starter.new_chat(owner, params, model)
+            info, merged = await self.starter.new_chat(owner, params, model, system_prompt)
         else:
             info, merged = await self.starter.preamble(owner, session_id, params, model)
         begun: TurnBegun | None = None

@@ -134,24 +134,27 @@ class TurnStarter:
             info.model = model
         return info, merged
 
-    async def new_chat(self, owner: str, params: dict[str, Any],
-                       model: str | None) -> tuple[SessionInfo, dict[str, Any]]:
+    async def new_chat(self, owner: str, params: dict[str, Any], model: str | None,
+                       system_prompt: str | None = None) -> tuple[SessionInfo, dict[str, Any]]:
         """The start of a turn that creates its chat (with the user's defaults): count the
         user's message and read their defaults (one round trip), merge the parameters,
         check an engine serves ``model``. Returns the chat to create (not stored yet:
         ``begin`` with ``create=True`` stores it) and the merged parameters.
+        ``system_prompt``: the chat's, in place of the user's default (None: the default).
 
         Raises:
             GatewayError: ``rate_limited``, ``invalid_request``, ``model_not_found``,
                 ``engine_unavailable``, ``store_unavailable``.
         """
         limit = self.config.limits.max_messages_per_minute
-        system_prompt, stored = self.config.defaults.system_prompt, {}
+        default_prompt, stored = self.config.defaults.system_prompt, {}
         if self.user_defaults is None:
             await self.store.count_message(owner, limit)
         else:
             raw = await self.store.count_message(owner, limit, read=self.user_defaults.key(owner))
-            system_prompt, stored = self.user_defaults.new_chat_fields(self.user_defaults.parse(raw), system_prompt)
+            default_prompt, stored = self.user_defaults.new_chat_fields(self.user_defaults.parse(raw), default_prompt)
+        if system_prompt is None:
+            system_prompt = default_prompt
         merged = merge_params(self.config.defaults.sampling(), stored, params)
         self._require_engine(model)
         now = time.time()

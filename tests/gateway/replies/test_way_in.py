@@ -76,3 +76,36 @@ async def test_a_turn_that_creates_its_chat_reaches_the_engine_after_two_redis_r
     assert generates() == 1
     assert 1 <= len(trips) <= 2, [t[:120] for t in trips]
 
+
+async def test_an_api_turn_with_a_new_chat_reaches_the_engine_after_two_redis_round_trips(
+        gateway_factory, engine_gate, monkeypatch):
+    gw = gateway_factory(engine_urls=[engine_gate.url])
+    cookie = gw.new_cookie()
+    uid = uid_of(gw, cookie).encode()
+
+    def generates() -> int:
+        return sum(1 for f in list(engine_gate.to_engine) if f.get("type") == "generate")
+
+    trips: list[bytes] = []
+    send = PackedConnection.send_packed_command  # the gateway's pools' connections
+
+    async def counted(self: PackedConnection, command: Any, check_health: bool = True) -> None:
+        data = _bytes(command)
+        if uid in data and generates() == 0:  # this user's round trips until the engine hears
+            trips.append(data)
+        await send(self, command, check_health)
+
+    async with gw.http(cookie) as c:
+        monkeypatch.setattr(PackedConnection, "send_packed_command", counted)
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}],
+            "max_tokens": 4, "session_id": "new"})
+        monkeypatch.undo()
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        body = (await c.get(f"/api/sessions/{sid}")).json()
+    assert generates() == 1
+    assert 1 <= len(trips) <= 2, [t[:120] for t in trips]
+    # the chat has the request's system message and its turn, as when it was made first
+    assert body["system_prompt"] == "Be brief."
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant"]
