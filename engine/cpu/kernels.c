@@ -40,6 +40,26 @@
 /* ---------------------------------------------------------------- helpers ---- */
 
 /* bfloat16 <-> float32. Round to nearest even, as torch's .to(torch.bfloat16); NaN kept NaN. */
+#if CS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* vpdpbusd / vpdpwssd with the 4-byte second operand broadcast from memory inside the
+ * instruction ({1toN}): what _mm256_dpbusd_epi32(acc, u, _mm256_set1_epi32(*a)) computes,
+ * without a separate broadcast instruction (gcc 12 does not fold it). On the Zen 4 EPYC
+ * (512-bit ops as two 256-bit halves) the separate broadcasts, one per product instruction
+ * in the 4-bit and int8 tiles, were a large part of their time (docs/benchmarks.md). */
+static inline __m256i cs_dpbusd_b(__m256i acc, __m256i u, const void *a) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)a));
+    return acc;
+}
+static inline __m512i cs_dpbusd_b512(__m512i acc, __m512i u, const void *a) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)a));
+    return acc;
+}
+static inline __m256i cs_dpwssd_b(__m256i acc, __m256i w, const void *a) {
+    __asm__("vpdpwssd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)a));
+    return acc;
+}
+#endif
+
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -345,126 +365,138 @@ static void quantize_rows_q16(const float *x, int64_t ldx, int64_t M, int64_t K,
     }
 }
 
-#if CS_AVX2
-/* MR int16 activation rows x 4 int8 weight rows: sums[i][j] = sum over 32-blocks b of
- * d[i, b] * (xq[i, block b] . w[j, block b]). Each weight block is widened to int16 once
- * and multiplied into every row with _mm256_madd_epi16, pairs summed exactly in int32
- * (|x| <= 32767, |w| <= 127: a block sum stays far inside int32). The 4 weight rows come
- * packed block by block ([K / 32][4][32] bytes), so a tile is one sequential stream,
- * prefetched 8 blocks ahead. */
-static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, const float *xd, int64_t K,
-                                                           const int MR, const int8_t *w, const int J0, const int NJ,
-                                                           float sums[4][4]) {
-    /* weight rows J0..J0+NJ-1 of the tile: NJ * 2 widened registers + MR * NJ accumulators
-     * must fit the ymm registers: 16 with AVX2 (NJ 4 with one row, 2 with two or three),
-     * 32 with AVX-512VL (NJ 4 with up to four rows) */
-    const int64_t nb = K / 32;
-    __m256 a[4][4];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NJ; j++) a[i][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i lo[4], hi[4];
-        _mm_prefetch((const char *)(w + (b + 8) * 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + (b + 8) * 128 + 64), _MM_HINT_T0);
-        for (int j = 0; j < NJ; j++) {
-            const int8_t *wb = w + (b * 4 + J0 + j) * 32;
-            lo[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
-            hi[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
-        }
-        for (int i = 0; i < MR; i++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * 32));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * 32 + 16));
-            const __m256 d = _mm256_set1_ps(xd[i * nb + b]);
-            for (int j = 0; j < NJ; j++) {
-#if CS_VNNI
-                __m256i p = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), lo[j], x0), hi[j], x1);
-#else
-                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo[j], x0), _mm256_madd_epi16(hi[j], x1));
+/* Int8 weights packed by cs_pack_i8x8: tiles of 8 rows, one record of 256 bytes per tile
+ * and block of 32 along K, in which bytes 16 p + 2 j + t hold row j's weight at k = 2 p + t
+ * (p in 0..15, t in 0..1). So 16 bytes widened to int16 give, in 32-bit lane j, row j's pair
+ * (k = 2p, 2p + 1), and one broadcast pair of int16 activations serves all 8 rows: vpdpwssd
+ * (or madd on AVX2) adds each row's two products into its own lane, and the 8 rows' block
+ * sums come out in the 8 lanes of one register, scaled by the block's activation scale with
+ * one multiply-add for all of them. (Until 2026-12-02: tiles of 4 rows, one register per row
+ * and weight row, a conversion and multiply-add per row, weight row and block, and a
+ * horizontal sum at the end; the LM head at 16 rows ran at about 150 GFLOP/s on the Zen 4
+ * EPYC.) */
+#define CS_I8_REC 256
+#ifndef CS_I8_AHEAD
+#define CS_I8_AHEAD 8 /* records prefetched ahead (a decode step's weights come from memory) */
 #endif
-                a[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a[i][j]);
+#if CS_AVX2 && defined(__AVX512VL__)
+#define CS_I8_MR 8 /* activation rows per register tile: an int and a float sum each */
+#else
+#define CS_I8_MR 6
+#endif
+
+#if CS_AVX2
+/* MR int16 activation rows x one tile of 8 weight rows: acc[i] lane j = sum over blocks b,
+ * in order, of xd[i, b] * S[i, j, b] (one multiply-add), S the block's exact int32 sum of
+ * products (|x| <= 32767, |w| <= 127, 32 products: far inside int32). The integer sums do
+ * not depend on their order and the float steps are the same on every build (AVX2 madd,
+ * VNNI vpdpwssd): bit-identical results. MR is a constant after inlining. */
+static inline __attribute__((always_inline)) void tile_i8x8(const int16_t *xq, const float *xd, int64_t K,
+                                                            const int MR, const int8_t *w, __m256 acc[CS_I8_MR]) {
+    const int64_t nb = K / 32;
+    const int NC = MR == 1 ? 4 : MR == 2 ? 2 : 1; /* independent int sums per row */
+    for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *wb = w + b * CS_I8_REC;
+        for (int o = 0; o < CS_I8_REC; o += 64) _mm_prefetch((const char *)(wb + CS_I8_AHEAD * CS_I8_REC + o), _MM_HINT_T0);
+        __m256i s[CS_I8_MR][4];
+        for (int p = 0; p < 16; p++) {
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16 * p)));
+            const int c = p % NC;
+            for (int i = 0; i < MR; i++) {
+#if CS_VNNI
+                s[i][c] = cs_dpwssd_b(p < NC ? _mm256_setzero_si256() : s[i][c], wv, xq + i * K + b * 32 + 2 * p);
+#else
+                int32_t a;
+                memcpy(&a, xq + i * K + b * 32 + 2 * p, 4);
+                const __m256i t = _mm256_madd_epi16(wv, _mm256_set1_epi32(a));
+                s[i][c] = p < NC ? t : _mm256_add_epi32(s[i][c], t);
+#endif
             }
         }
+        for (int i = 0; i < MR; i++) {
+            __m256i si = s[i][0];
+            for (int c = 1; c < NC; c++) si = _mm256_add_epi32(si, s[i][c]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_set1_ps(xd[i * nb + b]), acc[i]);
+        }
     }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NJ; j++) sums[i][J0 + j] = hsum256(a[i][j]);
 }
 #endif
 
 /* y[m, n] = scale[n] * sum_k x[m, k] q[n, k] (+ bias[n]), as cs_linear_i8, over a weight
- * packed by cs_pack_i8x4, with the activations first quantized to int16 in blocks of 32
+ * packed by cs_pack_i8x8, with the activations first quantized to int16 in blocks of 32
  * (one float32 scale a block: 15 bits of each block's range, a relative error near 2e-5
  * against 5e-3 for int8 activations as in llama.cpp's Q8_0) so that the products run on
- * integer instructions: a third of the float32 kernel's instructions per weight. Scratch
- * xq [M, K] int16 and xd [M, K / 32] float32 come from the caller; K is a multiple of 32.
- * Every row is computed alone: its result does not depend on M. */
-/* activation rows per tile: as many as the accumulators' registers allow */
-#if CS_VNNI
-#define CS_MT 4
-#else
-#define CS_MT 3
-#endif
-
+ * integer instructions. Scratch xq [M, K] int16 and xd [M, K / 32] float32 come from the
+ * caller; K is a multiple of 32. Each thread takes whole tiles of 8 output rows and runs the
+ * activation rows through them CS_I8_MR at a time. Every row is computed alone: its result
+ * does not depend on M. */
 CS_EXPORT void cs_linear_i8_packed(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *q,
                                 const float *scale, const float *bias, int64_t N, float *y, int64_t ldy, int16_t *xq,
                                 float *xd, int nt) {
     quantize_rows_q16(x, ldx, M, K, xq, xd);
-    const int64_t NR = 4, ntiles = (N + NR - 1) / NR, nb = K / 32;
+    const int64_t ntiles = (N + 7) / 8, nb = K / 32;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t tile = 0; tile < ntiles; tile++) {
-        const int64_t n0 = tile * NR, nn = (N - n0) < NR ? (N - n0) : NR;
-        const int8_t *w = q + n0 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += CS_MT) {
-            const int64_t mm = (M - m0) < CS_MT ? (M - m0) : CS_MT;
-            float sums[4][4] = {{0}};
-#if CS_VNNI
-            /* each (row, weight row) accumulates in the same order whatever the grouping */
+        const int64_t n0 = tile * 8, nn = (N - n0) < 8 ? (N - n0) : 8;
+        const int8_t *w = q + tile * nb * CS_I8_REC;
+        float sc[8] = {0}, bb[8] = {0};
+        memcpy(sc, scale + n0, (size_t)nn * 4);
+        if (bias) memcpy(bb, bias + n0, (size_t)nn * 4);
+        for (int64_t m0 = 0; m0 < M; m0 += CS_I8_MR) {
+            const int64_t mm = (M - m0) < CS_I8_MR ? (M - m0) : CS_I8_MR;
+            const int16_t *xm = xq + m0 * K;
+            const float *dm = xd + m0 * nb;
+#if CS_AVX2
+            __m256 acc[CS_I8_MR];
             switch (mm) {
-            case 1: tile_q16(xq + m0 * K, xd + m0 * nb, K, 1, w, 0, 4, sums); break;
-            case 2: tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, 0, 4, sums); break;
-            case 3: tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, 0, 4, sums); break;
-            default: tile_q16(xq + m0 * K, xd + m0 * nb, K, 4, w, 0, 4, sums); break;
+            case 1: tile_i8x8(xm, dm, K, 1, w, acc); break;
+            case 2: tile_i8x8(xm, dm, K, 2, w, acc); break;
+            case 3: tile_i8x8(xm, dm, K, 3, w, acc); break;
+            case 4: tile_i8x8(xm, dm, K, 4, w, acc); break;
+            case 5: tile_i8x8(xm, dm, K, 5, w, acc); break;
+#if CS_I8_MR == 8
+            case 6: tile_i8x8(xm, dm, K, 6, w, acc); break;
+            case 7: tile_i8x8(xm, dm, K, 7, w, acc); break;
+#endif
+            default: tile_i8x8(xm, dm, K, CS_I8_MR, w, acc); break;
             }
-#elif CS_AVX2
-            if (mm == 1) {
-                tile_q16(xq + m0 * K, xd + m0 * nb, K, 1, w, 0, 4, sums);
-            } else if (mm == 2) {
-                tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, 0, 2, sums);
-                tile_q16(xq + m0 * K, xd + m0 * nb, K, 2, w, 2, 2, sums);
-            } else {
-                tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, 0, 2, sums);
-                tile_q16(xq + m0 * K, xd + m0 * nb, K, 3, w, 2, 2, sums);
+            for (int64_t i = 0; i < mm; i++) {
+                float out[8];
+                __m256 v = _mm256_mul_ps(acc[i], _mm256_loadu_ps(sc));
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bb));
+                _mm256_storeu_ps(out, v);
+                memcpy(y + (m0 + i) * ldy + n0, out, (size_t)nn * 4);
             }
 #else
             for (int64_t i = 0; i < mm; i++)
-                for (int64_t j = 0; j < nn; j++)
-                    for (int64_t b = 0; b < nb; b++) {
-                        const int16_t *xr = xq + (m0 + i) * K + b * 32;
-                        const int8_t *wr = w + (b * 4 + j) * 32;
-                        int64_t acc = 0;
-                        for (int kk = 0; kk < 32; kk++) acc += (int32_t)xr[kk] * (int32_t)wr[kk];
-                        sums[i][j] += (float)acc * xd[(m0 + i) * nb + b];
-                    }
-#endif
-            for (int64_t i = 0; i < mm; i++)
                 for (int64_t j = 0; j < nn; j++) {
-                    float v = sums[i][j] * scale[n0 + j];
-                    y[(m0 + i) * ldy + n0 + j] = bias ? v + bias[n0 + j] : v;
+                    float sum = 0.f;
+                    for (int64_t b = 0; b < nb; b++) {
+                        const int16_t *xr = xm + i * K + b * 32;
+                        const int8_t *wb = w + b * CS_I8_REC;
+                        int32_t dot = 0;
+                        for (int kk = 0; kk < 32; kk++) dot += (int32_t)xr[kk] * (int32_t)wb[16 * (kk / 2) + 2 * j + kk % 2];
+                        sum += (float)dot * dm[i * nb + b];
+                    }
+                    float v = sum * sc[j];
+                    y[(m0 + i) * ldy + n0 + j] = bias ? v + bb[j] : v;
                 }
+#endif
         }
     }
 }
 
-/* Pack an int8 weight [N, K] (K a multiple of 32) for cs_linear_i8_packed: tiles of 4 rows,
- * block by block, out [ceil(N / 4)][K / 32][4][32]; rows past N are zero. */
-CS_EXPORT void cs_pack_i8x4(const int8_t *q, int64_t N, int64_t K, int8_t *out) {
-    const int64_t nb = K / 32, ntiles = (N + 3) / 4;
+/* Pack an int8 weight [N, K] (K a multiple of 32) for cs_linear_i8_packed: out [ceil(N / 8)]
+ * [K / 32][256] (the record layout above); rows past N are zero. */
+CS_EXPORT void cs_pack_i8x8(const int8_t *q, int64_t N, int64_t K, int8_t *out) {
+    const int64_t nb = K / 32, ntiles = (N + 7) / 8;
+    memset(out, 0, (size_t)(ntiles * nb * CS_I8_REC));
     for (int64_t t = 0; t < ntiles; t++)
         for (int64_t b = 0; b < nb; b++)
-            for (int64_t j = 0; j < 4; j++) {
-                int8_t *dst = out + ((t * nb + b) * 4 + j) * 32;
-                if (t * 4 + j < N) memcpy(dst, q + (t * 4 + j) * K + b * 32, 32);
-                else memset(dst, 0, 32);
-            }
+            for (int64_t j = 0; j < 8 && t * 8 + j < N; j++)
+                for (int k = 0; k < 32; k++)
+                    out[(t * nb + b) * CS_I8_REC + 16 * (k / 2) + 2 * j + k % 2] = q[(t * 8 + j) * K + b * 32 + k];
 }
 
 /* Embedding rows of an int8 table: out[t] = q[ids[t]] * scale[ids[t]], [T, K]. */
@@ -514,10 +546,15 @@ CS_EXPORT void cs_embed_i8(const int8_t *q, const float *scale, const int64_t *i
 #define CS_Q4_REC(has_min) ((has_min) ? 160 : 144)
 
 #if CS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define CS_DPBUSD(acc, u, a) _mm256_dpbusd_epi32((acc), (u), (a))
+#define CS_DPBUSD(acc, u, a) cs_dpbusd_b((acc), (u), (a)) /* a: 4 activation bytes in memory */
 #define CS_Q4_DOT 1
 #elif CS_AVX2 && defined(__AVXVNNI__)
-#define CS_DPBUSD(acc, u, a) _mm256_dpbusd_avx_epi32((acc), (u), (a))
+static inline __m256i cs_dpbusd_avx(__m256i acc, __m256i u, const int8_t *a) {
+    int32_t v;
+    memcpy(&v, a, 4);
+    return _mm256_dpbusd_avx_epi32(acc, u, _mm256_set1_epi32(v));
+}
+#define CS_DPBUSD(acc, u, a) cs_dpbusd_avx((acc), (u), (a))
 #define CS_Q4_DOT 1
 #else
 #define CS_Q4_DOT 0
@@ -659,12 +696,9 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
             const __m256i lo = _mm256_and_si256(r, low4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
             for (int i = 0; i < MR; i++) {
                 const int8_t *a = xq + i * K + b * 32 + 4 * p;
-                int32_t a0, a1;
-                memcpy(&a0, a, 4);
-                memcpy(&a1, a + 16, 4);
                 const int c0 = (2 * p) % NC, c1 = (2 * p + 1) % NC;
-                s[i][c0] = CS_DPBUSD(s[i][c0], lo, _mm256_set1_epi32(a0));
-                s[i][c1] = CS_DPBUSD(s[i][c1], hi, _mm256_set1_epi32(a1));
+                s[i][c0] = CS_DPBUSD(s[i][c0], lo, a);
+                s[i][c1] = CS_DPBUSD(s[i][c1], hi, a + 16);
             }
         }
         for (int i = 0; i < MR; i++) {
@@ -759,11 +793,8 @@ static inline __attribute__((always_inline)) void tile_q4x16(const int8_t *xq, c
             const __m512i lo = _mm512_and_si512(r, low4), hi = _mm512_and_si512(_mm512_srli_epi16(r, 4), low4);
             for (int i = 0; i < 8; i++) {
                 const int8_t *a = xq + i * K + b * 32 + 4 * p;
-                int32_t a0, a1;
-                memcpy(&a0, a, 4);
-                memcpy(&a1, a + 16, 4);
-                s[i] = _mm512_dpbusd_epi32(s[i], lo, _mm512_set1_epi32(a0));
-                s[i] = _mm512_dpbusd_epi32(s[i], hi, _mm512_set1_epi32(a1));
+                s[i] = cs_dpbusd_b512(s[i], lo, a);
+                s[i] = cs_dpbusd_b512(s[i], hi, a + 16);
             }
         }
         for (int i = 0; i < 8; i++) {
@@ -1738,7 +1769,7 @@ CS_EXPORT int cs_paged_attention(const float *q, int64_t ldq, const float *k_new
 /* ------------------------------------------------------ one decoder layer ---- */
 
 /* What one Llama-family decoder layer holds (engine/models/llama.py), with its weights
- * packed for cs_linear_i8_packed. Built once at load time by engine/cpu/fused.py. */
+ * packed for cs_linear_i8_packed (cs_pack_i8x8). Built once at load time by engine/cpu/fused.py. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
@@ -1747,7 +1778,7 @@ typedef struct {
     const float *qkv_s, *o_s, *gate_up_s, *down_s;  /* per-row scales */
     const float *qkv_b;                        /* NULL or [(heads + 2 kv_heads) head_dim] */
     void *k_cache, *v_cache;                   /* this layer's [num_slots, kv_heads, head_dim] */
-    int wfmt; /* the projections' format: 0 int8 (cs_pack_i8x4), 1 4-bit symmetric, 2 4-bit with
+    int wfmt; /* the projections' format: 0 int8 (cs_pack_i8x8), 1 4-bit symmetric, 2 4-bit with
                * offsets (cs_pack_q4x8; the *_s scales are then unused) */
 } cs_layer;
 

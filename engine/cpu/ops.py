@@ -26,7 +26,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "cs_silu_mul": ([_P, _I, _I, _P, _C], None),
     "cs_rope": ([_P, _I, _I, _I, _I, _P, _P, _C], None),
     "cs_linear_i8": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _C], None),
-    "cs_pack_i8x4": ([_P, _I, _I, _P], None),
+    "cs_pack_i8x8": ([_P, _I, _I, _P], None),
     "cs_linear_i8_packed": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _P, _C], None),
     "cs_embed_i8": ([_P, _P, _P, _I, _I, _P, _C], None),
     "cs_q4_level": ([], c_int),
@@ -151,25 +151,27 @@ class CpuKernels:
                                torch.get_num_threads())
         return out
 
-    def pack_i8x4(self, qweight: torch.Tensor) -> torch.Tensor:
-        """qweight [N, K] int8 (K a multiple of 32) in ``linear_i8_packed``'s layout: tiles of 4
-        rows block by block, [ceil(N / 4), K / 32, 4, 32] int8, rows past N zero."""
+    def pack_i8x8(self, qweight: torch.Tensor) -> torch.Tensor:
+        """qweight [N, K] int8 (K a multiple of 32) in ``linear_i8_packed``'s layout
+        (``cs_pack_i8x8`` in kernels.c): tiles of 8 rows, one record of 256 bytes per tile and
+        block of 32 along K, the 8 rows' pairs of weights interleaved; [ceil(N / 8), K / 32,
+        256] int8, rows past N zero."""
         n, k = qweight.shape
         if k % 32:
             _need(False, f"K = {k} is not a multiple of 32")
-        out = torch.empty((n + 3) // 4, k // 32, 4, 32, dtype=torch.int8)
-        self._lib.cs_pack_i8x4(_contig(qweight, torch.int8, "qweight"), n, k, out.data_ptr())
+        out = torch.empty((n + 7) // 8, k // 32, 256, dtype=torch.int8)
+        self._lib.cs_pack_i8x8(_contig(qweight, torch.int8, "qweight"), n, k, out.data_ptr())
         return out
 
     def linear_i8_packed(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                          bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out = (x @ qweight^T) * scale (+ bias)`` over the weight packed by ``pack_i8x4``,
+        """``out = (x @ qweight^T) * scale (+ bias)`` over the weight packed by ``pack_i8x8``,
         with x quantized to int16 in blocks of 32 values first, so that the products run on
         integer instructions (relative error about 2e-5 against the float32 product).
 
         Args:
             x: [M, K] float32 with contiguous rows, K a multiple of 32.
-            packed: ``pack_i8x4(qweight)``; scale [N] float32; bias None or [N] float32.
+            packed: ``pack_i8x8(qweight)``; scale [N] float32; bias None or [N] float32.
             out: optional [M, N] float32 with contiguous rows.
 
         Returns:
@@ -181,7 +183,7 @@ class CpuKernels:
         ldx = _rows(x, torch.float32, "x")
         m, k = x.shape
         n = scale.numel()
-        if packed.dim() != 4 or packed.shape[1] * 32 != k or packed.shape[0] != (n + 3) // 4:
+        if packed.dim() != 3 or packed.shape[1] * 32 != k or packed.shape[0] != (n + 7) // 8 or packed.shape[2] != 256:
             _need(False, f"packed weight {tuple(packed.shape)} does not fit x of width {k} and {n} outputs")
         out = x.new_empty(m, n) if out is None else out
         ldy = _rows(out, torch.float32, "out")

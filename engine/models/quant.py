@@ -15,7 +15,7 @@ and LLM.int8()'s vector-wise weights; Dettmers et al., 2022)::
 Kernels, by activation dtype and device:
 
 * float32 activations on the CPU kernels (the CPU's default format, ``engine/formats.py``):
-  ``CpuKernels.linear_i8_packed`` over a copy of ``Q`` packed in tiles of 4 rows, with x
+  ``CpuKernels.linear_i8_packed`` over a copy of ``Q`` packed in tiles of 8 rows, with x
   quantized to int16 in blocks of 32 values (``docs/cpu_kernels.md``); one kernel for
   every batch size, each row computed alone;
 * bfloat16/float16 activations on the CPU, at most ``SMALL_BATCH_ROWS`` rows:
@@ -169,7 +169,7 @@ class Int8Weight(nn.Module):
         for the integer kernel when K is a multiple of 32."""
         self.kernels = kernels
         k = self.qweight.shape[1]
-        self.packed = kernels.pack_i8x4(self.qweight) if kernels is not None and k % 32 == 0 else None
+        self.packed = kernels.pack_i8x8(self.qweight) if kernels is not None and k % 32 == 0 else None
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W: ids [T] int64 -> [T, K] in the scale's dtype."""

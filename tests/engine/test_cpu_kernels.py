@@ -111,8 +111,8 @@ def test_packed_int8_linear_is_within_int16_rounding_of_the_exact_product(k, row
     scale = torch.rand(n, generator=g) + 0.01
     bias = torch.randn(n, generator=g)
     x = torch.randn(rows, width + 3, generator=g)[:, :width] * torch.logspace(-2, 2, width)  # mixed magnitudes
-    packed = k.pack_i8x4(q)
-    assert packed.shape == ((n + 3) // 4, width // 32, 4, 32)
+    packed = k.pack_i8x8(q)
+    assert packed.shape == ((n + 7) // 8, width // 32, 256)
     exact = (x.double() @ q.double().T) * scale.double() + bias.double()
     blocks = x.abs().view(rows, width // 32, 32).amax(-1).double() / 32767  # one step per block
     bound = (blocks.repeat_interleave(32, 1) / 2) @ q.double().abs().T * scale.double()
@@ -139,7 +139,7 @@ def test_vnni_and_avx2_builds_give_bit_identical_linear_results(k, tmp_path):
     g = gen(7)
     q = torch.randint(-127, 128, (40, 320), dtype=torch.int8, generator=g)
     scale, x = torch.rand(40, generator=g) + 0.01, torch.randn(5, 320, generator=g) * 30
-    packed = k.pack_i8x4(q)
+    packed = k.pack_i8x8(q)
     out = {n: b.linear_i8_packed(x, packed, scale, None) for n, b in builds.items()}
     assert torch.equal(out["avx2"], out["vnni"])
 
@@ -153,8 +153,8 @@ def test_kernel_arguments_of_the_wrong_kind_are_refused(k):
     with pytest.raises(ValueError, match="contiguous"):
         k.linear_i8(torch.zeros(1, 8), q.t().contiguous().t(), torch.ones(4))
     with pytest.raises(ValueError, match="multiple of 32"):
-        k.pack_i8x4(q)
-    packed = k.pack_i8x4(torch.zeros(4, 64, dtype=torch.int8))
+        k.pack_i8x8(q)
+    packed = k.pack_i8x8(torch.zeros(4, 64, dtype=torch.int8))
     with pytest.raises(ValueError, match="does not fit"):
         k.linear_i8_packed(torch.zeros(1, 32), packed, torch.ones(4))
 
