@@ -323,7 +323,8 @@ class SessionReply:
         self.request_id = started.request_id
         self.session_id = started.session_id
         self.model_name = model
-        self._tail = ReplyTail(started.request_id, 0, streams, gens.reply_log, gens.config.store_retry_s)
+        self._tail = ReplyTail(started.request_id, 0, streams, gens.reply_log, gens.config.store_retry_s,
+                               gens.config.lock_lease_ms)
         self._ended = False
 
     async def next(self) -> list[ReplyEvent]:

@@ -335,7 +335,8 @@ class Connection:
 
     async def _tail(self, rid: str, head: StreamEntry, cursor: int) -> None:
         sid = head.fields.get("session_id")
-        tail = ReplyTail(rid, cursor, self.streams, self.gens.reply_log, self.store_retry_s)
+        tail = ReplyTail(rid, cursor, self.streams, self.gens.reply_log, self.store_retry_s,
+                         self.gens.config.lock_lease_ms)
         progress: asyncio.Task[None] | None = None
         try:
             await self.send(StartOut(type="start", request_id=rid, session_id=sid,

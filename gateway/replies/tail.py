@@ -24,6 +24,7 @@ from gateway.store.reply_streams import ReplyStreams, StreamEntry
 T = TypeVar("T")
 TAIL_BATCH = 32  # stream entries read at once
 TAIL_BLOCK_MS = 5000
+ABANDONED_WAIT_MS = 1000  # a reply without a lease: its end, if it comes, is this close
 
 
 class ReplyLog:
@@ -108,11 +109,15 @@ class ReplyTail:
         streams: the reply streams.
         local: returns the ``ReplyLog`` of a reply running on this gateway, else None.
         store_retry_s: how long a stream read waits out a Redis outage (seconds).
+        lease_ms: the chats' lock lease (``GatewayConfig.lock_lease_ms``): a reply whose
+            lease ran out more than this long ago, with no end in its stream, was cut off
+            by its gateway's death and ends its followers with ``not_found``.
     """
 
     def __init__(self, rid: str, cursor: int, streams: ReplyStreams, local: Callable[[str], ReplyLog | None],
-                 store_retry_s: float) -> None:
+                 store_retry_s: float, lease_ms: int) -> None:
         self.rid = rid
+        self.lease_ms = lease_ms
         self.cursor = cursor
         self.streams = streams
         self.local = local
@@ -130,12 +135,16 @@ class ReplyTail:
             self._log = self.local(self.rid)
         return self._log
 
+    async def _abandoned(self, owner: str) -> bool:
+        return await self._patiently(lambda: self.streams.abandoned(self.rid, owner, self.lease_ms))
+
     async def next(self) -> list[StreamEntry]:
         """The next entries (at least one; the last one is the end when ``done``).
 
         Raises:
             GatewayError: ``not_found`` when the stream no longer exists (expired) and the
-                reply does not run here; ``store_unavailable`` after ``store_retry_s`` of outage.
+                reply does not run here, or when its gateway died before its end;
+                ``store_unavailable`` after ``store_retry_s`` of outage.
         """
         while True:
             log = self._local()
@@ -155,9 +164,19 @@ class ReplyTail:
                 if not entries:
                     if self._local() is not None:
                         continue  # it started here meanwhile (its start entry awaits Redis)
-                    if await self._patiently(lambda: self.streams.head(self.rid)) is None:
+                    head = await self._patiently(lambda: self.streams.head(self.rid))
+                    if head is None:
                         raise not_found("reply")
-                    continue
+                    # a chat's reply holds a lease while it runs (an API stream of its own does not)
+                    if not head.fields.get("owner") or not head.fields.get("session_id") \
+                            or not await self._abandoned(head.fields["owner"]):
+                        continue
+                    # No lease: its gateway died, or it is between storing the reply (which
+                    # drops the lease) and writing its end; a second's wait tells them apart.
+                    entries = await self._patiently(lambda: self.streams.read(self.rid, self.cursor, TAIL_BATCH,
+                                                                              ABANDONED_WAIT_MS))
+                    if not entries:
+                        raise not_found("reply")  # killed outright: no end will come
             out: list[StreamEntry] = []
             for e in entries:
                 out.append(e)

@@ -267,6 +267,16 @@ class ReplyStreams:
             rows: Any = await self.redis.xrevrange(self.keys.gen(rid), "+", "-", count=1)
         return _decode(*rows[0]) if rows else None
 
+    async def abandoned(self, rid: str, owner: str, grace_ms: int) -> bool:
+        """Whether reply ``rid`` of user ``owner`` has no live gateway any more: its lease in
+        the user's replies in progress is gone, or ran out more than ``grace_ms`` ago (a
+        margin for the clocks of other replicas; the lease's own length is a fair one).
+        A gateway killed outright leaves its replies' streams without an end; this tells a
+        follower to stop waiting for one. (Time in ms of this machine's clock.)"""
+        async with redis_errors():
+            score: Any = await self.redis.zscore(self.keys.user_gens(owner), rid)
+        return score is None or float(score) < time.time() * 1000 - grace_ms
+
     async def read(self, rid: str, after_seq: int, count: int, block_ms: int) -> list[StreamEntry]:
         """Entries after delta ``after_seq`` (at most ``count``), waiting up to
         ``block_ms`` for the first one; [] on timeout."""

@@ -145,6 +145,42 @@ async def test_dropped_socket_keeps_generating_and_resume_gets_every_delta_once(
     assert tail.deltas == [] and tail.done == again.done
 
 
+async def test_a_reply_whose_gateway_died_ends_its_followers_and_a_live_one_does_not(gateway_factory, engine_gate):
+    # A gateway killed outright (SIGKILL) leaves its reply's stream without an end: a
+    # follower used to wait for one forever. It now gets not_found (the page then re-reads
+    # the stored chat) once the reply's lease has run out; a reply that is only slow, on
+    # another replica that renews its lease, is followed to its end.
+    secret = "one-secret-for-both-replicas"
+    home = gateway_factory(secret_key=secret, engine_urls=[engine_gate.url], lock_lease_ms=1000)
+    other = gateway_factory(secret_key=secret, engine_urls=[engine_gate.url], lock_lease_ms=1000)
+    cookie = home.new_cookie()
+    async with home.connect(cookie) as ws:
+        engine_gate.pause_on(text_delta())
+        await send(ws, {"type": "chat", "content": "Count slowly.",
+                        "params": {"max_tokens": 12, "temperature": 0, "ignore_eos": True}})
+        start = await recv(ws)
+        await engine_gate.paused()
+        rid = start["request_id"]
+        async with other.connect(cookie) as watcher:  # follows from the stream, not from memory
+            await send(watcher, {"type": "resume", "request_id": rid, "last_seq": 0})
+            await asyncio.sleep(7)  # longer than a blocking read of the stream (5 s), lease renewed meanwhile
+            engine_gate.resume()
+            slow = await read_reply(watcher, rid)
+        assert slow.error is None and slow.done is not None
+        await read_reply(ws, rid, reply=Reply(start=start))
+
+    streams = home.state.streams
+    key = streams.keys.gen(rid)
+    last = home.run(streams.redis.xrevrange(key, "+", "-", count=1))
+    assert home.run(streams.last(rid)).terminal
+    home.run(streams.redis.xdel(key, last[0][0]))  # as if its gateway died before writing the end
+    async with other.connect(cookie) as watcher:
+        await send(watcher, {"type": "resume", "request_id": rid, "last_seq": 0})
+        cut = await read_reply(watcher, rid)
+    assert cut.done is None and cut.error is not None and cut.error["code"] == "not_found"
+    assert cut.text == slow.text  # every delta written before the death still comes
+
+
 async def test_a_second_tab_watches_the_same_reply(gateway_factory):
     gw = gateway_factory()
     cookie = gw.new_cookie()
