@@ -336,7 +336,10 @@ SWITCH = _PRELUDE + r"""
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 'not_found' end
 if redis.call('EXISTS', KEYS[6]) == 1 then return 'busy' end
 local pos, anchor = find_msg(ARGV[3], '%a+')
-if not pos then return 'conflict' end
+if not pos then
+  if holds(ARGV[3]) then return 'conflict' end
+  return 'unknown'
+end
 local raw = redis.call('HGET', KEYS[8], anchor)
 if not raw then return 'invalid' end
 local versions = cjson.decode(raw)

@@ -521,8 +521,10 @@ class SessionStore:
         retitles a chat whose title is still the one the shown text gave.
 
         Raises:
-            GatewayError: ``not_found``, ``busy`` (a reply is in progress), ``conflict``
-                (no such message now), ``invalid_request`` (no such version).
+            GatewayError: ``not_found`` (no such chat, or ``message_id`` is no message of
+                it at all, shown or kept as a version), ``busy`` (a reply is in progress),
+                ``conflict`` (the message is only in a version not shown now),
+                ``invalid_request`` (no such version).
         """
         k = self.keys.script_keys(sid, owner)
         async with redis_errors():
@@ -545,6 +547,8 @@ class SessionStore:
             raise GatewayError("busy", "this chat has a reply in progress; stop it first")
         if res == "conflict":
             raise GatewayError("conflict", "the chat changed in another tab or window; try again")
+        if res == "unknown":
+            raise GatewayError("not_found", f"no message {message_id} in this chat")
         if res == "invalid":
             raise GatewayError("invalid_request", f"that message has no version {index + 1}")
 

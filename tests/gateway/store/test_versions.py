@@ -202,6 +202,9 @@ async def test_an_id_the_chat_never_held_is_not_found_while_a_stale_one_is_a_con
         with pytest.raises(GatewayError) as e:
             await store.begin_turn(ALICE, chat.id, mode=mode, content="x", replaces="nope")
         assert (e.value.code, e.value.message) == ("not_found", "no message nope in this chat")
+    with pytest.raises(GatewayError) as e:
+        await store.switch_version(ALICE, chat.id, "nope", 1)
+    assert (e.value.code, e.value.message) == ("not_found", "no message nope in this chat")
     # a reply kept only as a version (another tab regenerated it) is stale, not unknown
     r = await store.begin_turn(ALICE, chat.id, mode="regenerate", replaces=t2.message_id)
     assert await finish_ok(store, ALICE, chat.id, r, "a2b", [4], [6]) == "ok"
@@ -209,4 +212,7 @@ async def test_an_id_the_chat_never_held_is_not_found_while_a_stale_one_is_a_con
         with pytest.raises(GatewayError) as e:
             await store.begin_turn(ALICE, chat.id, mode=mode, replaces=t2.message_id)
         assert e.value.code == "conflict"
+    with pytest.raises(GatewayError) as e:
+        await store.switch_version(ALICE, chat.id, t2.message_id, 0)
+    assert e.value.code == "conflict"
     assert contents(await store.messages(ALICE, chat.id)) == ["q1", "a1", "q2", "a2b"]  # untouched
