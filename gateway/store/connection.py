@@ -24,6 +24,7 @@ from typing import Any
 from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.asyncio.client import PubSub
 from redis.asyncio.connection import (
+    AbstractConnection,
     Connection,
     async_timeout,  # asyncio.timeout, or its backport before 3.11
 )
@@ -148,14 +149,8 @@ class PackedConnection(Connection):
         """
         parser = self._parser
         if type(parser) is not _AsyncHiredisParser or not self.socket_timeout:
-            out: list[Any] = []
-            for _ in range(count):
-                try:
-                    out.append(await self.read_response())
-                except ResponseError as e:
-                    out.append(e.with_traceback(None))
-            return out
-        out = []
+            return await _one_by_one(self, count)
+        out: list[Any] = []
         try:
             if not parser._connected:
                 raise ConnectionError("Connection closed by server.")
@@ -188,6 +183,31 @@ class PackedConnection(Connection):
         if self.health_check_interval:
             self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval
         return out
+
+
+async def read_answers(conn: AbstractConnection, count: int) -> list[Any]:
+    """The answers to the ``count`` commands sent last on ``conn``, in order, a command's
+    error (``ResponseError``) as its answer: in one go on a ``PackedConnection``
+    (``read_responses``), else one ``read_response`` at a time.
+
+    Raises:
+        redis.exceptions.ConnectionError, TimeoutError: as ``read_response``.
+    """
+    if isinstance(conn, PackedConnection):
+        return await conn.read_responses(count)
+    return await _one_by_one(conn, count)
+
+
+async def _one_by_one(conn: AbstractConnection, count: int) -> list[Any]:
+    out: list[Any] = []
+    for _ in range(count):
+        try:
+            out.append(await conn.read_response())
+        except ResponseError as e:
+            # without its traceback: the traceback's frames refer back to it (a cycle
+            # only a full garbage collection would free)
+            out.append(e.with_traceback(None))
+    return out
 
 
 _PACKABLE = (str, bytes, int)  # exactly these types (not bool, a subclass of int, nor float)

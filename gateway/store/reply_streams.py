@@ -36,7 +36,7 @@ import redis.exceptions as rexc
 from redis.asyncio.connection import AbstractConnection
 
 from gateway.errors import GatewayError
-from gateway.store.connection import PackedConnection
+from gateway.store.connection import read_answers
 from gateway.store.keys import Keys
 from gateway.store.sessions import dumps, redis_errors
 
@@ -199,17 +199,7 @@ class ReplyStreams:
 
         async def exchange() -> list[Any]:
             await conn.send_packed_command(packed)
-            if isinstance(conn, PackedConnection):  # every answer in one go
-                return await conn.read_responses(len(commands))
-            out: list[Any] = []
-            for _ in commands:
-                try:
-                    out.append(await conn.read_response())
-                except rexc.ResponseError as e:
-                    # without its traceback: the traceback's frames refer back to it (a
-                    # cycle only a full garbage collection would free)
-                    out.append(e.with_traceback(None))
-            return out
+            return await read_answers(conn, len(commands))
 
         async def broken(_err: Exception) -> None:
             await conn.disconnect()  # the next try connects afresh
